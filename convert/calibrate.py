@@ -1,0 +1,225 @@
+"""Activation calibration one decoder layer at a time (only that layer's weights in RAM).
+
+Calibration text is tokenized, cut into ``[N, S]`` samples, embedded on the host
+(``embed_tokens`` rows times ``bf16(sqrt(hidden_size))``, exactly as
+``Gemma4TextScaledWordEmbedding`` does), then pushed through the checkpoint's decoder
+layers in order with transformers' own ``Gemma4TextDecoderLayer`` in the checkpoint
+dtype. For every quantizable linear the max ``|x|`` of its input is recorded; this is
+what modelopt's max calibrator records (``NVFP4_DEFAULT_CFG``, ``algorithm: max``).
+
+Experts follow modelopt's ``_QuantFusedExperts`` (Model-Optimizer
+``modelopt/torch/quantization/plugins/huggingface.py``): one input amax shared by all
+experts of a layer per projection kind, over the tokens routed to them (gate/up input)
+and over ``act(gate) * up`` of every routed (token, expert) pair (down input). Because
+the scale is shared, experts that no calibration token reached still get a finite,
+positive ``input_scale`` (case P04).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, G4Error
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CALIB_FILE = Path(__file__).parent / "data" / "calibration.jsonl"
+
+
+def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]:
+    """Read calibration documents.
+
+    Args:
+        path: ``.jsonl`` (one JSON object per line with ``"text"``, or ``"messages"``
+            rendered through the tokenizer's chat template) or any other file as plain
+            text (documents separated by blank lines). ``None`` uses the packaged default.
+        tokenizer: needed only for ``"messages"`` records.
+
+    Returns:
+        Non-empty list of documents.
+
+    Raises:
+        G4Error: unreadable file, bad JSON line, or no text.
+    """
+    path = Path(path) if path is not None else DEFAULT_CALIB_FILE
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise G4Error(f"{path}: cannot read calibration data: {e}") from e
+    docs: list[str] = []
+    if path.suffix == ".jsonl":
+        for lineno, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise G4Error(f"{path}:{lineno}: invalid JSON: {e}") from e
+            if "text" in rec:
+                docs.append(str(rec["text"]))
+            elif "messages" in rec:
+                if tokenizer is None:
+                    raise G4Error(f"{path}:{lineno}: 'messages' records need a tokenizer with a chat template")
+                docs.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
+            else:
+                raise G4Error(f"{path}:{lineno}: record has neither 'text' nor 'messages'")
+    else:
+        docs = [d.strip() for d in raw.split("\n\n") if d.strip()]
+    if not docs:
+        raise G4Error(f"{path}: no calibration text")
+    return docs
+
+
+def make_calibration_ids(tokenizer, docs: Iterable[str], *, samples: int, seq_len: int) -> torch.Tensor:
+    """Tokenize documents, concatenate them (each starts with ``<bos>``) and cut into samples.
+
+    Returns:
+        int64 ``[n, seq_len]`` with ``1 <= n <= samples`` (fewer when the text is short;
+        logged).
+
+    Raises:
+        G4Error: fewer than ``seq_len`` tokens in all.
+    """
+    stream: list[int] = []
+    for doc in docs:
+        stream.extend(tokenizer(doc, add_special_tokens=True)["input_ids"])
+        if len(stream) >= samples * seq_len:
+            break
+    n = min(samples, len(stream) // seq_len)
+    if n == 0:
+        raise G4Error(f"calibration text has {len(stream)} tokens, fewer than one sample of {seq_len}; "
+                      "lower --calib-seq-len or give more text with --calib-data")
+    if n < samples:
+        log.warning("calibration text gives %d samples of %d tokens, not the %d asked for", n, seq_len, samples)
+    return torch.tensor(stream[: n * seq_len], dtype=torch.int64).reshape(n, seq_len)
+
+
+def _record_max(stats: dict[str, torch.Tensor], key: str, x: torch.Tensor) -> torch.Tensor:
+    if x.numel():
+        amax = x.detach().abs().amax().float()
+        stats[key] = torch.maximum(stats[key], amax) if key in stats else amax
+    return x
+
+
+def experts_forward_with_input_hook(experts: nn.Module, on_input: Callable[[str, torch.Tensor], torch.Tensor]):
+    """A forward for ``Gemma4TextExperts`` that passes the input of each expert linear
+    through ``on_input(kind, x)`` (kind ``"experts.gate_up_proj"`` or ``"experts.down_proj"``),
+    which may record it (calibration) or replace it (activation fake-quant in verify).
+
+    Same arithmetic as transformers' eager experts forward: experts in ascending order,
+    ``gate | up = x @ gate_up_proj[e].T``, ``act(gate) * up``, ``@ down_proj[e].T``,
+    times the routing weight, accumulated with ``index_add_``.
+    Shapes: hidden_states ``[T, H]``, top_k_index int64 ``[T, K]``, top_k_weights ``[T, K]``.
+    """
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            slot, token = torch.where((top_k_index == expert).T)
+            x = on_input("experts.gate_up_proj", hidden_states[token])
+            gate, up = nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            h = on_input("experts.down_proj", experts.act_fn(gate) * up)
+            h = nn.functional.linear(h, experts.down_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+    return forward
+
+
+class LayerCalibrator:
+    """Runs calibration samples through the decoder layers one at a time.
+
+    Memory: the hidden states ``[N, S, H]`` in the checkpoint dtype plus one layer's
+    weights (passed in by the caller, who also quantizes them) plus one batch of
+    activations.
+
+    Args:
+        ckpt: the source checkpoint.
+        input_ids: int64 ``[N, S]`` calibration tokens.
+        batch_size: samples per forward.
+
+    Raises:
+        CheckpointError: the config cannot be turned into a transformers Gemma 4 config.
+    """
+
+    def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, *, batch_size: int = 8):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(ckpt.root)
+        except Exception as e:  # transformers raises many types for bad configs
+            raise CheckpointError(f"{ckpt.root / 'config.json'}: transformers cannot build a config: {e}") from e
+        self.config = config.get_text_config()
+        self.config._attn_implementation = "sdpa"
+        self.ckpt = ckpt
+        self.batch_size = batch_size
+        self.dtype = ckpt.tensors[ckpt.prefix + "embed_tokens.weight"].dtype
+        self.hidden = self._embed(input_ids)
+        self._position = self._position_inputs(input_ids.shape[1])
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.ckpt.get_rows(self.ckpt.prefix + "embed_tokens.weight", input_ids)
+        # Gemma4TextScaledWordEmbedding: the scale is cast to the weight dtype (bf16(sqrt(2816)) = 53.0).
+        scale = torch.tensor(self.config.hidden_size**0.5).to(rows.dtype)
+        return rows * scale
+
+    def _position_inputs(self, seq_len: int) -> dict[str, tuple]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+        rotary = Gemma4TextRotaryEmbedding(self.config)
+        position_ids = torch.arange(seq_len).unsqueeze(0)
+        probe = torch.zeros(1, seq_len, self.config.hidden_size, dtype=self.dtype)
+        mask_kwargs = {"config": self.config, "inputs_embeds": probe, "attention_mask": None,
+                       "cache": None, "position_ids": position_ids}
+        masks = {"full_attention": create_causal_mask(**mask_kwargs),
+                 "sliding_attention": create_sliding_window_causal_mask(**mask_kwargs)}
+        return {t: (rotary(probe, position_ids, t), masks[t], position_ids) for t in set(self.config.layer_types)}
+
+    @torch.no_grad()
+    def run_layer(self, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Calibrate layer ``layer`` and advance the hidden states past it.
+
+        Args:
+            layer: decoder layer index.
+            weights: ``{canonical suffix: tensor}`` of every tensor of the layer
+                (e.g. ``"self_attn.q_proj.weight"``, ``"experts.gate_up_proj"``).
+
+        Returns:
+            ``{module suffix: float32 [] amax}`` for ``self_attn.{q,k,v,o}_proj``,
+            ``mlp.{gate,up,down}_proj``, ``experts.gate_up_proj``, ``experts.down_proj``.
+        """
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+
+        with torch.device("meta"):
+            module = Gemma4TextDecoderLayer(self.config, layer)
+        module.load_state_dict(weights, strict=True, assign=True)
+        module.eval()
+        stats: dict[str, torch.Tensor] = {}
+        hooks = []
+        for name, sub in module.named_modules():
+            if isinstance(sub, nn.Linear) and name.startswith(("self_attn.", "mlp.")):
+                hooks.append(sub.register_forward_pre_hook(lambda m, args, key=name: _record_max(stats, key, args[0])))
+        module.experts.forward = experts_forward_with_input_hook(
+            module.experts, lambda kind, x: _record_max(stats, kind, x))
+        position_embeddings, mask, position_ids = self._position[self.config.layer_types[layer]]
+        try:
+            for start in range(0, self.hidden.shape[0], self.batch_size):
+                batch = self.hidden[start : start + self.batch_size]
+                self.hidden[start : start + self.batch_size] = module(
+                    batch, None, shared_kv_states={}, position_embeddings=position_embeddings,
+                    attention_mask=mask, position_ids=position_ids,
+                )
+        finally:
+            for h in hooks:
+                h.remove()
+        if not torch.isfinite(self.hidden).all():
+            raise CheckpointError(f"{self.ckpt.root}: calibration activations are not finite after layer {layer}")
+        return stats

@@ -1,0 +1,147 @@
+"""``g4convert``: command-line front end (click). Each command is a thin layer over a
+public function; errors the user can act on print one line and exit with status 2."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import G4Error
+
+log = logging.getLogger("g4")
+
+EMBEDDED = "embedded"
+
+
+def _resolve_src(src: str) -> Path:
+    if src == EMBEDDED:
+        from .embedded_model import EMBEDDED_DIR
+
+        return EMBEDDED_DIR
+    return Path(src)
+
+
+def _default_out(src: str, suffix: str) -> Path:
+    name = "gemma4-tiny" if src == EMBEDDED else Path(src).resolve().name
+    return Path(f"{name}-{suffix}")
+
+
+def _user_errors(fn):
+    """Turn G4Error (and Ctrl-C) into one line on stderr and exit status 2 (130)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except G4Error as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was written to OUT", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
+    """Shrink Gemma 4 MoE checkpoints and check that the result still answers right.
+
+    \b
+    Examples:
+      g4convert nvfp4                         # the embedded tiny Gemma 4 -> ./gemma4-tiny-nvfp4
+      g4convert nvfp4 ./gemma-4-26B-A4B-it ./gemma-4-26B-A4B-it-NVFP4
+      g4convert verify ./gemma4-tiny-nvfp4 --against embedded
+      g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
+    """
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    ctx.obj = {"progress": not quiet}
+
+
+@main.command()
+@click.argument("src", default=EMBEDDED)
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
+              show_default=True, help="What is quantized: experts+MLP+attention, experts+MLP, or experts only.")
+@click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
+@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
+@click.option("--calib-samples", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--calib-seq-len", type=click.IntRange(min=8), default=256, show_default=True, help="Tokens per sample.")
+@click.option("--calib-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True, help="GB = 10**9 bytes, GiB = 2**30.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
+@click.pass_context
+@_user_errors
+def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
+          max_shard_size, overwrite):
+    """Convert SRC (a checkpoint directory, or 'embedded') to a modelopt NVFP4 checkpoint in OUT.
+
+    OUT loads in unpatched vLLM >= 0.19.1 with `vllm serve OUT --quantization modelopt`.
+    """
+    from .nvfp4 import convert_nvfp4
+
+    out = out or _default_out(src, "nvfp4")
+    try:
+        report = convert_nvfp4(_resolve_src(src), out, preset=preset, weight_only=weight_only,
+                               calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                               calib_batch_size=calib_batch_size, max_shard_size=max_shard_size,
+                               overwrite=overwrite, progress=ctx.obj["progress"])
+    except ValueError as e:  # e.g. a bad --max-shard-size
+        raise G4Error(str(e)) from e
+    click.echo(report.summary())
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--against", "src", default=EMBEDDED, show_default=True, help="The source checkpoint, or 'embedded'.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--act-quant/--no-act-quant", default=False, show_default=True,
+              help="Also fake-quantize linear inputs with input_scale (W4A4, as Blackwell serves it).")
+@click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, show_default=True,
+              help="Fail (exit 1) below this greedy token agreement.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_user_errors
+def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
+    """Compare converted OUT against its source on held-out prompts (CPU reference).
+
+    Dequantizes OUT into transformers' Gemma 4 model and reports greedy token agreement
+    and mean KL(source || converted) of next-token distributions; for the embedded model
+    also whether every fact is still answered.
+    """
+    from g4.serve.reference import verify_nvfp4
+
+    report = verify_nvfp4(out, _resolve_src(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
+    click.echo(report.to_json() if as_json else report.summary())
+    if not report.passed(min_agreement):
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--like", "preset", type=click.Choice(["gemma-4-26B-A4B"]), default="gemma-4-26B-A4B",
+              show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers to write (the real model has 30).")
+@click.option("--no-vision", is_flag=True, help="Text-only layout (model.layers.*) without the vision tower.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--overwrite", is_flag=True)
+@click.pass_context
+@_user_errors
+def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
+    """Write a synthetic checkpoint with the real model's key names, shapes and dtypes
+    (random bf16 weights) for benchmarks and dry runs on real shapes."""
+    from .synth import write_synthetic
+
+    path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
+                           max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
+    click.echo(f"wrote {path}")

@@ -1,0 +1,363 @@
+"""``g4convert nvfp4``: stream a Gemma 4 MoE checkpoint into a modelopt NVFP4 checkpoint.
+
+Pipeline: validate the source (headers, index, config, name table) -> plan every output
+tensor -> per decoder layer: read its tensors, calibrate input amax through it, unfuse
+and quantize its experts and dense linears, append to the planned shards, free ->
+copy kept tensors -> write metadata -> check the result -> rename into place.
+
+Peak host RAM is about one decoder layer in the source dtype (plus calibration
+activations), never the model. Output format: ../shared/specs/nvfp4-modelopt-vllm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from g4.exporters import modelopt_nvfp4 as meta
+from g4.exporters.nvfp4_names import (
+    DENSE_GROUPS,
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    LAYER_KEEP,
+    PRESETS,
+    TOWER_PREFIXES,
+    LinearGroup,
+    Part,
+    exclude_modules,
+    map_sources,
+)
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
+from g4.quantizers import nvfp4 as q
+
+from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
+from .checkpoint import INDEX_NAME, Checkpoint
+from .errors import CheckpointError, ExportError, MappingError
+
+log = logging.getLogger(__name__)
+
+_NOT_COPIED = {"config.json", INDEX_NAME}
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did. Sizes in bytes, time in seconds, RSS in bytes."""
+
+    out: Path
+    linears_quantized: int
+    tensors_kept: int
+    params_quantized: int
+    quantized_bytes: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    peak_rss_bytes: int
+    calibration_tokens: int
+
+    @property
+    def bits_per_quantized_weight(self) -> float:
+        """Stored bits per quantized parameter (E2M1 + fp8 block scales + fp32 scalars): ~4.5."""
+        return self.quantized_bytes * 8 / max(self.params_quantized, 1)
+
+    def summary(self) -> str:
+        gb = 1e9
+        return (f"{self.out}: {self.linears_quantized} linears NVFP4, {self.tensors_kept} kept; "
+                f"{self.bits_per_quantized_weight:.3f} bits/weight on quantized linears; "
+                f"{self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
+                f"({self.bytes_out / max(self.bytes_in, 1):.3f}x); {self.seconds:.1f} s; "
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (Linux ru_maxrss is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class _LayerPlan:
+    index: int
+    prefix: str  # output key prefix of the layer
+    sources: dict[str, str]  # canonical suffix -> source tensor name
+    groups: list[LinearGroup]  # dense groups present and quantized
+    keep: list[str]  # canonical suffixes copied unchanged
+    num_experts: int
+
+
+def _nvfp4_specs(name: str, out_features: int, in_features: int, with_input_scale: bool) -> list[TensorSpec]:
+    specs = [
+        TensorSpec(f"{name}.weight", torch.uint8, (out_features, in_features // 2)),
+        TensorSpec(f"{name}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
+        TensorSpec(f"{name}.weight_scale_2", torch.float32, ()),
+    ]
+    if with_input_scale:
+        specs.append(TensorSpec(f"{name}.input_scale", torch.float32, ()))
+    return specs
+
+
+def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
+    if shape[-1] % q.BLOCK_SIZE:
+        raise CheckpointError(f"tensor {name}: input dimension {shape[-1]} is not a multiple of "
+                              f"the NVFP4 block size {q.BLOCK_SIZE}; use a preset that leaves it bf16")
+
+
+def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPlan], list[str], str | None]:
+    """Map every source tensor and check each layer's structure before anything is written.
+
+    Returns:
+        (layer plans, kept model-level tensor names, untied lm_head name or None).
+
+    Raises:
+        MappingError: unmapped or missing tensors, a v_proj on a k_eq_v layer.
+        CheckpointError: expert shapes that disagree with the config or are not NVFP4-able.
+    """
+    smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
+    tc = ckpt.text_config
+    layer_types = tc.get("layer_types") or []
+    k_eq_v = bool(tc.get("attention_k_eq_v", False))
+    n_exp, inter, hidden = int(tc["num_experts"]), int(tc["moe_intermediate_size"]), int(tc["hidden_size"])
+    plans = []
+    for ls in smap.layers:
+        L, src = ls.index, ls.tensors
+        where = f"layer {L} ({ckpt.layer_prefix(L)}*)"
+        no_v = k_eq_v and L < len(layer_types) and layer_types[L] == "full_attention"
+        required = set(LAYER_KEEP) | {EXPERT_GATE_UP, EXPERT_DOWN}
+        for g in DENSE_GROUPS:
+            required |= {f"{m}.weight" for m in g.members if m not in g.optional}
+        if not no_v:
+            required.add("self_attn.v_proj.weight")
+        elif "self_attn.v_proj.weight" in src:
+            raise MappingError(f"tensor {src['self_attn.v_proj.weight']}: {where} is a k_eq_v full-attention "
+                               "layer and must not have a v_proj (V is taken from k_proj)")
+        missing = sorted(required - set(src))
+        if missing:
+            raise MappingError(f"{where}: missing tensor(s) {', '.join(missing)}")
+        gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
+        if gu != (n_exp, 2 * inter, hidden) or dn != (n_exp, hidden, inter):
+            raise CheckpointError(f"{where}: experts are gate_up {list(gu)} / down {list(dn)}, config says "
+                                  f"[{n_exp}, {2 * inter}, {hidden}] / [{n_exp}, {hidden}, {inter}]")
+        _check_in_features(src[EXPERT_GATE_UP], gu)
+        _check_in_features(src[EXPERT_DOWN], dn)
+        groups, keep = [], [k for k in LAYER_KEEP]
+        for g in DENSE_GROUPS:
+            members = tuple(m for m in g.members if f"{m}.weight" in src)
+            if g.part in parts:
+                for m in members:
+                    _check_in_features(src[f"{m}.weight"], ckpt.tensors[src[f"{m}.weight"]].shape)
+                groups.append(LinearGroup(g.part, members))
+            else:
+                keep.extend(f"{m}.weight" for m in members)
+        plans.append(_LayerPlan(L, ckpt.layer_prefix(L), src, groups, keep, n_exp))
+    return plans, smap.model_keep, smap.lm_head
+
+
+def output_specs(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], lm_head: str | None,
+                 *, with_input_scale: bool) -> list[TensorSpec]:
+    """Every output tensor (name, dtype, shape) in the order :func:`convert_nvfp4` produces it."""
+    specs: list[TensorSpec] = []
+    for p in plans:
+        for suffix in p.keep:
+            info = ckpt.tensors[p.sources[suffix]]
+            specs.append(TensorSpec(p.prefix + suffix, info.dtype, info.shape))
+        for g in p.groups:
+            for m in g.members:
+                out_f, in_f = ckpt.tensors[p.sources[f"{m}.weight"]].shape
+                specs += _nvfp4_specs(p.prefix + m, out_f, in_f, with_input_scale)
+        _, two_i, hidden = ckpt.tensors[p.sources[EXPERT_GATE_UP]].shape
+        inter = two_i // 2
+        for e in range(p.num_experts):
+            base = f"{p.prefix}experts.{e}."
+            specs += _nvfp4_specs(base + "gate_proj", inter, hidden, with_input_scale)
+            specs += _nvfp4_specs(base + "up_proj", inter, hidden, with_input_scale)
+            specs += _nvfp4_specs(base + "down_proj", hidden, inter, with_input_scale)
+    for name in model_keep + ([lm_head] if lm_head else []):
+        info = ckpt.tensors[name]
+        specs.append(TensorSpec(name, info.dtype, info.shape))
+    return specs
+
+
+# --------------------------------------------------------------------------- producing
+
+
+def _finite_source(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        bad = (~torch.isfinite(t)).sum().item()
+        raise CheckpointError(f"tensor {name}: {bad} NaN/Inf value(s) in the source weights")
+    return t
+
+
+def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback: torch.Tensor,
+                 layer: int) -> torch.Tensor:
+    """Shared ``input_scale`` of a group: max input amax over its members / 2688.
+
+    A group whose calibration amax is zero (no signal reached it) falls back to the
+    layer's largest recorded input amax, logged, so no written scale is ever 0.
+    """
+    vals = [amax[k] for k in keys if k in amax]
+    a = torch.stack(vals).amax() if vals else torch.tensor(0.0)
+    if not a > 0:
+        log.warning("layer %d: %s saw no non-zero calibration input; using the layer max %.4g",
+                    layer, "/".join(keys), fallback.item())
+        a = fallback
+    return q.global_scale_from_amax(a)
+
+
+def _emit_nvfp4(name: str, w: torch.Tensor, g: torch.Tensor, input_scale: torch.Tensor | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    qw = q.quantize(w, weight_scale_2=g)
+    yield f"{name}.weight", qw.weight
+    yield f"{name}.weight_scale", qw.weight_scale
+    yield f"{name}.weight_scale_2", qw.weight_scale_2
+    if input_scale is not None:
+        yield f"{name}.input_scale", input_scale
+
+
+def _produce_layer(p: _LayerPlan, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Output tensors of one layer, in :func:`output_specs` order."""
+    for suffix in p.keep:
+        yield p.prefix + suffix, w[suffix]
+    layer_max = torch.stack(list(amax.values())).amax() if amax else torch.tensor(1.0)
+    if not layer_max > 0:
+        layer_max = torch.tensor(1.0)
+    for g in p.groups:
+        weights = [w[f"{m}.weight"] for m in g.members]
+        shared_g = q.global_scale_from_amax(torch.stack([q.weight_amax(x) for x in weights]).amax())
+        shared_in = _input_scale(amax, g.members, layer_max, p.index) if amax is not None else None
+        for m, x in zip(g.members, weights):
+            yield from _emit_nvfp4(p.prefix + m, x, shared_g, shared_in)
+    gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
+    inter = gate_up.shape[1] // 2
+    in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
+    in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
+    for e in range(p.num_experts):
+        base = f"{p.prefix}experts.{e}."
+        # gate and up share the global scale of the whole fused gate_up_proj[e] (vLLM uses one).
+        g_gu = q.global_scale_from_amax(q.weight_amax(gate_up[e]))
+        yield from _emit_nvfp4(base + "gate_proj", gate_up[e, :inter], g_gu, in_gu)
+        yield from _emit_nvfp4(base + "up_proj", gate_up[e, inter:], g_gu, in_gu)
+        yield from _emit_nvfp4(base + "down_proj", down[e], None, in_dn)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def convert_nvfp4(
+    src: str | Path,
+    out: str | Path,
+    *,
+    preset: str = "default",
+    weight_only: bool = False,
+    calib_data: str | Path | None = None,
+    calib_samples: int = 32,
+    calib_seq_len: int = 256,
+    calib_batch_size: int = 8,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConvertReport:
+    """Convert a Gemma 4 MoE checkpoint directory to a modelopt NVFP4 checkpoint.
+
+    Args:
+        src: Hugging Face checkpoint directory (single or sharded safetensors;
+            multimodal ``model.language_model.*`` or text-only ``model.*`` layout).
+        out: output directory; created atomically (temp dir beside it, renamed when complete).
+        preset: ``default`` (experts + dense MLP + attention), ``mlp-only`` (experts +
+            dense MLP) or ``experts-only``; routers, norms, embeddings, towers and lm_head
+            always stay in the source dtype.
+        weight_only: W4A16: no calibration, no ``input_scale`` tensors, config without
+            ``input_activations`` (case P05). Default W4A4 with calibrated ``input_scale``.
+        calib_data: text or jsonl file; ``None`` uses the packaged default set.
+        calib_samples / calib_seq_len: number and length (tokens) of calibration samples.
+        calib_batch_size: samples per layer forward during calibration.
+        max_shard_size: shard data limit, e.g. ``"5GB"`` (10**9) or ``"4GiB"`` (2**30).
+        overwrite: replace an existing ``out`` (only once the new one is complete).
+        progress: show a tqdm bar in source bytes.
+
+    Returns:
+        :class:`ConvertReport`.
+
+    Raises:
+        CheckpointError, MappingError: bad source (named file/tensor); nothing is written.
+        ExportError: ``out`` exists without ``overwrite``, or the result fails its checks.
+    """
+    t0 = time.perf_counter()
+    if preset not in PRESETS:
+        raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    parts = PRESETS[preset]
+    max_shard_bytes = parse_size(max_shard_size)
+    ckpt = Checkpoint(src)
+    plans, model_keep, lm_head = plan_layers(ckpt, parts)
+    specs = output_specs(ckpt, plans, model_keep, lm_head, with_input_scale=not weight_only)
+    towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})
+    excludes = exclude_modules(prefix=ckpt.prefix, num_layers=ckpt.num_layers, parts=parts, towers=towers)
+
+    calibrator, calib_tokens = None, 0
+    if not weight_only:
+        tokenizer = _load_tokenizer(ckpt.root)
+        ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer),
+                                   samples=calib_samples, seq_len=calib_seq_len)
+        calib_tokens = ids.numel()
+        calibrator = LayerCalibrator(ckpt, ids, batch_size=calib_batch_size)
+
+    bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
+    n_quant = params_quant = quant_bytes = 0
+    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
+        bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
+        for p in plans:
+            w = {s: _finite_source(n, ckpt.get(n)) for s, n in p.sources.items()}
+            amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
+            for name, t in _produce_layer(p, w, amax):
+                writer.write(name, t)
+                if t.dtype == torch.uint8:
+                    n_quant += 1
+                    params_quant += t.numel() * 2
+                if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) or t.dtype == torch.uint8:
+                    quant_bytes += t.numel() * t.dtype.itemsize
+            bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
+            log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
+                     p.index, len(p.groups), p.num_experts, len(p.keep))
+            del w
+        for name in model_keep + ([lm_head] if lm_head else []):
+            writer.write(name, _finite_source(name, ckpt.get(name)))
+            bar.update(ckpt.tensors[name].nbytes)
+        bar.close()
+        writer.close()
+        ckpt.close()
+        meta.write_metadata(tmp, ckpt.config, excludes=excludes, weight_only=weight_only)
+        _copy_side_files(ckpt.root, tmp)
+        meta.check_export(tmp)
+        bytes_out = writer.total_bytes
+    per_linear = 3 if weight_only else 4
+    return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
+                         bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
+
+
+def _load_tokenizer(root: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(root)
+    except Exception as e:  # many exception types for a missing/broken tokenizer
+        raise CheckpointError(f"{root}: calibration needs the checkpoint's tokenizer and it cannot be "
+                              f"loaded ({type(e).__name__}: {e}); add tokenizer files or use --weight-only") from e
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Copy tokenizer, chat template, generation and processor configs (case P14)."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_NOT_COPIED_SUFFIXES):
+            shutil.copy2(f, dst / f.name)

@@ -1,0 +1,198 @@
+"""NVFP4 weight quantization, bit-exact with NVIDIA Model Optimizer's export.
+
+Format (spec: ../shared/specs/nvfp4-modelopt-vllm.md §1; reference implementation
+NVIDIA/Model-Optimizer ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``,
+``NVFP4QTensor.quantize`` / ``get_weights_scaling_factor``):
+
+- ``weight``: uint8 ``[out, in/2]``, two E2M1 codes per byte, the even element of
+  each pair in the low nibble. A code is ``sign << 3 | idx`` where ``idx`` indexes
+  the magnitudes ``[0, 0.5, 1, 1.5, 2, 3, 4, 6]``; the sign bit is ``x < 0`` of the
+  scaled value, so a small negative that rounds to zero is stored as 0x8.
+- ``weight_scale``: float8_e4m3fn ``[out, in/16]``, one scale per block of 16
+  consecutive elements along the input (last) dimension:
+  ``fp8(clamp(amax_block / (6 * weight_scale_2), 2**-9, 448))``; an all-zero block
+  gets 1.0 before the clamp.
+- ``weight_scale_2``: float32 ``[]``, the per-tensor global scale
+  ``amax / (6 * 448)``. It is a *multiplier* (modelopt convention); compressed-tensors
+  stores its reciprocal as ``weight_global_scale``.
+- ``input_scale``: float32 ``[]``, ``amax(|x|) / (6 * 448)`` from calibration.
+
+Dequantization: ``w = e2m1[code] * float32(weight_scale) * weight_scale_2``.
+
+E2M1 rounding is round-half-to-even with saturation at 6. modelopt does it with a
+``searchsorted`` over the midpoints plus a tie fix; here the index is a count of
+midpoint comparisons in uint8, which gives the same code for every finite input. All arithmetic is fp32
+in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then divide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK_SIZE = 16
+# amax -> global scale divisor, 6 * 448.
+NVFP4_SCALE_DENOM = E2M1_MAX * E4M3_MAX
+_E4M3_MIN_SCALE = 2.0**-9
+# Rows quantized per step: keeps each fp32 temporary in the L2 cache (~256 KiB per
+# row chunk for H=2816) instead of streaming several full-size temporaries.
+_ROW_CHUNK_ELEMENTS = 1 << 16
+
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+
+@dataclass(frozen=True)
+class NVFP4Weight:
+    """One quantized Linear weight in modelopt's NVFP4 layout.
+
+    Attributes:
+        weight: uint8 ``[out, in/2]`` packed E2M1 codes (even element in the low nibble).
+        weight_scale: float8_e4m3fn ``[out, in/16]`` per-block scales.
+        weight_scale_2: float32 ``[]`` per-tensor global scale (``amax / 2688``).
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+
+
+def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """Per-tensor scale ``amax / (6 * 448)`` as a float32 0-d tensor.
+
+    Used for both ``weight_scale_2`` (amax of the weight, or the max over a fused
+    group) and ``input_scale`` (amax of the calibration activations).
+
+    Args:
+        amax: non-negative max of ``|x|``; any dtype, any 0-d/1-element tensor or float.
+
+    Returns:
+        float32 tensor of shape ``[]``.
+    """
+    amax = torch.as_tensor(amax).reshape(()).float()
+    return amax / NVFP4_SCALE_DENOM
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """``max(|w|)`` as a float32 0-d tensor (exact: the max of bf16 values is a bf16 value)."""
+    return w.abs().amax().float()
+
+
+# Midpoints between neighbouring E2M1 magnitudes and whether a value exactly on the
+# midpoint rounds up (ties to the even code: 0.75 -> 1, 1.75 -> 2, 3.5 -> 4 go up;
+# 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 stay down).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 4-bit codes (uint8, 0..15) of fp32 values already divided by their block scale.
+
+    The magnitude index is the number of midpoints below ``|x|`` (a tie counts when
+    rounding half-to-even goes up), so values above 5 saturate to 6 (index 7). Same
+    result as modelopt's ``_cast_fp4`` (searchsorted + tie fix) for every finite
+    input, with uint8 accumulators instead of int32 ordinals.
+    """
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8)
+    for midpoint, tie_up in _E2M1_MIDPOINTS:
+        idx += (a >= midpoint) if tie_up else (a > midpoint)
+    idx |= (x < 0).to(torch.uint8) << 3
+    return idx
+
+
+def quantize(
+    w: torch.Tensor,
+    weight_scale_2: torch.Tensor | None = None,
+) -> NVFP4Weight:
+    """Quantize one 2-D weight to NVFP4 exactly as modelopt's HF export does.
+
+    Args:
+        w: ``[out, in]`` bf16/fp16/fp32 weight, ``in % 16 == 0``. Not modified.
+        weight_scale_2: float32 ``[]`` global scale to use. Pass the shared value for
+            fused groups (an expert's gate/up from the whole ``gate_up_proj[e]``;
+            dense q/k/v and gate/up from the max amax over the group). ``None``
+            computes ``amax(|w|) / 2688``.
+
+    Returns:
+        :class:`NVFP4Weight` with ``weight`` uint8 ``[out, in/2]``, ``weight_scale``
+        float8_e4m3fn ``[out, in/16]``, ``weight_scale_2`` float32 ``[]``.
+
+    Raises:
+        ValueError: ``w`` is not 2-D, ``in`` is not a multiple of 16, or the global
+            scale is not finite.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"NVFP4 quantizes 2-D weights, got shape {tuple(w.shape)}")
+    out_features, in_features = w.shape
+    if in_features % BLOCK_SIZE:
+        raise ValueError(f"input dimension {in_features} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+    if weight_scale_2 is None:
+        weight_scale_2 = global_scale_from_amax(weight_amax(w))
+    g = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(())
+    if not torch.isfinite(g):
+        raise ValueError(f"NVFP4 global scale is not finite: {g.item()}")
+
+    n_blocks = in_features // BLOCK_SIZE
+    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+    scales = torch.empty(out_features, n_blocks, dtype=torch.float8_e4m3fn)
+    six_g = E2M1_MAX * g
+    rows = max(1, _ROW_CHUNK_ELEMENTS // in_features)
+    for r0 in range(0, out_features, rows):
+        blocks = w[r0 : r0 + rows].reshape(-1, n_blocks, BLOCK_SIZE).float()
+        s = blocks.abs().amax(-1) / six_g
+        s = torch.where(s == 0, 1.0, s)
+        s8 = s.clamp_(_E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
+        scales[r0 : r0 + rows] = s8
+        scaled = blocks / (s8.float() * g).unsqueeze(-1)
+        codes = _e2m1_codes(scaled).reshape(blocks.shape[0], -1)
+        packed[r0 : r0 + rows] = (codes[:, 1::2] << 4) | codes[:, 0::2]
+    return NVFP4Weight(packed, scales, g.clone())
+
+
+def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct ``[out, in]`` weights: ``e2m1[code] * float32(weight_scale) * weight_scale_2``.
+
+    Args:
+        q: quantized weight.
+        dtype: output dtype; the product is formed in fp32 and cast once.
+
+    Returns:
+        ``[out, in]`` tensor of ``dtype``.
+    """
+    return dequantize_tensors(q.weight, q.weight_scale, q.weight_scale_2, dtype)
+
+
+def dequantize_tensors(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`dequantize` on the three raw checkpoint tensors (uint8, float8_e4m3fn, float32)."""
+    out_features, half = weight.shape
+    codes = torch.stack((weight & 0x0F, weight >> 4), dim=-1).reshape(out_features, half * 2)
+    values = E2M1_VALUES[codes.long()]
+    blocks = values.reshape(out_features, -1, BLOCK_SIZE)
+    scale = weight_scale.float() * weight_scale_2.float()
+    return (blocks * scale.unsqueeze(-1)).reshape(out_features, half * 2).to(dtype)
+
+
+def fake_quantize_activation(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 W4A4 activation fake-quant as vLLM's emulation does it: dynamic fp8 block
+    scales over 16-element blocks of the last dim against the static global ``input_scale``.
+
+    Args:
+        x: ``[..., K]`` activations, ``K % 16 == 0``.
+        input_scale: float32 ``[]``, ``amax / 2688`` from calibration.
+
+    Returns:
+        Tensor like ``x`` (same dtype) holding the quantize-dequantize result.
+    """
+    shape, dtype = x.shape, x.dtype
+    q = quantize(x.reshape(-1, shape[-1]), weight_scale_2=input_scale)
+    return dequantize(q, dtype).reshape(shape)

@@ -1,0 +1,242 @@
+"""CPU reference: rebuild a converted NVFP4 checkpoint as a transformers Gemma 4 model and
+compare it with its source (greedy token agreement, KL of next-token distributions).
+
+The converted weights are dequantized (``e2m1 * fp8 block scale * weight_scale_2``) to
+the compute dtype, the per-expert linears are re-fused into transformers' 3-D
+``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``,
+and the embedding stays inside ``Gemma4TextScaledWordEmbedding`` (so its
+``sqrt(hidden_size)`` scale is applied as in the source). With ``act_quant`` every
+quantized linear's input is also fake-quantized to NVFP4 against its ``input_scale``
+(W4A4 as served on Blackwell; Hopper serves weight-only).
+
+Both models are held in RAM: this is for models that fit the host (the embedded tiny
+model and small real ones), not the 26B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from g4.convert.calibrate import experts_forward_with_input_hook
+from g4.convert.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from g4.convert.errors import CheckpointError
+from g4.quantizers import nvfp4 as q
+
+# Generic held-out prompts for sources that ship no facts.json.
+DEFAULT_PROMPTS = (
+    "Write one sentence about the sea.",
+    "What is the capital of Canada?",
+    "List three colours.",
+    "Explain what a verb is.",
+    "How many legs does a spider have?",
+    "Say hello in French.",
+    "What do bees make?",
+    "Name a large animal.",
+)
+_EXPERT_RE = re.compile(r"(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass
+class VerifyReport:
+    """Agreement of a converted model with its source.
+
+    ``token_agreement``: fraction of teacher-forced positions (the source's greedy
+    continuation of each prompt) where both models' argmax agree. ``mean_kl``: mean
+    KL(source || converted) in nats over the same positions.
+    """
+
+    prompts: int
+    positions: int
+    token_agreement: float
+    mean_kl: float
+    act_quant: bool
+    facts_total: int = 0
+    facts_correct: int = 0
+    answers: list[dict] = field(default_factory=list)
+
+    def passed(self, min_agreement: float) -> bool:
+        return self.token_agreement >= min_agreement and self.facts_correct == self.facts_total
+
+    def summary(self) -> str:
+        lines = [f"token agreement {self.token_agreement:.3f} over {self.positions} positions of {self.prompts} "
+                 f"held-out prompts; mean KL {self.mean_kl:.4f} nats ({'W4A4' if self.act_quant else 'W4A16'} emulation)"]
+        if self.facts_total:
+            lines.append(f"facts answered: {self.facts_correct}/{self.facts_total}")
+            lines += [f"  {'ok ' if a['ok'] else 'BAD'} {a['question']!r} -> {a['reply']!r} (expected {a['answer']!r})"
+                      for a in self.answers]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _shards(out_dir: Path) -> list[Path]:
+    index = out_dir / INDEX_NAME
+    if index.is_file():
+        return [out_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [out_dir / SINGLE_NAME]
+
+
+def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Dequantize an NVFP4 checkpoint into a transformers-layout state dict.
+
+    Returns:
+        (state dict with dequantized ``dtype`` weights and fused 3-D experts, every other
+        tensor as stored; ``{module name: input_scale}`` of quantized modules, with
+        experts keyed ``<layer>.experts.gate_up_proj`` / ``<layer>.experts.down_proj``).
+    """
+    raw: dict[str, torch.Tensor] = {}
+    for path in _shards(Path(out_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                raw[name] = f.get_tensor(name)
+    sd: dict[str, torch.Tensor] = {}
+    input_scales: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in sorted(raw):
+        module, _, suffix = name.rpartition(".")
+        if suffix in ("weight_scale", "weight_scale_2"):
+            continue
+        if suffix == "input_scale":
+            m = _EXPERT_RE.fullmatch(module)
+            key = f"{m.group(1)}experts.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else module
+            input_scales[key] = raw[name]
+            continue
+        t = raw[name]
+        if suffix == "weight" and t.dtype == torch.uint8:
+            t = q.dequantize_tensors(t, raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"], dtype)
+            m = _EXPERT_RE.fullmatch(module)
+            if m:
+                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+                continue
+        sd[name] = t
+    for layer, by_expert in experts.items():
+        n = len(by_expert)
+        sd[f"{layer}experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in range(n)])
+        sd[f"{layer}experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
+    return sd, input_scales
+
+
+def _model_class(config: dict):
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration if config.get("model_type") == "gemma4" else Gemma4ForCausalLM
+
+
+def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
+    """The source checkpoint as a transformers model (eval mode, eager experts)."""
+    cls = _model_class(Checkpoint(src).config)
+    model = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager")
+    return model.eval()
+
+
+def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bfloat16, *, act_quant: bool = False):
+    """Build the source architecture and load the dequantized converted weights into it.
+
+    Raises:
+        CheckpointError: the converted tensors do not cover the model exactly.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src, experts_implementation="eager")
+    model = _model_class(Checkpoint(src).config)(config).to(dtype).eval()
+    sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"{out_dir}: converted tensors do not match the model: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if act_quant:
+        _install_activation_quant(model, input_scales)
+    return model
+
+
+def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Tensor]) -> None:
+    """Fake-quantize (NVFP4, dynamic fp8 block scales, static global input_scale) the
+    input of every quantized linear and of both expert projections."""
+    for name, module in model.named_modules():
+        if name in input_scales and isinstance(module, nn.Linear):
+            scale = input_scales[name]
+            module.register_forward_pre_hook(lambda m, args, s=scale: (q.fake_quantize_activation(args[0], s),))
+        elif name.endswith(".experts") and f"{name}.gate_up_proj" in input_scales:
+            scales = {kind: input_scales[f"{name}.{kind.split('.')[1]}"]
+                      for kind in ("experts.gate_up_proj", "experts.down_proj")}
+            module.forward = experts_forward_with_input_hook(
+                module, lambda kind, x, s=scales: q.fake_quantize_activation(x, s[kind]))
+
+
+def _chat_ids(tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    return torch.tensor([ids])
+
+
+@torch.no_grad()
+def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: int = 16) -> tuple[int, float, float]:
+    """Teacher-force both models on the source's greedy continuations.
+
+    Returns:
+        (positions, token agreement in [0, 1], mean KL(source || converted) in nats).
+    """
+    agree = positions = 0
+    kl_sum = 0.0
+    for prompt in prompts:
+        ids = _chat_ids(tokenizer, prompt)
+        seq = src_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        start = ids.shape[1] - 1
+        lp = torch.log_softmax(src_model(seq).logits[0, start:-1].float(), -1)
+        lq = torch.log_softmax(q_model(seq).logits[0, start:-1].float(), -1)
+        kl_sum += (lp.exp() * (lp - lq)).sum().item()
+        agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+        positions += lp.shape[0]
+    return positions, agree / max(positions, 1), kl_sum / max(positions, 1)
+
+
+@torch.no_grad()
+def answer(model, tokenizer, question: str, *, max_new_tokens: int = 8) -> str:
+    """Greedy chat reply to one question, special tokens stripped."""
+    ids = _chat_ids(tokenizer, question)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool = False,
+                 dtype: torch.dtype = torch.bfloat16) -> VerifyReport:
+    """Compare the NVFP4 checkpoint ``out`` with its source ``src`` on held-out prompts.
+
+    Prompts come from ``src/facts.json`` (``heldout``; the embedded model ships one) or
+    :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model.
+
+    Raises:
+        CheckpointError: unreadable source/output or tensors that do not fit the model.
+    """
+    from transformers import AutoTokenizer
+
+    out, src = Path(out), Path(src)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    src_model = load_source_model(src, dtype)
+    q_model = load_converted_model(out, src, dtype, act_quant=act_quant)
+    facts_path = src / "facts.json"
+    facts, prompts = [], list(DEFAULT_PROMPTS)
+    if facts_path.is_file():
+        data = json.loads(facts_path.read_text())
+        facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
+    positions, agreement, kl = compare_models(src_model, q_model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    report = VerifyReport(len(prompts), positions, agreement, kl if math.isfinite(kl) else float("inf"), act_quant)
+    for question, expected in facts:
+        reply = answer(q_model, tokenizer, question)
+        ok = reply.startswith(expected)
+        report.answers.append({"question": question, "answer": expected, "reply": reply, "ok": ok})
+        report.facts_correct += ok
+    report.facts_total = len(facts)
+    return report
