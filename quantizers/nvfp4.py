@@ -37,9 +37,10 @@ BLOCK_SIZE = 16
 # amax -> global scale divisor, 6 * 448.
 NVFP4_SCALE_DENOM = E2M1_MAX * E4M3_MAX
 _E4M3_MIN_SCALE = 2.0**-9
-# Rows quantized per step: keeps each fp32 temporary in the L2 cache (~256 KiB per
-# row chunk for H=2816) instead of streaming several full-size temporaries.
-_ROW_CHUNK_ELEMENTS = 1 << 16
+# Elements quantized per step (whole rows): bounds the fp32 temporaries (4 MiB each)
+# while keeping the number of kernel launches small. 2**20 was fastest on 1 and 2
+# cores for the 26B-A4B expert shapes (bench/bench_quantizer.py).
+_ROW_CHUNK_ELEMENTS = 1 << 20
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -116,7 +117,8 @@ def quantize(
         weight_scale_2: float32 ``[]`` global scale to use. Pass the shared value for
             fused groups (an expert's gate/up from the whole ``gate_up_proj[e]``;
             dense q/k/v and gate/up from the max amax over the group). ``None``
-            computes ``amax(|w|) / 2688``.
+            computes ``amax(|w|) / 2688``. A zero global scale (all-zero tensor or
+            group) is replaced by ``1 / 2688`` so that no scale is NaN or 0.
 
     Returns:
         :class:`NVFP4Weight` with ``weight`` uint8 ``[out, in/2]``, ``weight_scale``
@@ -124,7 +126,7 @@ def quantize(
 
     Raises:
         ValueError: ``w`` is not 2-D, ``in`` is not a multiple of 16, or the global
-            scale is not finite.
+            scale is negative, not finite, or 0 for a non-zero ``w``.
     """
     if w.dim() != 2:
         raise ValueError(f"NVFP4 quantizes 2-D weights, got shape {tuple(w.shape)}")
@@ -134,8 +136,14 @@ def quantize(
     if weight_scale_2 is None:
         weight_scale_2 = global_scale_from_amax(weight_amax(w))
     g = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(())
-    if not torch.isfinite(g):
-        raise ValueError(f"NVFP4 global scale is not finite: {g.item()}")
+    if not (torch.isfinite(g) and g >= 0):
+        raise ValueError(f"NVFP4 global scale must be finite and >= 0, got {g.item()}")
+    if g == 0:
+        # An all-zero tensor (or fused group): modelopt would compute 0/0 = NaN block
+        # scales. Write amax := 1 instead; codes are 0 and dequantize to exact zeros.
+        if w.any():
+            raise ValueError("NVFP4 global scale is 0 but the weight is not all zero")
+        g = global_scale_from_amax(1.0)
 
     n_blocks = in_features // BLOCK_SIZE
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)

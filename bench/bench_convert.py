@@ -1,0 +1,84 @@
+"""Whole NVFP4 conversion of a synthetic gemma-4-26B-A4B checkpoint (real names and
+shapes, random bf16 weights): seconds per layer, size in/out, projected real-model size,
+and peak RSS against the bound 2 x largest tensor + 1.5 GiB.
+
+    python bench/bench_convert.py [--layers 2] [--work bench/_work] [--calib-samples 32]
+
+The synthetic source is made once with `g4convert synth` and reused. The conversion
+runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path(__file__).parent / "_work")
+    ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--weight-only", action="store_true")
+    args = ap.parse_args()
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.synth import synthetic_config, synthetic_specs
+
+    src = args.work / f"synth-26b-{args.layers}L"
+    out = args.work / f"synth-26b-{args.layers}L-nvfp4"
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not src.exists():
+        t = time.perf_counter()
+        subprocess.run(["g4convert", "-q", "synth", "--layers", str(args.layers), str(src)], check=True)
+        print(f"synth: {time.perf_counter() - t:.1f} s")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-c",
+           "import resource, sys; from g4.convert.nvfp4 import convert_nvfp4;"
+           f"r = convert_nvfp4({str(src)!r}, {str(out)!r}, calib_samples={args.calib_samples},"
+           f" calib_seq_len={args.calib_seq_len}, weight_only={args.weight_only}, progress=False);"
+           "print(r.summary(), file=sys.stderr);"
+           "print(r.seconds, r.bytes_in, r.bytes_out, r.peak_rss_bytes)"]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    seconds, bytes_in, bytes_out, rss = (float(x) for x in res.stdout.split())
+    print(res.stderr.strip().splitlines()[-1])
+
+    ck = Checkpoint(src)
+    largest = max(i.nbytes for i in ck.tensors.values())
+    layer_in = sum(i.nbytes for n, i in ck.tensors.items() if n.startswith(ck.layer_prefix(0)))
+    nonlayer_in = sum(i.nbytes for n, i in ck.tensors.items() if ".layers." not in n or "vision_tower" in n)
+    nonlayer_out = nonlayer_in  # embeddings, norm and vision tower are copied unchanged
+    out_ck = Checkpoint(out)
+    layer_out = sum(i.nbytes for n, i in out_ck.tensors.items() if n.startswith(out_ck.layer_prefix(0)))
+    real = synthetic_config("gemma-4-26B-A4B")
+    n_real = real["text_config"]["num_hidden_layers"]
+    real_in = sum(s.nbytes for s in synthetic_specs(real))
+    real_out = nonlayer_out + n_real * layer_out
+    bound = 2 * largest + 1.5 * GIB
+    print(json.dumps({
+        "layers": args.layers,
+        "seconds_total": round(seconds, 1),
+        "seconds_per_layer_incl_fixed_costs": round(seconds / args.layers, 1),
+        "size_in_GB": round(bytes_in / 1e9, 3),
+        "size_out_GB": round(bytes_out / 1e9, 3),
+        "out_over_in": round(bytes_out / bytes_in, 4),
+        "sliding_layer_in_GB": round(layer_in / 1e9, 4),
+        "sliding_layer_out_GB": round(layer_out / 1e9, 4),
+        "projected_real_26B_in_GB": round(real_in / 1e9, 2),
+        "projected_real_26B_out_GB": round(real_out / 1e9, 2),
+        "largest_tensor_GiB": round(largest / GIB, 3),
+        "peak_rss_GiB": round(rss / GIB, 3),
+        "rss_bound_GiB (2 x largest + 1.5)": round(bound / GIB, 3),
+        "rss_within_bound": rss <= bound,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+warnings.filterwarnings("ignore", message=".*not tested with current version of modelopt.*")
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_mm(tmp_path_factory) -> Path:
+    """Random tiny multimodal Gemma 4 MoE (read-only: copy before modifying)."""
+    return tiny.build(tmp_path_factory.mktemp("tiny_mm") / "src")
+
+
+@pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory) -> Path:
+    """Random tiny text-only (model.layers.*) Gemma 4 MoE with 8 experts."""
+    return tiny.build(tmp_path_factory.mktemp("tiny_text") / "src", multimodal=False, num_experts=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_mm_nvfp4(tmp_path_factory, tiny_mm) -> Path:
+    from g4.convert.nvfp4 import convert_nvfp4
+
+    out = tmp_path_factory.mktemp("tiny_mm_nvfp4") / "out"
+    convert_nvfp4(tiny_mm, out, calib_samples=4, calib_seq_len=32, calib_batch_size=4, progress=False)
+    return out

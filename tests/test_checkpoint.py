@@ -1,0 +1,129 @@
+"""Reading and validating source checkpoints: layouts, shards, index, corrupt input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from g4.convert.checkpoint import Checkpoint, read_safetensors_header
+from g4.convert.errors import CheckpointError
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shards
+
+
+def shard_copy(src, dst, max_bytes):
+    """Re-save ``src`` as several shards with an index, through our writer."""
+    ck = Checkpoint(src)
+    specs = [TensorSpec(n, i.dtype, i.shape) for n, i in sorted(ck.tensors.items())]
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    w = ShardedSafetensorsWriter(dst, specs, max_shard_bytes=max_bytes)
+    for s in specs:
+        w.write(s.name, ck.get(s.name))
+    w.close()
+    return dst
+
+
+def test_layouts_and_prefix(tiny_mm, tiny_text):
+    mm, text = Checkpoint(tiny_mm), Checkpoint(tiny_text)
+    assert mm.prefix == "model.language_model." and text.prefix == "model."
+    assert "model.language_model.layers.1.self_attn.v_proj.weight" not in mm.tensors  # k_eq_v full layer
+    assert mm.tensors["model.language_model.layers.0.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert "lm_head.weight" not in mm.tensors
+
+
+def test_sharded_roundtrip_and_index(tiny_mm, tmp_path):
+    dst = shard_copy(tiny_mm, tmp_path / "sharded", 40_000)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2
+    a, b = Checkpoint(tiny_mm), Checkpoint(dst)
+    assert index["metadata"]["total_size"] == sum(i.nbytes for i in a.tensors.values())
+    for name in a.tensors:
+        assert torch.equal(a.get(name), b.get(name)), name
+
+
+def test_get_rows_gathers_without_full_read(tiny_mm):
+    ck = Checkpoint(tiny_mm)
+    name = ck.prefix + "embed_tokens.weight"
+    ids = torch.tensor([[5, 900, 5], [0, 2, 1023]])
+    assert torch.equal(ck.get_rows(name, ids), ck.get(name)[ids])
+
+
+@pytest.fixture
+def sharded(tiny_mm, tmp_path):
+    return shard_copy(tiny_mm, tmp_path / "sharded", 40_000)
+
+
+def edit_index(path, fn):
+    p = path / "model.safetensors.index.json"
+    index = json.loads(p.read_text())
+    fn(index["weight_map"])
+    p.write_text(json.dumps(index))
+
+
+def test_index_names_missing_file(sharded):
+    edit_index(sharded, lambda wm: wm.__setitem__(next(iter(wm)), "model-99999-of-99999.safetensors"))
+    with pytest.raises(CheckpointError, match="model-99999-of-99999.safetensors, which does not exist"):
+        Checkpoint(sharded)
+
+
+def test_tensor_missing_from_index(sharded):
+    edit_index(sharded, lambda wm: wm.pop("model.language_model.norm.weight"))
+    with pytest.raises(CheckpointError, match="model.language_model.norm.weight is not in the index"):
+        Checkpoint(sharded)
+
+
+def test_indexed_tensor_missing_from_file(sharded):
+    edit_index(sharded, lambda wm: wm.__setitem__("model.language_model.ghost.weight", next(iter(wm.values()))))
+    with pytest.raises(CheckpointError, match="ghost.weight is indexed in .* but that file does not hold it"):
+        Checkpoint(sharded)
+
+
+def test_truncated_shard(tiny_mm, tmp_path):
+    dst = shutil.copytree(tiny_mm, tmp_path / "t")
+    f = dst / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: file is .* bytes .*truncated"):
+        Checkpoint(dst)
+
+
+def test_garbage_file(tiny_mm, tmp_path):
+    dst = shutil.copytree(tiny_mm, tmp_path / "g")
+    (dst / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors header"):
+        Checkpoint(dst)
+
+
+def test_non_gemma4_config(tiny_mm, tmp_path):
+    dst = shutil.copytree(tiny_mm, tmp_path / "l")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json: model_type is 'llama'"):
+        Checkpoint(dst)
+
+
+def test_pickle_only_directory_is_refused(tmp_path, tiny_mm):
+    shutil.copy(tiny_mm / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(CheckpointError, match="pickle checkpoints are never loaded"):
+        Checkpoint(tmp_path)
+
+
+def test_header_reader_counts_bytes(tmp_path):
+    save_file({"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+              tmp_path / "x.safetensors")
+    infos = read_safetensors_header(tmp_path / "x.safetensors")
+    assert infos["a"].nbytes == 24 and infos["b"].dtype == torch.float8_e4m3fn
+
+
+def test_parse_size_units():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("4GiB") == 4 * 2**30 and parse_size("1.5MB") == 1_500_000
+    with pytest.raises(ValueError):
+        parse_size("5 gallons")
+
+
+def test_plan_shards_exact():
+    specs = [TensorSpec(f"t{i}", torch.uint8, (n,)) for i, n in enumerate([4, 4, 9, 1, 1])]
+    assert [[s.name for s in sh] for sh in plan_shards(specs, 8)] == [["t0", "t1"], ["t2"], ["t3", "t4"]]

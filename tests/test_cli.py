@@ -1,0 +1,36 @@
+"""The g4convert command line: exit codes and one-line errors."""
+
+import shutil
+
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from g4.convert.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["-q", *args])
+
+
+def test_nvfp4_then_refuse_existing(tiny_mm, tmp_path):
+    out = tmp_path / "out"
+    r = run("nvfp4", str(tiny_mm), str(out), "--calib-samples", "2", "--calib-seq-len", "32")
+    assert r.exit_code == 0, r.output
+    assert "linears NVFP4" in r.output and (out / "hf_quant_config.json").is_file()
+    r = run("nvfp4", str(tiny_mm), str(out), "--weight-only")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "already exists" in r.output
+
+
+def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    sd["model.language_model.layers.0.experts.down_proj"][1, 2, 3] = float("inf")
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    r = run("nvfp4", str(src), str(tmp_path / "o1"), "--weight-only")
+    assert r.exit_code == 2 and "layers.0.experts.down_proj: 1 NaN/Inf" in r.output
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1
+    r = run("nvfp4", str(tmp_path / "nowhere"), str(tmp_path / "o2"))
+    assert r.exit_code == 2 and "not a directory" in r.output
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o3"), "--max-shard-size", "lots")
+    assert r.exit_code == 2 and "cannot parse size 'lots'" in r.output
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()

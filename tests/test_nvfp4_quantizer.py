@@ -1,0 +1,89 @@
+"""NVFP4 quantizer against modelopt's own NVFP4QTensor (the oracle) and hand-typed values."""
+
+import pytest
+import torch
+from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+from g4.quantizers import nvfp4 as q
+
+
+def modelopt_quantize(w, g=None):
+    packed, scale, g2 = NVFP4QTensor.quantize(w.clone(), 16, weights_scaling_factor_2=g)
+    return packed._quantized_data, scale, g2
+
+
+def assert_bit_identical(ours: q.NVFP4Weight, ref):
+    assert ours.weight.dtype == torch.uint8 and ours.weight_scale.dtype == torch.float8_e4m3fn
+    assert torch.equal(ours.weight, ref[0])
+    assert torch.equal(ours.weight_scale.view(torch.uint8), ref[1].view(torch.uint8))
+    assert ours.weight_scale_2.shape == () and ours.weight_scale_2.dtype == torch.float32
+    assert torch.equal(ours.weight_scale_2, ref[2].reshape(()))
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (176, 2816), (2816, 64), (7, 16)])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_random_matches_modelopt(shape, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+    assert_bit_identical(q.quantize(w), modelopt_quantize(w))
+
+
+def test_structured_and_edge_cases_match_modelopt():
+    w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).sin().bfloat16()
+    w[0, :16] = 0  # all-zero block
+    w[1, :16] = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -5, -0.1, 0.3, 2.906, -6, 0])
+    w[2, :16] = torch.tensor([1e-30] * 8 + [1e4] * 8)  # huge dynamic range inside a block
+    w[3] = -w[3].abs()  # all negative
+    w[4, :16] = torch.tensor([-0.0] * 16)
+    assert_bit_identical(q.quantize(w), modelopt_quantize(w))
+
+
+def test_hand_typed_codes_ties_to_even_and_negative_zero():
+    # amax 6: global scale 6/2688, block scale 6 / (6 * g) = 448 exactly, so x / (448 * g) = x.
+    x = torch.tensor([[6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -5, -0.1, 0.3, 2.906, -6, 0]])
+    out = q.quantize(x)
+    codes = torch.stack((out.weight & 0xF, out.weight >> 4), -1).flatten().tolist()
+    assert codes == [0x7, 0x0, 0x2, 0x2, 0x4, 0x4, 0x6, 0x6, 0x8, 0xA, 0xE, 0x8, 0x1, 0x5, 0xF, 0x0]
+    assert out.weight[0, 0].item() == 0x07  # element 0 in the low nibble, element 1 (code 0) high
+    assert out.weight_scale.view(torch.uint8)[0, 0].item() == 0x7E  # fp8 448.0
+
+
+def test_all_zero_weight_gets_finite_positive_scales():
+    # modelopt would divide 0 by 0 here; we must never write a NaN or zero scale.
+    out = q.quantize(torch.zeros(4, 32))
+    assert (out.weight_scale.view(torch.uint8) == 0x38).all()  # fp8 1.0
+    assert (out.weight == 0).all() and out.weight_scale_2.item() == pytest.approx(1 / 2688)
+    assert (q.dequantize(out) == 0).all()
+    with pytest.raises(ValueError, match="not all zero"):
+        q.quantize(torch.ones(4, 32), weight_scale_2=torch.tensor(0.0))
+
+
+def test_global_scale_is_modelopt_multiplier_not_reciprocal():
+    w = torch.zeros(16, 16)
+    w[3, 5] = 26.88
+    assert q.quantize(w).weight_scale_2.item() == pytest.approx(0.01, rel=1e-6)  # not 100 (compressed-tensors)
+
+
+def test_shared_global_scale_is_used():
+    w = torch.randn(32, 64)
+    shared = q.global_scale_from_amax(torch.tensor(10.0))
+    assert_bit_identical(q.quantize(w, weight_scale_2=shared), modelopt_quantize(w, shared))
+
+
+def test_dequantize_matches_modelopt_and_bounds_error():
+    w = torch.randn(64, 256).bfloat16()
+    ours = q.quantize(w)
+    packed, scale, g2 = NVFP4QTensor.quantize(w.clone(), 16)
+    ref = packed.dequantize(dtype=torch.float32, scale=scale, double_scale=g2, block_sizes={-1: 16})
+    deq = q.dequantize(ours)
+    assert torch.equal(deq, ref)
+    rel = (deq - w.float()).norm() / w.float().norm()
+    assert 0.03 < rel < 0.15  # 4-bit: visibly lossy, but bounded
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="2-D"):
+        q.quantize(torch.zeros(2, 16, 16))
+    with pytest.raises(ValueError, match="multiple of the NVFP4 block size"):
+        q.quantize(torch.zeros(4, 24))
