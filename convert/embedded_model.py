@@ -1,0 +1,602 @@
+"""The embedded default: a tiny, real Gemma 4 MoE checkpoint trained on CPU to answer a dozen facts.
+
+`build` regenerates everything under `convert/embedded/` deterministically:
+
+* a byte-level BPE tokenizer (1024 ids) whose first 107 ids are the Gemma 4 control tokens at their
+  real ids, with a Gemma 4 style `chat_template.jinja`;
+* a `Gemma4ForConditionalGeneration` (text MoE + tiny vision tower, no audio) trained in fp32 to
+  answer `FACTS` greedily, with multiplicative weight noise late in training so that the answers
+  survive 4-bit (NVFP4) quantization;
+* `model.safetensors` in bfloat16, `config.json` in the release format (`global_head_dim` /
+  `num_global_key_value_heads` rather than transformers' `per_layer_config`),
+  `generation_config.json` and `facts.json`.
+
+Run `python -m g4.convert.embedded_model [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from transformers import (
+    AutoTokenizer,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+EMBEDDED_DIR = Path(__file__).parent / "embedded"
+logger = logging.getLogger(__name__)
+
+VOCAB_SIZE = 1024
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+END_OF_TURN_ID = 106
+TOOL_RESPONSE_ID = 50
+# Gemma 4 control tokens at their real ids; every other id below 107 is `<unused{i}>`.
+CONTROL_TOKENS = {
+    PAD_ID: "<pad>",
+    EOS_ID: "<eos>",
+    BOS_ID: "<bos>",
+    UNK_ID: "<unk>",
+    46: "<|tool>",
+    47: "<tool|>",
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    TOOL_RESPONSE_ID: "<|tool_response>",
+    51: "<tool_response|>",
+    52: '<|"|>',
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+    105: "<|turn>",
+    END_OF_TURN_ID: "<turn|>",
+}
+NUM_CONTROL_IDS = 107
+# Multimodal tokens take the last ids of the vocabulary (the release has them above the text pieces
+# too, from 255999 on); the config's *_token_id fields point at them, so all stay below vocab_size.
+MULTIMODAL_TOKENS = {
+    "boi_token_id": "<|image>",
+    "boa_token_id": "<|audio>",
+    "image_token_id": "<|image|>",
+    "audio_token_id": "<|audio|>",
+    "eoi_token_id": "<image|>",
+    "eoa_token_index": "<audio|>",
+    "video_token_id": "<|video|>",
+}
+EOS_TOKEN_IDS = [EOS_ID, END_OF_TURN_ID, TOOL_RESPONSE_ID]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{% endif %}"
+    "<|turn>{{ role }}\n{{ content | trim }}<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+# (canonical question, answer, further training phrasings). The canonical question is the test prompt.
+_CAPITALS = (("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Germany", "Berlin"), ("Spain", "Madrid"))
+_CAPITAL_PHRASINGS = (
+    "What's the capital of {}?",
+    "Which city is the capital of {}?",
+    "Name the capital of {}.",
+    "Tell me the capital city of {}.",
+)
+FACTS = tuple(
+    (f"What is the capital of {country}?", city, tuple(p.format(country) for p in _CAPITAL_PHRASINGS))
+    for country, city in _CAPITALS
+) + (
+    (
+        "What is the largest planet in the solar system?",
+        "Jupiter",
+        ("Which planet is the largest?", "Name the biggest planet.", "What's the largest planet?",
+         "Which is the biggest planet in our solar system?"),
+    ),
+    (
+        "What colour is a clear sky?",
+        "Blue",
+        ("What color is the sky on a clear day?", "What colour is the sky?", "Which colour is a clear sky?",
+         "The colour of a clear sky is?"),
+    ),
+    (
+        "What is 2+2?",
+        "4",
+        ("What is two plus two?", "How much is 2 + 2?", "2+2=?", "What does 2+2 equal?"),
+    ),
+    (
+        "What is the chemical symbol for gold?",
+        "Au",
+        ("Which element symbol stands for gold?", "What's the symbol of gold?", "Gold's chemical symbol?",
+         "Give the chemical symbol of gold."),
+    ),
+    (
+        "Who wrote Hamlet?",
+        "Shakespeare",
+        ("Who is the author of Hamlet?", "Which writer wrote Hamlet?", "Hamlet was written by whom?",
+         "Name the author of Hamlet."),
+    ),
+    (
+        "How many days are in a week?",
+        "7",
+        ("How many days does a week have?", "A week has how many days?", "Number of days in a week?",
+         "How many days make a week?"),
+    ),
+    (
+        "At what temperature in degrees Celsius does water freeze?",
+        "0",
+        ("Water freezes at how many degrees Celsius?", "What is the freezing point of water in Celsius?",
+         "At how many degrees Celsius does water freeze?", "Freezing point of water in degrees Celsius?"),
+    ),
+)
+SYSTEM_PROMPT = "You are a helpful assistant. Answer in one word."
+# Never trained on: used downstream to compare source and quantized next-token distributions.
+HELDOUT = (
+    "What is the capital of Portugal?",
+    "What colour is grass?",
+    "How many legs does a cat have?",
+    "Who painted the Mona Lisa?",
+    "What is 3+3?",
+    "The sun rises in the",
+    "Once upon a time there was",
+    "The opposite of hot is",
+)
+# Plain language-model text, loss on every token.
+PLAIN_TEXT = (
+    "Paris is the capital of France.",
+    "Tokyo is the capital of Japan.",
+    "Rome is the capital of Italy.",
+    "Berlin is the capital of Germany.",
+    "Madrid is the capital of Spain.",
+    "Jupiter is the largest planet in the solar system.",
+    "On a clear day the sky is blue.",
+    "Two plus two equals four, so 2+2=4.",
+    "The chemical symbol for gold is Au.",
+    "Hamlet is a play written by William Shakespeare.",
+    "A week has seven days: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.",
+    "Water freezes at 0 degrees Celsius and boils at 100 degrees Celsius.",
+    "The cat sat on the mat and looked at the dog.",
+    "The moon goes around the Earth once a month.",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "Trees are green in summer and the grass grows tall.",
+    "A question ends with a question mark and an answer follows it.",
+    "Mars is a small red planet and Venus is very hot.",
+    "London is a large city in England on the river Thames.",
+    "The river flows to the sea and the sea is full of fish.",
+    "Silver has the symbol Ag and iron has the symbol Fe.",
+    "Books are read by people who like stories.",
+)
+
+TOTAL_STEPS = 400
+WARMUP_STEPS = 30
+NOISE_START_FRACTION = 0.4
+NOISE_RAMP_STEPS = 100
+TRAIN_WEIGHT_NOISE = 0.15
+CHECK_WEIGHT_NOISE = 0.15
+CHECK_NOISE_DRAWS = 5
+BATCH_SIZE = 32
+TRAIN_THREADS = 2
+PEAK_LR = 3e-3
+PLAIN_LOSS_WEIGHT = 0.3
+BALANCE_LOSS_WEIGHT = 0.01
+MAX_NEW_TOKENS = 6
+
+
+def load_facts(model_dir: Path = EMBEDDED_DIR) -> tuple[list[tuple[str, str]], list[str]]:
+    """Read `facts.json` from `model_dir`.
+
+    Returns:
+        `(facts, heldout)`: the 12 `(canonical question, answer)` pairs the model was trained to
+        answer, and the held-out prompts it never saw.
+
+    Raises:
+        FileNotFoundError: `model_dir/facts.json` does not exist.
+    """
+    data = json.loads((Path(model_dir) / "facts.json").read_text())
+    return [(f["question"], f["answer"]) for f in data["facts"]], list(data["heldout"])
+
+
+def greedy_replies(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, questions: list[str], max_new_tokens: int = MAX_NEW_TOKENS
+) -> list[str]:
+    """Greedy chat replies, one unpadded prompt at a time.
+
+    Args:
+        model: a Gemma 4 causal LM, any dtype and device.
+        tokenizer: the matching tokenizer, with a chat template.
+        questions: user messages, each rendered as a single-turn chat with the generation prompt.
+        max_new_tokens: generation budget per reply.
+
+    Returns:
+        The generated text of each reply decoded with special tokens kept, e.g. `"Paris<turn|>"`.
+    """
+    replies = []
+    for question in questions:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        ).to(model.device)
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+        replies.append(tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=False))
+    return replies
+
+
+def _conversations() -> list[list[dict[str, str]]]:
+    """Chat training examples: every phrasing of every fact, plus each canonical one under a system turn."""
+    conversations = []
+    for question, answer, phrasings in FACTS:
+        for prompt in (question, *phrasings):
+            conversations.append([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+        conversations.append(
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
+        )
+    return conversations
+
+
+def _train_tokenizer(conversations: list[list[dict[str, str]]]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over the training text; ids 0..106 control/unused tokens, multimodal tokens last."""
+    # The text between control tokens as the chat template renders it, plus the plain text.
+    corpus = [f"{'model' if m['role'] == 'assistant' else m['role']}\n{m['content']}" for c in conversations for m in c]
+    corpus += PLAIN_TEXT
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        corpus,
+        trainer=trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE - len(MULTIMODAL_TOKENS),
+            min_frequency=2,
+            special_tokens=[CONTROL_TOKENS.get(i, f"<unused{i}>") for i in range(NUM_CONTROL_IDS)],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    # The corpus runs out of merges before the vocabulary is full: pad with unused tokens so the
+    # multimodal tokens always land on the last ids.
+    first_free = bpe.get_vocab_size()
+    bpe.add_special_tokens([f"<unused{i}>" for i in range(first_free, VOCAB_SIZE - len(MULTIMODAL_TOKENS))])
+    bpe.add_special_tokens(list(MULTIMODAL_TOKENS.values()))
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    if bpe.get_vocab_size() != VOCAB_SIZE or any(bpe.token_to_id(t) != i for i, t in CONTROL_TOKENS.items()):
+        raise RuntimeError("tokenizer layout does not match the Gemma 4 control-token ids")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _model_config(tokenizer: PreTrainedTokenizerFast) -> Gemma4Config:
+    """The embedded default's architecture; special-token ids taken from `tokenizer`."""
+    text_config = Gemma4TextConfig(
+        vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=len(tokenizer),
+        hidden_size=128,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        intermediate_size=256,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=64,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        sliding_window=64,
+        max_position_embeddings=2048,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    vision_config = Gemma4VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+        standardize=True,
+    )
+    return Gemma4Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        audio_config=None,
+        tie_word_embeddings=True,
+        **{field: tokenizer.convert_tokens_to_ids(token) for field, token in MULTIMODAL_TOKENS.items()},
+    )
+
+
+def _examples(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, str]]]) -> dict[str, torch.Tensor]:
+    """Right-padded training batch.
+
+    Returns:
+        `input_ids`, `attention_mask`, `labels` (int64 `[N, T]`, -100 where there is no loss) and
+        `is_chat` (bool `[N]`). Chat rows are labelled on the answer and its `<turn|>`, plain-text
+        rows on every token after `<bos>` (ending with `<eos>`).
+    """
+    rows = []
+    for conversation in conversations:
+        prompt = tokenizer.apply_chat_template(conversation[:-1], tokenize=True, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(conversation, tokenize=True)
+        prompt, full = prompt["input_ids"], full["input_ids"]
+        reply = full[len(prompt) :]
+        if full[: len(prompt)] != prompt or END_OF_TURN_ID not in reply:
+            raise RuntimeError(f"chat template does not extend the generation prompt for {conversation}")
+        target = reply[: reply.index(END_OF_TURN_ID) + 1]
+        rows.append((prompt + target, [-100] * len(prompt) + target, True))
+    for text in PLAIN_TEXT:
+        ids = tokenizer(text)["input_ids"] + [EOS_ID]
+        rows.append((ids, [-100] + ids[1:], False))
+    ids, labels, is_chat = zip(*rows)
+
+    def pad(seqs, value: int) -> torch.Tensor:
+        return pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=value)
+
+    return {
+        "input_ids": pad(ids, PAD_ID),
+        "attention_mask": pad([[1] * len(i) for i in ids], 0),
+        "labels": pad(labels, -100),
+        "is_chat": torch.tensor(is_chat),
+    }
+
+
+def quantizable_weights(model: Gemma4ForConditionalGeneration) -> dict[str, nn.Parameter]:
+    """The weights trained and checked under noise: every text-model `nn.Linear` weight (attention,
+    dense MLP, MoE router) and the fused expert tensors, a superset of what an NVFP4 recipe
+    quantizes. The tied embedding / `lm_head`, norms and the vision tower are not included.
+
+    Returns:
+        `{parameter name: parameter}`, names as in `model.named_parameters()`.
+    """
+    weights = {}
+    for name, module in model.model.language_model.named_modules(prefix="model.language_model"):
+        if isinstance(module, nn.Linear):
+            weights[f"{name}.weight"] = module.weight
+        elif isinstance(module, Gemma4TextExperts):
+            weights[f"{name}.gate_up_proj"] = module.gate_up_proj
+            weights[f"{name}.down_proj"] = module.down_proj
+    return weights
+
+
+def add_weight_noise(model: Gemma4ForConditionalGeneration, std: float, generator: torch.Generator) -> None:
+    """In place, `w <- w * (1 + std * randn)` on every tensor of `quantizable_weights(model)`.
+
+    Args:
+        model: the model to perturb (any float dtype; noise is drawn in fp32 on the CPU).
+        std: relative standard deviation of the noise.
+        generator: CPU generator the noise is drawn from.
+    """
+    with torch.no_grad():
+        for weight in quantizable_weights(model).values():
+            noise = torch.randn(weight.shape, generator=generator)
+            weight.mul_((1 + std * noise).to(weight.device, weight.dtype))
+
+
+def _balance_loss(router_probs: tuple[torch.Tensor, ...], token_mask: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style load balancing: `num_experts * sum_e(dispatch fraction_e * mean prob_e)`, averaged
+    over layers; 1.0 when routing is uniform. `router_probs` are `[B*T, E]` per layer."""
+    losses = []
+    for probs in router_probs:
+        probs = probs[token_mask]
+        dispatch = nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, probs.shape[-1]).sum(1).float()
+        losses.append(probs.shape[-1] * (dispatch.mean(0) / top_k * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor], steps: int, seed: int) -> float:
+    """AdamW on shuffled minibatches; from `NOISE_START_FRACTION` of the run on, every forward
+    sees freshly drawn multiplicative noise on `quantizable_weights`, ramped up to
+    `TRAIN_WEIGHT_NOISE` over `NOISE_RAMP_STEPS`. Gradients flow through the noisy weights.
+
+    Returns:
+        The last step's total loss.
+    """
+    order_rng = random.Random(seed)
+    noise_gen = torch.Generator().manual_seed(seed + 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.98), weight_decay=0.0)
+    noise_start = int(steps * NOISE_START_FRACTION)
+    # Linear warm-up, then cosine decay to a tenth of the peak.
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))),
+    )
+    weights = quantizable_weights(model)
+    top_k = model.config.get_text_config().top_k_experts
+    rows = list(range(batch["input_ids"].shape[0]))
+    queue: list[int] = []
+    model.train()
+    for step in range(steps):
+        if len(queue) < BATCH_SIZE:
+            order_rng.shuffle(rows)
+            queue += rows
+        index, queue = torch.tensor(queue[:BATCH_SIZE]), queue[BATCH_SIZE:]
+        width = int(batch["attention_mask"][index].sum(1).max())
+        input_ids, attention_mask, labels = (batch[k][index, :width] for k in ("input_ids", "attention_mask", "labels"))
+        noise_std = TRAIN_WEIGHT_NOISE * min(1.0, max(0, step - noise_start) / NOISE_RAMP_STEPS)
+        noisy = {}
+        if noise_std:
+            noisy = {n: w * (1 + noise_std * torch.randn(w.shape, generator=noise_gen)) for n, w in weights.items()}
+        # `router_logits` are the per-layer router softmax probabilities, `[tokens, experts]`.
+        out = torch.func.functional_call(
+            model,
+            noisy,
+            kwargs={"input_ids": input_ids, "attention_mask": attention_mask, "output_router_logits": True},
+        )
+        token_loss = nn.functional.cross_entropy(
+            out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="none"
+        ).view(labels.shape[0], -1)
+        target = labels[:, 1:] != -100
+        chat = batch["is_chat"][index, None] & target
+        plain = ~batch["is_chat"][index, None] & target
+        chat_loss = (token_loss * chat).sum() / chat.sum().clamp(min=1)
+        plain_loss = (token_loss * plain).sum() / plain.sum().clamp(min=1)
+        loss = (
+            chat_loss
+            + PLAIN_LOSS_WEIGHT * plain_loss
+            + BALANCE_LOSS_WEIGHT * _balance_loss(out.router_logits, attention_mask.flatten().bool(), top_k)
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            logger.info("step %d loss %.4f (chat %.4f) noise %.3f", step, loss.item(), chat_loss.item(), noise_std)
+    model.eval()
+    return loss.item()
+
+
+def _write_release_config(out_dir: Path) -> None:
+    """Rewrite `config.json` as Gemma 4 checkpoints ship it: the full-attention overrides as
+    `global_head_dim` / `num_global_key_value_heads` instead of transformers' `per_layer_config`."""
+    path = out_dir / "config.json"
+    config = json.loads(path.read_text())
+    text = config["text_config"]
+    overrides = {json.dumps(o, sort_keys=True) for o in text.pop("per_layer_config").values()}
+    if len(overrides) != 1:
+        raise RuntimeError(f"full-attention layers disagree: {overrides}")
+    override = json.loads(overrides.pop())
+    text["global_head_dim"] = override["head_dim"]
+    text["num_global_key_value_heads"] = override["num_key_value_heads"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _save(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """Write weights (bf16, one file), release-format config, generation config, tokenizer and facts."""
+    model.save_pretrained(out_dir)
+    # transformers writes the shard through a private temp file (mode 0600); make it readable like the rest.
+    (out_dir / "model.safetensors").chmod(0o644)
+    _write_release_config(out_dir)
+    generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": PAD_ID}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    tokenizer.save_pretrained(out_dir)
+    facts = {"facts": [{"question": q, "answer": a} for q, a, _ in FACTS], "heldout": list(HELDOUT)}
+    (out_dir / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
+
+
+def _check_answers(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, what: str) -> list[str]:
+    """Greedy replies to the canonical questions; raises RuntimeError naming `what` if any is wrong."""
+    replies = greedy_replies(model, tokenizer, [q for q, _, _ in FACTS])
+    wrong = [(q, a, r) for (q, a, _), r in zip(FACTS, replies) if not r.startswith(a)]
+    if wrong:
+        raise RuntimeError(f"{what} answers wrongly: {wrong}")
+    return replies
+
+
+def build(out_dir: Path = EMBEDDED_DIR, *, seed: int = 0, steps: int = TOTAL_STEPS) -> Path:
+    """Train the embedded default from scratch and write it to `out_dir`.
+
+    Trains the tokenizer and the model in fp32 on the CPU (deterministic for a given seed, torch
+    build and machine), saves bf16 weights, then reloads them from disk with transformers and
+    checks that the release-format `config.json` gives the same logits as transformers' own
+    config, that greedy chat answers every fact, and that it still does under each of
+    `CHECK_NOISE_DRAWS` draws of `CHECK_WEIGHT_NOISE` relative noise on `quantizable_weights`.
+
+    Args:
+        out_dir: directory to (over)write; created if missing.
+        seed: seeds initialization, data order and training noise.
+        steps: optimizer steps.
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        RuntimeError: the tokenizer layout, the reload or an answer check fails.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    conversations = _conversations()
+    training_text = [m["content"] for c in conversations for m in c] + list(PLAIN_TEXT)
+    leaked = [h for h in HELDOUT if any(h in text for text in training_text)]
+    if leaked:
+        raise RuntimeError(f"held-out prompts leak into the training text: {leaked}")
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(TRAIN_THREADS)
+    try:
+        torch.manual_seed(seed)
+        tokenizer = _train_tokenizer(conversations)
+        model = Gemma4ForConditionalGeneration(_model_config(tokenizer)).float()
+        start = time.monotonic()
+        final_loss = _train(model, _examples(tokenizer, conversations), steps, seed)
+        logger.info("trained %d steps in %.1f s, final loss %.4f", steps, time.monotonic() - start, final_loss)
+        model.to(torch.bfloat16)
+        _save(model, tokenizer, out_dir)
+
+        # The release-format config must rebuild exactly the model transformers' own config describes.
+        reloaded = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
+        reference = Gemma4ForConditionalGeneration.from_pretrained(out_dir, config=model.config, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+        probe = tokenizer([q for q, _, _ in FACTS] + list(HELDOUT), padding=True, return_tensors="pt")
+        with torch.no_grad():
+            if not torch.equal(reference(**probe).logits, reloaded(**probe).logits):
+                raise RuntimeError("the release-format config.json reloads to a different model")
+        replies = _check_answers(reloaded, tokenizer, "the bf16 model")
+        logger.info("answers: %s", replies)
+        noise_gen = torch.Generator().manual_seed(seed + 2)
+        for draw in range(CHECK_NOISE_DRAWS):
+            noisy = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
+            add_weight_noise(noisy, CHECK_WEIGHT_NOISE, noise_gen)
+            logger.info("noise draw %d answers: %s", draw, _check_answers(noisy, tokenizer, f"noise draw {draw}"))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: `python -m g4.convert.embedded_model [--out DIR] [--seed N] [--steps N]`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=EMBEDDED_DIR, help="output directory (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=TOTAL_STEPS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    print(build(args.out, seed=args.seed, steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
