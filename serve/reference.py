@@ -16,7 +16,6 @@ model and small real ones), not the 26B.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,13 +49,18 @@ class VerifyReport:
 
     ``token_agreement``: fraction of teacher-forced positions (the source's greedy
     continuation of each prompt) where both models' argmax agree. ``mean_kl``: mean
-    KL(source || converted) in nats over the same positions.
+    KL(source || converted) in nats over the same positions. ``all_*``: the same over
+    every position of prompt plus continuation (prompt positions are text the model
+    did not choose, so these are lower and only reported).
     """
 
     prompts: int
     positions: int
     token_agreement: float
     mean_kl: float
+    all_positions: int
+    all_token_agreement: float
+    all_mean_kl: float
     act_quant: bool
     facts_total: int = 0
     facts_correct: int = 0
@@ -67,7 +71,9 @@ class VerifyReport:
 
     def summary(self) -> str:
         lines = [f"token agreement {self.token_agreement:.3f} over {self.positions} positions of {self.prompts} "
-                 f"held-out prompts; mean KL {self.mean_kl:.4f} nats ({'W4A4' if self.act_quant else 'W4A16'} emulation)"]
+                 f"held-out prompts; mean KL {self.mean_kl:.4f} nats ({'W4A4' if self.act_quant else 'W4A16'} emulation)",
+                 f"all {self.all_positions} positions incl. prompts: agreement {self.all_token_agreement:.3f}, "
+                 f"mean KL {self.all_mean_kl:.4f} nats"]
         if self.facts_total:
             lines.append(f"facts answered: {self.facts_correct}/{self.facts_total}")
             lines += [f"  {'ok ' if a['ok'] else 'BAD'} {a['question']!r} -> {a['reply']!r} (expected {a['answer']!r})"
@@ -182,24 +188,34 @@ def _chat_ids(tokenizer, text: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: int = 16) -> tuple[int, float, float]:
-    """Teacher-force both models on the source's greedy continuations.
+def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: int = 16) -> dict[str, float]:
+    """Teacher-force both models on each chat-formatted prompt plus the source's greedy
+    continuation and compare next-token distributions.
 
     Returns:
-        (positions, token agreement in [0, 1], mean KL(source || converted) in nats).
+        ``{"positions", "token_agreement", "mean_kl"}`` over continuation positions and
+        ``{"all_positions", "all_token_agreement", "all_mean_kl"}`` over every position;
+        agreement in [0, 1], KL(source || converted) in nats.
     """
-    agree = positions = 0
-    kl_sum = 0.0
+    sums = {"n": 0, "agree": 0, "kl": 0.0, "all_n": 0, "all_agree": 0, "all_kl": 0.0}
     for prompt in prompts:
         ids = _chat_ids(tokenizer, prompt)
         seq = src_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        start = ids.shape[1] - 1
-        lp = torch.log_softmax(src_model(seq).logits[0, start:-1].float(), -1)
-        lq = torch.log_softmax(q_model(seq).logits[0, start:-1].float(), -1)
-        kl_sum += (lp.exp() * (lp - lq)).sum().item()
-        agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
-        positions += lp.shape[0]
-    return positions, agree / max(positions, 1), kl_sum / max(positions, 1)
+        lp = torch.log_softmax(src_model(seq).logits[0, :-1].float(), -1)
+        lq = torch.log_softmax(q_model(seq).logits[0, :-1].float(), -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        agree = lp.argmax(-1) == lq.argmax(-1)
+        reply = slice(ids.shape[1] - 1, None)
+        sums["n"] += kl[reply].numel()
+        sums["agree"] += agree[reply].sum().item()
+        sums["kl"] += kl[reply].sum().item()
+        sums["all_n"] += kl.numel()
+        sums["all_agree"] += agree.sum().item()
+        sums["all_kl"] += kl.sum().item()
+    n, all_n = max(sums["n"], 1), max(sums["all_n"], 1)
+    return {"positions": sums["n"], "token_agreement": sums["agree"] / n, "mean_kl": sums["kl"] / n,
+            "all_positions": sums["all_n"], "all_token_agreement": sums["all_agree"] / all_n,
+            "all_mean_kl": sums["all_kl"] / all_n}
 
 
 @torch.no_grad()
@@ -231,8 +247,8 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     if facts_path.is_file():
         data = json.loads(facts_path.read_text())
         facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
-    positions, agreement, kl = compare_models(src_model, q_model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-    report = VerifyReport(len(prompts), positions, agreement, kl if math.isfinite(kl) else float("inf"), act_quant)
+    stats = compare_models(src_model, q_model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
     for question, expected in facts:
         reply = answer(q_model, tokenizer, question)
         ok = reply.startswith(expected)

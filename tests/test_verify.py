@@ -1,0 +1,64 @@
+"""The embedded model through NVFP4 and back: it must still answer its facts (CPU reference)."""
+
+import pytest
+import torch
+
+from g4.convert.embedded_model import EMBEDDED_DIR
+from g4.convert.nvfp4 import convert_nvfp4
+from g4.serve.reference import compare_models, load_converted_model, load_source_model, verify_nvfp4
+
+
+@pytest.fixture(scope="module")
+def embedded_nvfp4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("embedded") / "nvfp4"
+    convert_nvfp4(EMBEDDED_DIR, out, progress=False)
+    return out
+
+
+def test_embedded_nvfp4_still_answers(embedded_nvfp4):
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR)
+    assert report.facts_total == 12 and report.facts_correct == 12, report.summary()
+    assert report.token_agreement >= 0.9 and report.mean_kl < 0.5, report.summary()
+    assert report.passed(0.9)
+
+
+def test_w4a4_emulation_still_answers(embedded_nvfp4):
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=True, max_new_tokens=4)
+    assert report.facts_correct == 12, report.summary()
+
+
+def test_metrics_detect_embedding_scale_bugs(embedded_nvfp4):
+    """P12: the embedding scale applied twice is caught outright; dropped, it shows in the KL."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    prompts = ["What is 2+2?", "Hello", "What is the capital of Japan?"]
+    src = load_source_model(EMBEDDED_DIR)
+    assert compare_models(src, src, tok, prompts[:1])["all_mean_kl"] == pytest.approx(0.0, abs=1e-6)
+    good = compare_models(src, load_converted_model(embedded_nvfp4, EMBEDDED_DIR), tok, prompts)
+
+    def with_embed_scale(value):
+        model = load_converted_model(embedded_nvfp4, EMBEDDED_DIR)
+        model.model.language_model.embed_tokens.embed_scale.fill_(value)
+        return compare_models(src, model, tok, prompts)
+
+    twice = with_embed_scale(128.0)  # sqrt(128) ** 2
+    assert twice["token_agreement"] < 0.5 and twice["mean_kl"] > 1.0
+    dropped = with_embed_scale(1.0)
+    assert dropped["all_mean_kl"] > 1.5 * good["all_mean_kl"]
+    assert dropped["all_token_agreement"] < good["all_token_agreement"]
+
+
+def test_dequantized_state_matches_quantizer(embedded_nvfp4):
+    """Re-fused experts: rows [0, I) are gate_proj, [I, 2I) up_proj, and close to the bf16 source."""
+    from safetensors.torch import load_file
+
+    from g4.serve.reference import load_nvfp4_as_hf
+
+    sd, scales = load_nvfp4_as_hf(embedded_nvfp4, torch.float32)
+    src = load_file(EMBEDDED_DIR / "model.safetensors")
+    key = "model.language_model.layers.2.experts.gate_up_proj"
+    assert sd[key].shape == src[key].shape
+    rel = (sd[key] - src[key].float()).norm() / src[key].float().norm()
+    assert rel < 0.15
+    assert "model.language_model.layers.2.experts.down_proj" in scales
