@@ -77,12 +77,15 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--calib-samples", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=8), default=256, show_default=True, help="Tokens per sample.")
 @click.option("--calib-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Calibration forward dtype: float32 is ~6x faster on CPUs; bfloat16 reproduces the bf16 "
+                   "model (and modelopt's own CPU calibration) bit for bit.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="GB = 10**9 bytes, GiB = 2**30.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @click.pass_context
 @_user_errors
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          max_shard_size, overwrite):
+          calib_dtype, max_shard_size, overwrite):
     """Convert SRC (a checkpoint directory, or 'embedded') to a modelopt NVFP4 checkpoint in OUT.
 
     OUT loads in unpatched vLLM >= 0.19.1 with `vllm serve OUT --quantization modelopt`.
@@ -93,7 +96,8 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     try:
         report = convert_nvfp4(_resolve_src(src), out, preset=preset, weight_only=weight_only,
                                calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                               calib_batch_size=calib_batch_size, max_shard_size=max_shard_size,
+                               calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
+                               max_shard_size=max_shard_size,
                                overwrite=overwrite, progress=ctx.obj["progress"])
     except ValueError as e:  # e.g. a bad --max-shard-size
         raise G4Error(str(e)) from e

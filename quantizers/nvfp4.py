@@ -80,8 +80,13 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
 
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
-    """``max(|w|)`` as a float32 0-d tensor (exact: the max of bf16 values is a bf16 value)."""
-    return w.abs().amax().float()
+    """``max(|w|)`` as a float32 0-d tensor (exact: the max of bf16 values is a bf16 value).
+
+    Computed with one ``aminmax`` pass (no ``|w|`` temporary); NaN propagates, so a
+    non-finite result means a non-finite weight.
+    """
+    lo, hi = torch.aminmax(w)
+    return torch.maximum(-lo.float(), hi.float())
 
 
 # Midpoints between neighbouring E2M1 magnitudes and whether a value exactly on the

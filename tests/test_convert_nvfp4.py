@@ -133,6 +133,16 @@ def test_input_scales_equal_calibrated_amax(tiny_mm, tiny_mm_nvfp4):
     assert out["model.language_model.layers.0.self_attn.q_proj.input_scale"] == x.abs().amax().float() / 2688
 
 
+def test_float32_calibration_is_within_bf16_rounding(tiny_mm, tiny_mm_nvfp4, tmp_path):
+    """The fast fp32 calibration forward gives the bf16 run's input scales to bf16 precision."""
+    convert_nvfp4(tiny_mm, tmp_path / "fp32", calib_dtype="float32", **CALIB)
+    fast, exact = load_all(tmp_path / "fp32"), load_all(tiny_mm_nvfp4)
+    scales = [n for n in exact if n.endswith("input_scale")]
+    rel = torch.stack([(fast[n] - exact[n]).abs() / exact[n] for n in scales])
+    assert rel.max() < 0.03 and rel.median() < 0.01
+    assert all(torch.equal(raw(fast[n]), raw(exact[n])) for n in exact if not n.endswith("input_scale"))
+
+
 def test_calibration_embedding_keeps_sqrt_hidden_scale(tiny_mm):
     """P12: the host-side lookup equals Gemma4TextScaledWordEmbedding bit for bit (bf16(sqrt(H)))."""
     from transformers import Gemma4ForConditionalGeneration
