@@ -11,7 +11,6 @@ activations), never the model. Output format: ../shared/specs/nvfp4-modelopt-vll
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import shutil
@@ -34,14 +33,14 @@ from g4.exporters.nvfp4_names import (
     LinearGroup,
     Part,
     exclude_modules,
-    map_sources,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
 
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
 from .checkpoint import INDEX_NAME, Checkpoint
-from .errors import CheckpointError, ExportError, MappingError
+from .errors import CheckpointError, ExportError
+from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
@@ -124,34 +123,14 @@ def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPl
         MappingError: unmapped or missing tensors, a v_proj on a k_eq_v layer.
         CheckpointError: expert shapes that disagree with the config or are not NVFP4-able.
     """
-    smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
-    tc = ckpt.text_config
-    layer_types = tc.get("layer_types") or []
-    k_eq_v = bool(tc.get("attention_k_eq_v", False))
-    n_exp, inter, hidden = int(tc["num_experts"]), int(tc["moe_intermediate_size"]), int(tc["hidden_size"])
+    smap = checked_sources(ckpt)
     plans = []
     for ls in smap.layers:
         L, src = ls.index, ls.tensors
-        where = f"layer {L} ({ckpt.layer_prefix(L)}*)"
-        no_v = k_eq_v and L < len(layer_types) and layer_types[L] == "full_attention"
-        required = set(LAYER_KEEP) | {EXPERT_GATE_UP, EXPERT_DOWN}
-        for g in DENSE_GROUPS:
-            required |= {f"{m}.weight" for m in g.members if m not in g.optional}
-        if not no_v:
-            required.add("self_attn.v_proj.weight")
-        elif "self_attn.v_proj.weight" in src:
-            raise MappingError(f"tensor {src['self_attn.v_proj.weight']}: {where} is a k_eq_v full-attention "
-                               "layer and must not have a v_proj (V is taken from k_proj)")
-        missing = sorted(required - set(src))
-        if missing:
-            raise MappingError(f"{where}: missing tensor(s) {', '.join(missing)}")
         gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
-        if gu != (n_exp, 2 * inter, hidden) or dn != (n_exp, hidden, inter):
-            raise CheckpointError(f"{where}: experts are gate_up {list(gu)} / down {list(dn)}, config says "
-                                  f"[{n_exp}, {2 * inter}, {hidden}] / [{n_exp}, {hidden}, {inter}]")
         _check_in_features(src[EXPERT_GATE_UP], gu)
         _check_in_features(src[EXPERT_DOWN], dn)
-        groups, keep = [], [k for k in LAYER_KEEP]
+        groups, keep = [], list(LAYER_KEEP)
         for g in DENSE_GROUPS:
             members = tuple(m for m in g.members if f"{m}.weight" in src)
             if g.part in parts:
@@ -160,7 +139,7 @@ def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPl
                 groups.append(LinearGroup(g.part, members))
             else:
                 keep.extend(f"{m}.weight" for m in members)
-        plans.append(_LayerPlan(L, ckpt.layer_prefix(L), src, groups, keep, n_exp))
+        plans.append(_LayerPlan(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
     return plans, smap.model_keep, smap.lm_head
 
 
