@@ -238,3 +238,19 @@ class Checkpoint:
     def close(self) -> None:
         """Drop the open mmaps."""
         self._handles.clear()
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Return ``t``, or raise naming it if it holds NaN/Inf (one fast ``aminmax`` pass:
+    NaN propagates through min/max, Inf shows as an infinite extreme).
+
+    Raises:
+        CheckpointError: ``tensor <name>: <n> NaN/Inf value(s) in the source weights``.
+    """
+    if t.is_floating_point() and t.numel():
+        lo, hi = torch.aminmax(t)
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            bad = (~torch.isfinite(t)).sum().item()
+            raise CheckpointError(f"tensor {name}: {bad} NaN/Inf value(s) in the source weights")
+    return t
+

@@ -3,14 +3,14 @@ public function; errors the user can act on print one line and exit with status 
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from pathlib import Path
 
 import click
 
-from .errors import G4Error
+from .errors import G4Error, exit_on_user_error
+from .plan import plan
 
 log = logging.getLogger("g4")
 
@@ -30,23 +30,6 @@ def _default_out(src: str, suffix: str) -> Path:
     return Path(f"{name}-{suffix}")
 
 
-def _user_errors(fn):
-    """Turn G4Error (and Ctrl-C) into one line on stderr and exit status 2 (130)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except G4Error as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted; nothing was written to OUT", err=True)
-            sys.exit(130)
-
-    return wrapper
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
@@ -59,6 +42,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert nvfp4                         # the embedded tiny Gemma 4 -> ./gemma4-tiny-nvfp4
       g4convert nvfp4 ./gemma-4-26B-A4B-it ./gemma-4-26B-A4B-it-NVFP4
       g4convert verify ./gemma4-tiny-nvfp4 --against embedded
+      g4convert int8-neuron embedded --tp 2     # -> ./gemma4-tiny-int8-neuron-tp2
+      g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
@@ -83,7 +68,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="GB = 10**9 bytes, GiB = 2**30.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @click.pass_context
-@_user_errors
+@exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
           calib_dtype, max_shard_size, overwrite):
     """Convert SRC (a checkpoint directory, or 'embedded') to a modelopt NVFP4 checkpoint in OUT.
@@ -104,6 +89,33 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     click.echo(report.summary())
 
 
+@main.command("int8-neuron")
+@click.argument("src", default=EMBEDDED)
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Tensor-parallel degree (one rank per NeuronCore).")
+@click.option("--quantize-attention", is_flag=True, help="Also int8 q/k/v/o (default: bf16, sharded).")
+@click.option("--target", default="inf2.xlarge", show_default=True,
+              help="Neuron instance the memory plan is checked against (see `g4convert plan`).")
+@click.option("--force", is_flag=True, help="Write even if the plan says it does not fit the target.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
+@click.pass_context
+@exit_on_user_error
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite):
+    """Write AWS Neuron (NxD) int8 per-channel weights of SRC pre-sharded per TP rank into OUT.
+
+    Experts, dense MLP and the tied lm_head (vocabulary-sharded) become int8 with fp32
+    per-channel scales; the embedding table stays on the host (bf16, unscaled); a manifest
+    records the layout, embed_scale and the per-rank memory plan.
+    """
+    from .int8_neuron import convert_int8_neuron
+
+    out = out or _default_out(src, f"int8-neuron-tp{tp}")
+    report = convert_int8_neuron(_resolve_src(src), out, tp=tp, quantize_attention=quantize_attention,
+                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"])
+    click.echo(report.summary())
+
+
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help="The source checkpoint, or 'embedded'.")
@@ -113,7 +125,7 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
 @click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, show_default=True,
               help="Fail (exit 1) below this greedy token agreement.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_user_errors
+@exit_on_user_error
 def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     """Compare converted OUT against its source on held-out prompts (CPU reference).
 
@@ -140,7 +152,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True)
 @click.pass_context
-@_user_errors
+@exit_on_user_error
 def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     """Write a synthetic checkpoint with the real model's key names, shapes and dtypes
     (random bf16 weights) for benchmarks and dry runs on real shapes."""
@@ -149,3 +161,7 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
                            max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(f"wrote {path}")
+
+
+main.add_command(plan)
+

@@ -3,6 +3,9 @@
 The CLI prints ``error: <message>`` and exits with status 2 for any :class:`G4Error`.
 """
 
+import functools
+import sys
+
 
 class G4Error(Exception):
     """Base class for input and output problems the user can act on."""
@@ -21,3 +24,24 @@ class MappingError(G4Error, KeyError):
 
 class ExportError(G4Error, ValueError):
     """The output would be invalid (non-finite scales, inconsistent metadata) or cannot be placed."""
+
+
+def exit_on_user_error(fn):
+    """Decorator for CLI commands: a :class:`G4Error` prints ``error: <message>`` (one line)
+    on stderr and exits with status 2; Ctrl-C exits with 130 (outputs are only ever
+    renamed into place when complete, so nothing partial is left)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import click
+
+        try:
+            return fn(*args, **kwargs)
+        except G4Error as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was written to OUT", err=True)
+            sys.exit(130)
+
+    return wrapper

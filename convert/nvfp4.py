@@ -38,7 +38,7 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import nvfp4 as q
 
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
-from .checkpoint import INDEX_NAME, Checkpoint
+from .checkpoint import INDEX_NAME, Checkpoint, check_finite
 from .errors import CheckpointError, ExportError
 from .sources import checked_sources
 
@@ -171,15 +171,6 @@ def output_specs(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str
 # --------------------------------------------------------------------------- producing
 
 
-def _finite_source(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Return ``t``, or raise naming it if it holds NaN/Inf (one fast aminmax pass;
-    NaN propagates through min/max, Inf shows as an infinite extreme)."""
-    if t.is_floating_point() and t.numel() and not torch.isfinite(q.weight_amax(t)):
-        bad = (~torch.isfinite(t)).sum().item()
-        raise CheckpointError(f"tensor {name}: {bad} NaN/Inf value(s) in the source weights")
-    return t
-
-
 def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback: torch.Tensor,
                  layer: int) -> torch.Tensor:
     """Shared ``input_scale`` of a group: max input amax over its members / 2688.
@@ -305,7 +296,7 @@ def convert_nvfp4(
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
         for p in plans:
-            w = {s: _finite_source(n, ckpt.get(n)) for s, n in p.sources.items()}
+            w = {s: check_finite(n, ckpt.get(n)) for s, n in p.sources.items()}
             amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
             for name, t in _produce_layer(p, w, amax):
                 writer.write(name, t)
@@ -320,7 +311,7 @@ def convert_nvfp4(
             del w
             ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
         for name in model_keep + ([lm_head] if lm_head else []):
-            writer.write(name, _finite_source(name, ckpt.get(name)))
+            writer.write(name, check_finite(name, ckpt.get(name)))
             bar.update(ckpt.tensors[name].nbytes)
         bar.close()
         writer.close()

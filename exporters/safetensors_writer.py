@@ -107,6 +107,9 @@ def _header_bytes(shard: Sequence[TensorSpec]) -> bytes:
 class ShardedSafetensorsWriter:
     """Write planned tensors, in plan order, into sharded safetensors files.
 
+    Either ``max_shard_bytes`` (shards ``model-0000i-of-0000n.safetensors`` plus an index)
+    or ``file_name`` (everything in that one file) is given.
+
     Usage::
 
         writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=5 * 10**9)
@@ -119,11 +122,15 @@ class ShardedSafetensorsWriter:
             its spec; ``close()`` before every tensor was written.
     """
 
-    def __init__(self, out_dir: Path, specs: Sequence[TensorSpec], *, max_shard_bytes: int,
-                 index_metadata: dict | None = None):
+    def __init__(self, out_dir: Path, specs: Sequence[TensorSpec], *, max_shard_bytes: int | None = None,
+                 file_name: str | None = None, index_metadata: dict | None = None):
         self.out_dir = Path(out_dir)
-        self.shards = plan_shards(specs, max_shard_bytes)
-        self.files = shard_file_names(len(self.shards))
+        if file_name is not None:  # one named file, no index (e.g. tp0_sharded_checkpoint.safetensors)
+            self.shards = plan_shards(specs, max_shard_bytes=2**63)
+            self.files = [file_name]
+        else:
+            self.shards = plan_shards(specs, max_shard_bytes)
+            self.files = shard_file_names(len(self.shards))
         self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0
         self._fh = None

@@ -1,0 +1,236 @@
+"""``g4convert int8-neuron``: int8 per-channel shards per TP rank for AWS Neuron (NxD).
+
+Output (layout and sources: ``g4.serve.neuron_layout``):
+
+- ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
+  MLP and vocabulary-sharded lm_head (built from the tied ``embed_tokens``) with fp32
+  per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms;
+- ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
+- ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
+  runtime must apply it, KV-head placement, source file hashes and the memory plan;
+- ``config.json``, tokenizer, chat template and generation config copied from SRC.
+
+Streaming as in the NVFP4 path: one decoder layer in RAM at a time; output written into a
+temporary directory and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from g4.exporters.neuron_int8 import shard
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
+from g4.quantizers import int8
+from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
+
+from .checkpoint import INDEX_NAME, Checkpoint, check_finite
+from .errors import G4Error
+from .nvfp4 import peak_rss_bytes
+from .sources import checked_sources
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_DIR = "weights"
+EMBED_FILE = "embed_tokens.safetensors"
+MANIFEST = "manifest.json"
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def rank_file(rank: int) -> str:
+    """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
+    return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+
+
+def embed_scale(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The embedding scale as Gemma4TextScaledWordEmbedding applies it: ``sqrt(H)`` cast to
+    the weight dtype (53.0 for H=2816 in bf16, not 53.066)."""
+    return float(torch.tensor(hidden_size**0.5).to(dtype))
+
+
+@dataclass
+class Int8Report:
+    """What an int8-neuron conversion did. Bytes, seconds."""
+
+    out: Path
+    tp: int
+    bytes_in: int
+    bytes_per_rank: list[int]
+    host_embed_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+
+    def summary(self) -> str:
+        ranks = ", ".join(f"{b / 1e9:.3f}" for b in self.bytes_per_rank)
+        return (f"{self.out}: TP={self.tp}; per-rank weights {ranks} GB; host embedding "
+                f"{self.host_embed_bytes / 1e9:.3f} GB; source {self.bytes_in / 1e9:.3f} GB; {self.seconds:.1f} s; "
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _layer_plan(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
+    smap = checked_sources(ckpt)
+    layers = []
+    for ls in smap.layers:
+        entries = layer_entries(has_v=g.has_v[ls.index], quantize_attention=quantize_attention)
+        layers.append((ls.index, ls.tensors, entries))
+    return smap, layers
+
+
+def rank_specs(ckpt: Checkpoint, g: Geometry, layers, embed_name: str) -> list[TensorSpec]:
+    """Tensors of one rank file in write order (identical names and shapes on every rank)."""
+    specs: list[TensorSpec] = []
+    for L, src, entries in layers:
+        for e in entries:
+            info = ckpt.tensors[src[e.source]]
+            specs += entry_specs(e, f"layers.{L}.", info.shape, info.dtype, g, L)
+    for e in MODEL_ENTRIES:
+        info = ckpt.tensors[embed_name if e.key == "lm_head" else ckpt.prefix + e.source]
+        specs += entry_specs(e, "", info.shape, info.dtype, g, None)
+    return specs
+
+
+def convert_int8_neuron(
+    src: str | Path,
+    out: str | Path,
+    *,
+    tp: int = 2,
+    quantize_attention: bool = False,
+    target: str | None = "inf2.xlarge",
+    force: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Int8Report:
+    """Convert a Gemma 4 MoE checkpoint to per-rank int8 NxD shards.
+
+    Args:
+        src: Hugging Face checkpoint directory (multimodal or text-only layout; the
+            vision tower is not exported: this is for text serving).
+        out: output directory (atomic: temp dir beside it, renamed when complete).
+        tp: tensor-parallel degree (ranks = NeuronCores).
+        quantize_attention: also int8 q/k/v/o (default bf16).
+        target: Neuron instance the memory plan is checked against (``None``: no check).
+        force: write even when the plan says the result does not fit ``target``.
+        overwrite: replace an existing ``out`` once the new result is complete.
+
+    Returns:
+        :class:`Int8Report`.
+
+    Raises:
+        G4Error (CheckpointError, MappingError, ExportError): bad source, a TP degree the
+            model cannot use, a result that does not fit ``target`` without ``force``,
+            or an existing ``out``.
+    """
+    from .plan import plan_memory
+
+    t0 = time.perf_counter()
+    ckpt = Checkpoint(src)
+    g = geometry(ckpt.text_config, tp)
+    plan = None
+    if target is not None:
+        plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
+                           attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
+        if not plan.fits and not force:
+            raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
+                          f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
+                          f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
+        if plan.host_fits is False:
+            log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
+                        "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
+                        plan.host_ram / 1e9)
+    smap, layers = _layer_plan(ckpt, g, quantize_attention)
+    embed_name = ckpt.prefix + "embed_tokens.weight"
+    specs = rank_specs(ckpt, g, layers, embed_name)
+    bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
+    source_files = sorted({i.file for i in ckpt.tensors.values()})
+
+    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+        (tmp / WEIGHTS_DIR).mkdir()
+        writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
+        bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="int8-neuron", disable=not progress)
+        for L, src_names, entries in layers:
+            for e in entries:
+                name = src_names[e.source]
+                _write_entry(writers, e, ckpt.get(name), name, g, L, f"layers.{L}.")
+            bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
+            log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
+                     " and attention" if quantize_attention else "", tp)
+            ckpt.close()  # unmap this layer's pages
+        embed = ckpt.get(embed_name)
+        for e in MODEL_ENTRIES:
+            name = embed_name if e.key == "lm_head" else ckpt.prefix + e.source
+            _write_entry(writers, e, embed if e.key == "lm_head" else ckpt.get(name), name, g, None, "")
+        for w in writers:
+            w.close()
+        host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
+                                        file_name=EMBED_FILE)
+        host.write("embed_tokens.weight", embed)  # unscaled: the runtime applies embed_scale
+        host.close()
+        bar.update(ckpt.tensors[embed_name].nbytes)
+        bar.close()
+        del embed
+        ckpt.close()
+        manifest = {
+            "format": LAYOUT_NAME,
+            "tp_degree": tp,
+            "rank_files": [rank_file(r) for r in range(tp)],
+            "host_embedding": {"file": EMBED_FILE, "tensor": "embed_tokens.weight", "dtype": "bfloat16",
+                               "scaled": False},
+            "embed_scale": embed_scale(g.hidden, ckpt.tensors[embed_name].dtype),
+            "quantization": {"type": "per_channel_symmetric", "dtype": "int8", "scale_dtype": "float32",
+                             "scale": "absmax/127 per output channel, floored at float32 eps",
+                             "experts": "expert_wise_per_channel_symmetric (scales [E,1,out])",
+                             "quantized": ["experts", "mlp", "lm_head"] + (["attention"] if quantize_attention else []),
+                             "kept_bf16": (["attention"] if not quantize_attention else []) +
+                             ["router", "norms", "layer_scalar", "embed_tokens (host)"],
+                             "not_exported": [n.rstrip(".") for n in ("model.vision_tower.", "model.embed_vision.")
+                                              if any(k.startswith(n) for k in smap.model_keep)]},
+            "layout": {
+                "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
+                                        "stride 2), scale fp32 [E, 1, 2I/T]",
+                "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "
+                                     "replicated",
+                "column": "weight [out/T, in], scale [out/T, 1]: q/k/v, mlp.gate/up, lm_head",
+                "row": "weight [out, in/T], scale [out, 1] replicated: o_proj, mlp.down",
+                "source": "aws-neuron/neuronx-distributed trace/trace.py create_local_weight; "
+                          "quantization/quantization_layers.py",
+            },
+            "kv_heads": [{"layer": L, "source_kv_heads": g.kv_heads[L], "per_rank": g.kv_per_rank(L),
+                          "replicated": g.kv_heads[L] < tp,
+                          "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
+                         for L in range(g.num_layers)],
+            "source": {"files": {f: _sha256(ckpt.root / f) for f in source_files}, "prefix": ckpt.prefix},
+            "memory_plan": plan.to_dict() if plan is not None else None,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        for f in sorted(ckpt.root.iterdir()):
+            if f.is_file() and f.name != INDEX_NAME and not f.name.endswith(_NOT_COPIED_SUFFIXES):
+                shutil.copy2(f, tmp / f.name)
+        per_rank = writers[0].total_bytes
+    return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
+                      time.perf_counter() - t0, peak_rss_bytes())
+
+
+def _write_entry(writers, e: Entry, tensor: torch.Tensor, name: str, g: Geometry, layer: int | None,
+                 prefix: str) -> None:
+    check_finite(name, tensor)
+    value = int8.quantize(tensor) if e.int8 else tensor
+    names = [f"{prefix}{e.key}.weight", f"{prefix}{e.key}.scale"] if e.int8 else [f"{prefix}{e.key}{e.suffix}"]
+    for r, w in enumerate(writers):
+        for n, t in zip(names, shard(e, value, g, layer, r)):
+            w.write(n, t)

@@ -1,0 +1,757 @@
+"""Memory plan of a Gemma 4 MoE model for a target, from the config alone (no weights read).
+
+``g4convert plan SRC_OR_CONFIG --format int8-neuron --tp 2 --target inf2.xlarge`` (or
+``--gpu-mem 128GiB``) prints, per tensor-parallel rank, the bytes of every weight group,
+the bf16 KV cache, the device memory of the target and whether it fits, and for Neuron
+targets the host RAM that loading needs.
+
+Units: every figure is an integer number of **bytes**; the report shows it also as
+**GB = 10**9 bytes** and **GiB = 2**30 bytes** (the specs use both; mixing them is how
+"49 GB" figures happen).
+
+Sources (the team specs in ``../shared/specs/`` beside this repository, as the README
+cites them):
+
+- ``../shared/specs/gemma4-architecture.md`` §1 (geometry, ``attention_k_eq_v``), §2.2
+  (transformers 5.24 ``per_layer_config`` form), §4 (memory budget: parameter groups,
+  bytes per format, the TP=2 per-rank variants, KV cache per token).
+- ``../shared/specs/nxd-int8-neuron.md`` §1.2 and §1.5 (which int8 layers split which dim
+  and which fp32 scales are split or replicated), §3.3 (the runtime loads every local
+  rank's file before ``initialize``), §4.3 (expert-wise scales ``[E, 1, out]``), §6
+  (NeuronCores, 16 GiB HBM per core and host RAM per instance).
+
+Sharding rules (per rank, TP degree ``tp``):
+
+- column-parallel (q/k/v, dense gate/up, expert gate_up, lm_head): output rows split;
+  an int8 per-channel scale is split with them;
+- row-parallel (o_proj, dense down, expert down): input columns split; the int8
+  per-output-channel scale is replicated;
+- KV heads: a layer with ``kv`` heads gives each rank ``max(1, kv // tp)`` heads (whole
+  heads are replicated when ``tp > kv``, which needs ``tp % kv == 0``);
+- norms, ``layer_scalar`` and routers: replicated bf16.
+
+What is not counted: activations, compiler scratchpad, CUDA context and graphs, the
+runtime itself. The margin is what is left for those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .errors import G4Error, exit_on_user_error
+
+GB = 10**9
+GiB = 2**30
+
+FORMATS = ("int8-neuron", "nvfp4", "bf16")
+LM_HEADS = ("int8-sharded", "bf16-sharded", "bf16-replicated", "tied")
+ATTENTIONS = ("bf16", "int8", "nvfp4")
+EMBEDDINGS = ("host", "device")
+KNOWN_MODELS = ("gemma-4-26B-A4B",)  # convert/synth.py PRESETS
+EMBEDDED = "embedded"
+
+_BF16 = 2  # bytes per bf16 element
+_FP32 = 4  # bytes per int8 per-channel scale
+_NVFP4_BLOCK = 16  # inputs per float8_e4m3 block scale
+_NVFP4_SCALARS = 8  # fp32 weight_scale_2 + fp32 input_scale per exported linear (W4A4)
+_QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of the experts and dense MLP
+
+
+@dataclass(frozen=True)
+class NeuronTarget:
+    """An AWS Neuron instance (``../shared/specs/nxd-int8-neuron.md`` §6).
+
+    Attributes:
+        name: EC2 instance type.
+        neuron_cores: NeuronCore-v2 count; one TP rank per core (LNC = 1).
+        host_ram_bytes: instance RAM in bytes.
+        tp_degrees: the TP degrees NxDI documents for this family.
+        hbm_per_core_bytes: device memory of one core, 16 GiB.
+    """
+
+    name: str
+    neuron_cores: int
+    host_ram_bytes: int
+    tp_degrees: tuple[int, ...]
+    hbm_per_core_bytes: int = 16 * GiB
+
+
+_INF2_TP = (1, 2, 4, 8, 24)
+_TRN1_TP = (1, 2, 8, 16, 32)
+NEURON_TARGETS: dict[str, NeuronTarget] = {t.name: t for t in (
+    NeuronTarget("inf2.xlarge", 2, 16 * GiB, _INF2_TP),
+    NeuronTarget("inf2.8xlarge", 2, 128 * GiB, _INF2_TP),
+    NeuronTarget("inf2.24xlarge", 12, 384 * GiB, _INF2_TP),
+    NeuronTarget("inf2.48xlarge", 24, 768 * GiB, _INF2_TP),
+    NeuronTarget("trn1.2xlarge", 2, 32 * GiB, _TRN1_TP),
+    NeuronTarget("trn1.32xlarge", 32, 512 * GiB, _TRN1_TP),
+)}
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Attention shape of one decoder layer: ``kv_heads`` KV heads of ``head_dim``;
+    ``has_v`` is False on full-attention layers with ``attention_k_eq_v`` (no v_proj)."""
+
+    sliding: bool
+    head_dim: int
+    kv_heads: int
+    has_v: bool
+
+
+@dataclass(frozen=True)
+class TextGeometry:
+    """The sizes of a Gemma 4 MoE text model that the plan needs (element counts)."""
+
+    hidden: int
+    heads: int
+    layers: tuple[AttentionLayer, ...]
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    vocab: int
+    tied: bool
+    sliding_window: int
+    max_positions: int | None
+
+
+def text_geometry(config: dict) -> TextGeometry:
+    """Read the geometry from a release-format config (``global_head_dim``,
+    ``num_global_key_value_heads``) or transformers 5.24's ``per_layer_config`` form
+    (zero-padded layer-index keys overriding ``head_dim`` / ``num_key_value_heads``).
+
+    ``config`` may be the multimodal config (with ``text_config``) or a text config.
+    Defaults follow transformers 5.24 ``Gemma4TextConfig``: ``layer_types`` 5 sliding : 1
+    full with the last layer forced to full attention, ``global_head_dim`` 512, and the
+    full-layer KV override only when ``attention_k_eq_v``.
+
+    Raises:
+        G4Error: not a Gemma 4 MoE config, a missing size, or a layout the plan does not
+            model (per-layer embeddings, KV-shared layers).
+    """
+    if not isinstance(config, dict):
+        raise G4Error(f"config must be a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type not in ("gemma4", "gemma4_text"):
+        raise G4Error(f"model_type is {model_type!r}, expected 'gemma4' or 'gemma4_text' (Gemma 4)")
+    tc = config.get("text_config") or config
+    if not tc.get("enable_moe_block", False):
+        raise G4Error("text config has no MoE block (enable_moe_block is not true); g4 plans Gemma 4 MoE models")
+    if tc.get("hidden_size_per_layer_input") or tc.get("num_kv_shared_layers"):
+        raise G4Error("per-layer embeddings (hidden_size_per_layer_input) and KV-shared layers "
+                      "(num_kv_shared_layers) are not modelled by the planner")
+
+    def need(key: str) -> int:
+        value = tc.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise G4Error(f"text config: {key} is {value!r}, expected a positive integer")
+        return value
+
+    n_layers = need("num_hidden_layers")
+    types = list(tc.get("layer_types") or
+                 ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)])
+    if len(types) != n_layers:
+        raise G4Error(f"text config: {len(types)} layer_types for {n_layers} layers")
+    types[-1] = "full_attention"  # transformers forces it
+    per_layer = tc.get("per_layer_config") or {}
+    k_eq_v = bool(tc.get("attention_k_eq_v", False))
+    head_dim, kv = need("head_dim"), need("num_key_value_heads")
+    layers = []
+    for i, t in enumerate(types):
+        full = t == "full_attention"
+        if per_layer:
+            over = per_layer.get(f"{i:02d}") or per_layer.get(str(i)) or {}
+            hd, kvh = over.get("head_dim", head_dim), over.get("num_key_value_heads", kv)
+        elif full:
+            hd = tc.get("global_head_dim") or 512
+            kvh = (tc.get("num_global_key_value_heads") if k_eq_v else None) or kv
+        else:
+            hd, kvh = head_dim, kv
+        layers.append(AttentionLayer(sliding=not full, head_dim=int(hd), kv_heads=int(kvh),
+                                     has_v=not (full and k_eq_v)))
+    return TextGeometry(
+        hidden=need("hidden_size"), heads=need("num_attention_heads"), layers=tuple(layers),
+        intermediate=need("intermediate_size"), moe_intermediate=need("moe_intermediate_size"),
+        experts=need("num_experts"), vocab=need("vocab_size"),
+        tied=bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", True))),
+        sliding_window=need("sliding_window"), max_positions=tc.get("max_position_embeddings"))
+
+
+def tp_problems(g: TextGeometry, tp: int, *, fmt: str = "bf16") -> list[str]:
+    """Why ``tp`` cannot be mapped onto ``g`` (empty when it can).
+
+    Heads, dense and expert intermediate sizes and the vocabulary must divide by ``tp``;
+    a layer's KV heads must divide by ``tp`` or, when fewer, divide ``tp`` (replication).
+    For NVFP4 each rank's share of a row-parallel input must be whole 16-element blocks.
+    """
+    if tp < 1:
+        return [f"must be >= 1, got {tp}"]
+    problems = [f"{name} {n} is not divisible by {tp}" for name, n in (
+        ("num_attention_heads", g.heads), ("intermediate_size", g.intermediate),
+        ("moe_intermediate_size", g.moe_intermediate), ("vocab_size", g.vocab)) if n % tp]
+    for kv in sorted({layer.kv_heads for layer in g.layers}):
+        if tp <= kv and kv % tp:
+            problems.append(f"{kv} KV heads cannot be split evenly over {tp} ranks")
+        elif tp > kv and tp % kv:
+            problems.append(f"{kv} KV heads cannot be replicated over {tp} ranks ({tp} is not a multiple of {kv})")
+    if fmt == "nvfp4" and not problems:
+        rows = [("moe_intermediate_size", g.moe_intermediate // tp), ("intermediate_size", g.intermediate // tp),
+                ("hidden_size", g.hidden)]
+        rows += [(f"attention heads x head_dim {layer.head_dim}", g.heads // tp * layer.head_dim) for layer in g.layers]
+        problems += sorted({f"{what}: {n} inputs per rank is not a multiple of the NVFP4 block of {_NVFP4_BLOCK}"
+                            for what, n in rows if n % _NVFP4_BLOCK})
+    return problems
+
+
+def valid_tp_degrees(g: TextGeometry, *, fmt: str = "bf16") -> list[int]:
+    """Every TP degree from 1 to the number of attention heads that ``g`` can be split over."""
+    return [t for t in range(1, g.heads + 1) if not tp_problems(g, t, fmt=fmt)]
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def _matrix_bytes(dtype: str, rows: int, cols: int, *, scales: int) -> int:
+    """Bytes one rank stores for a ``[rows, cols]`` slice of a weight matrix.
+
+    ``dtype``: ``bf16`` (2 bytes per element), ``int8`` (1 byte per element plus
+    ``scales`` fp32 per-channel scales held by this rank) or ``nvfp4`` (``n/2`` bytes of
+    e2m1 codes, ``n/16`` float8_e4m3 block scales, plus the fp32 ``weight_scale_2`` and
+    ``input_scale`` of the linear; architecture spec §4.2).
+    """
+    n = rows * cols
+    if dtype == "bf16":
+        return n * _BF16
+    if dtype == "int8":
+        return n + scales * _FP32
+    if dtype == "nvfp4":
+        return n // 2 + rows * (cols // _NVFP4_BLOCK) + _NVFP4_SCALARS
+    raise G4Error(f"unknown weight dtype {dtype!r}")
+
+
+def _column(dtype: str, out_per_rank: int, inp: int) -> int:
+    """Column-parallel slice: this rank's output rows, its scales split with them."""
+    return _matrix_bytes(dtype, out_per_rank, inp, scales=out_per_rank)
+
+
+def _row(dtype: str, out: int, inp_per_rank: int) -> int:
+    """Row-parallel slice: this rank's input columns; per-output-channel scales replicated."""
+    return _matrix_bytes(dtype, out, inp_per_rank, scales=out)
+
+
+def _experts_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+    """Per-rank bytes of every layer's experts.
+
+    int8: expert-wise fp32 scales ``[E, 1, out]`` (nxd spec §4.3): gate_up's ``[E, 1, 2I/tp]``
+    split with the weight, down's ``[E, 1, H]`` replicated. NVFP4: each expert is exported
+    as separate gate/up/down linears (``exporters/nvfp4_names.py``), each with its scalars.
+    """
+    E, H, i = g.experts, g.hidden, g.moe_intermediate // tp
+    if dtype == "int8":
+        gate_up = E * (2 * i) * H + E * (2 * i) * _FP32
+        down = E * H * i + E * H * _FP32
+    elif dtype == "nvfp4":
+        gate_up = E * 2 * _column(dtype, i, H)
+        down = E * _row(dtype, H, i)
+    else:
+        gate_up, down = E * 2 * i * H * _BF16, E * H * i * _BF16
+    return len(g.layers) * (gate_up + down)
+
+
+def _dense_mlp_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+    i = g.intermediate // tp
+    return len(g.layers) * (2 * _column(dtype, i, g.hidden) + _row(dtype, g.hidden, i))
+
+
+def _kv_per_rank(layer: AttentionLayer, tp: int) -> int:
+    return max(1, layer.kv_heads // tp)
+
+
+def _attention_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+    """q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel."""
+    total = 0
+    for layer in g.layers:
+        q = g.heads // tp * layer.head_dim
+        kv = _kv_per_rank(layer, tp) * layer.head_dim
+        total += _column(dtype, q, g.hidden) + _column(dtype, kv, g.hidden) * (2 if layer.has_v else 1)
+        total += _row(dtype, g.hidden, q)
+    return total
+
+
+def _norms_and_routers_bytes(g: TextGeometry) -> int:
+    """Replicated bf16: 7 hidden-size norms per MoE layer, q_norm and k_norm (head_dim; v_norm
+    has no weight), ``layer_scalar`` [1], router ``proj`` [E, H], ``scale`` [H] and
+    ``per_expert_scale`` [E], and the final norm [H]."""
+    per_layer = sum(7 * g.hidden + 2 * layer.head_dim + 1 for layer in g.layers)
+    routers = len(g.layers) * (g.experts * g.hidden + g.hidden + g.experts)
+    return (per_layer + routers + g.hidden) * _BF16
+
+
+def _kv_cache_bytes(g: TextGeometry, tp: int, seq_len: int, batch: int) -> int:
+    """bf16 K and V of every layer for ``batch`` sequences of ``seq_len`` tokens, per rank.
+
+    Sliding layers hold at most ``sliding_window`` tokens. K and V are both cached on
+    full layers with ``attention_k_eq_v`` too (they are normalised and roped differently;
+    architecture spec §4.3).
+    """
+    total = 0
+    for layer in g.layers:
+        tokens = min(seq_len, g.sliding_window) if layer.sliding else seq_len
+        total += _kv_per_rank(layer, tp) * layer.head_dim * 2 * _BF16 * tokens
+    return total * batch
+
+
+# --------------------------------------------------------------------------- vision
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_params_meta(config_json: str) -> int:
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+    import torch
+
+    config = json.loads(config_json)
+    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        modules = (Gemma4VisionModel(hf.vision_config), Gemma4MultimodalEmbedder(hf.vision_config, hf.text_config))
+    return sum(math.prod(t.shape) for m in modules for t in m.state_dict().values())
+
+
+def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int, str]:
+    """Parameters of the vision tower plus ``embed_vision`` and where the count came from.
+
+    From the safetensors headers when ``src_dir`` is a checkpoint directory with weights
+    (``model.vision_tower.*`` and ``model.embed_vision.*``, no tensor data read), otherwise
+    by building both modules from the config on the meta device (transformers 5.24, as
+    ``save_pretrained`` would store them, persistent buffers included). 0 for a
+    text-only config.
+    """
+    if config.get("model_type") != "gemma4" or not config.get("vision_config"):
+        return 0, "no vision_config"
+    if src_dir is not None:
+        root = Path(src_dir)
+        if (root / "model.safetensors").is_file() or (root / "model.safetensors.index.json").is_file():
+            from .checkpoint import Checkpoint
+
+            ckpt = Checkpoint(root)
+            n = sum(math.prod(info.shape) for name, info in ckpt.tensors.items()
+                    if name.startswith(("model.vision_tower.", "model.embed_vision.")))
+            return n, f"safetensors headers of {root}"
+    return _vision_params_meta(json.dumps(config, sort_keys=True)), "the config, built on the meta device"
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was computed for (``gpu_mem_bytes`` in bytes; ``seq_len`` in tokens)."""
+
+    model: str
+    fmt: str
+    tp: int
+    target: str | None
+    gpu_mem_bytes: int | None
+    seq_len: int
+    batch: int
+    lm_head: str
+    attention: str
+    embedding: str
+
+
+GROUPS = ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per TP rank (ints) by group, the KV cache, and the verdicts.
+
+    Attributes:
+        inputs: the inputs of the plan.
+        experts, lm_head, dense_mlp, attention, norms_and_routers, embedding, vision:
+            device weight bytes on one rank (``embedding`` is the device part: 0 when the
+            table stays on the host; ``lm_head`` is 0 when tied to the device embedding).
+        weights_per_rank: the sum of those groups.
+        kv_cache: bf16 KV cache bytes on one rank for ``batch`` x ``seq_len`` tokens.
+        total_per_rank: ``weights_per_rank + kv_cache``.
+        device_mem_per_rank: device memory of one rank (16 GiB per NeuronCore, or
+            ``--gpu-mem``); None without a target.
+        margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
+        fits: device verdict (``margin >= 0``); None without a target.
+        host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
+        host_rank_files: bytes of all local ranks' weight files, which a Neuron runtime
+            holds in host RAM before ``initialize`` (nxd spec §3.3, §6); 0 for a GPU.
+        host_ram_need: ``host_rank_files + host_embedding``.
+        host_ram: the instance's RAM (Neuron targets); None when not known.
+        host_margin, host_fits: the host verdict; None when not checked.
+        layout: group -> how it is stored and split.
+        notes: what is and is not counted.
+    """
+
+    inputs: PlanInputs
+    experts: int
+    lm_head: int
+    dense_mlp: int
+    attention: int
+    norms_and_routers: int
+    embedding: int
+    vision: int
+    weights_per_rank: int
+    kv_cache: int
+    total_per_rank: int
+    device_mem_per_rank: int | None
+    margin: int | None
+    fits: bool | None
+    host_embedding: int
+    host_rank_files: int
+    host_ram_need: int
+    host_ram: int | None
+    host_margin: int | None
+    host_fits: bool | None
+    layout: dict[str, str]
+    notes: tuple[str, ...]
+
+    def groups(self) -> dict[str, int]:
+        """Device weight bytes per rank, by group, in report order."""
+        return {name: getattr(self, name) for name in GROUPS}
+
+    def to_dict(self) -> dict:
+        """The plan as plain JSON types; every byte figure an int."""
+        d = dataclasses.asdict(self)
+        d["notes"] = list(self.notes)
+        d["units"] = "bytes (GB = 10**9, GiB = 2**30)"
+        return d
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        """A text report: one aligned table for the device rank, one for the host, the verdicts."""
+        p = self.inputs
+        where = _describe_target(p)
+        lines = [f"memory plan: {p.model}, {p.fmt}, TP={p.tp}, {where}",
+                 f"KV cache: bf16, {p.batch} x {p.seq_len} tokens; lm_head {p.lm_head}, attention {p.attention}, "
+                 f"embedding on the {p.embedding}", ""]
+        rows = [(name, getattr(self, name), self.layout.get(name, "")) for name in GROUPS]
+        rows += [("weights", self.weights_per_rank, ""), ("kv_cache", self.kv_cache, self.layout["kv_cache"]),
+                 ("total", self.total_per_rank, "")]
+        if self.device_mem_per_rank is not None:
+            rows += [("device memory", self.device_mem_per_rank, "one NeuronCore" if p.target else "one GPU"),
+                     ("margin", self.margin, _verdict(self.fits))]
+        lines += _table("per rank (device)", rows)
+        if self.host_ram_need or self.host_ram is not None:
+            host = [("rank files", self.host_rank_files, f"{p.tp} local rank(s), loaded before initialize"
+                     if self.host_rank_files else ""),
+                    ("embedding table", self.host_embedding,
+                     "bf16, looked up on the host" if self.host_embedding else ""),
+                    ("need", self.host_ram_need, "")]
+            if self.host_ram is not None:
+                host += [("host RAM", self.host_ram, p.target or ""),
+                         ("margin", self.host_margin, _verdict(self.host_fits))]
+            lines += [""] + _table("host", host)
+        lines.append("")
+        if self.fits is not None:
+            lines.append(f"device: {_verdict(self.fits)} ({_amount(self.margin)} per rank)")
+        if self.host_fits is not None:
+            lines.append(f"host:   {_verdict(self.host_fits)} ({_amount(self.host_margin)})")
+        lines += ["notes:"] + [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _verdict(fits: bool | None) -> str:
+    return "" if fits is None else "FITS" if fits else "DOES NOT FIT"
+
+
+def _amount(margin: int) -> str:
+    word = "spare" if margin >= 0 else "short"
+    return f"{abs(margin) / GB:.2f} GB = {abs(margin) / GiB:.2f} GiB {word}"
+
+
+def _table(title: str, rows: list[tuple[str, int, str]]) -> list[str]:
+    width = max(len(title), *(len(r[0]) + 2 for r in rows))
+    out = [f"{title:<{width}} {'bytes':>16} {'GB':>9} {'GiB':>9}"]
+    for name, n, how in rows:
+        out.append(f"  {name:<{width - 2}} {n:>16,} {n / GB:>9.3f} {n / GiB:>9.3f}  {how}".rstrip())
+    return out
+
+
+def _describe_target(p: PlanInputs) -> str:
+    if p.target:
+        t = NEURON_TARGETS[p.target]
+        return (f"{t.name} ({t.neuron_cores} NeuronCores x {t.hbm_per_core_bytes // GiB} GiB HBM, "
+                f"{t.host_ram_bytes // GiB} GiB host RAM)")
+    if p.gpu_mem_bytes:
+        return f"GPUs of {p.gpu_mem_bytes / GB:.2f} GB = {p.gpu_mem_bytes / GiB:.2f} GiB, one rank per GPU"
+    return "no target (no fit check)"
+
+
+def _with_defaults(fmt: str, neuron: bool, tied: bool, lm_head: str | None, attention: str | None,
+                   embedding: str | None) -> tuple[str, str, str]:
+    """(lm_head, attention, embedding) with the format's defaults filled in."""
+    if fmt == "int8-neuron":
+        return lm_head or "int8-sharded", attention or "bf16", embedding or "host"
+    embedding = embedding or "device"
+    shared = tied and not neuron and embedding == "device"
+    return lm_head or ("tied" if shared else "bf16-sharded"), attention or _QUANT[fmt], embedding
+
+
+def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_len: int, batch: int) -> None:
+    if fmt not in FORMATS:
+        raise G4Error(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    if target is not None and target not in NEURON_TARGETS:
+        raise G4Error(f"unknown target {target!r}; known: {', '.join(NEURON_TARGETS)} (or --gpu-mem for a GPU)")
+    if target is not None and gpu_mem_bytes is not None:
+        raise G4Error("give either a Neuron --target or --gpu-mem, not both")
+    if gpu_mem_bytes is not None and gpu_mem_bytes <= 0:
+        raise G4Error(f"GPU memory must be positive, got {gpu_mem_bytes}")
+    if seq_len < 1 or batch < 1:
+        raise G4Error(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
+    if fmt == "int8-neuron" and gpu_mem_bytes is not None:
+        raise G4Error("int8-neuron is the AWS Neuron format; use --target (or --format nvfp4|bf16 for a GPU)")
+    if fmt == "nvfp4" and target is not None:
+        raise G4Error(f"NVFP4 cannot be served on {target}: NeuronCore-v2 has no FP4 compute "
+                      "(../shared/specs/nxd-int8-neuron.md §5); use --format int8-neuron")
+
+
+def _check_options(fmt: str, neuron: bool, g: TextGeometry, lm_head: str, attention: str, embedding: str) -> None:
+    for what, value, known in (("lm_head", lm_head, LM_HEADS), ("attention", attention, ATTENTIONS),
+                               ("embedding", embedding, EMBEDDINGS)):
+        if value not in known:
+            raise G4Error(f"unknown {what} {value!r}; known: {', '.join(known)}")
+    quant = _QUANT[fmt]
+    if attention not in ("bf16", quant):
+        raise G4Error(f"attention {attention} does not exist in the {fmt} format (use bf16 or {quant})")
+    if lm_head == "int8-sharded" and fmt != "int8-neuron":
+        raise G4Error(f"an int8 lm_head exists only in the int8-neuron format, not {fmt}")
+    if lm_head == "tied" and not g.tied:
+        raise G4Error("lm_head 'tied' needs tie_word_embeddings; this model has its own lm_head.weight")
+    if lm_head == "tied" and (embedding != "device" or neuron):
+        raise G4Error("lm_head 'tied' shares the embedding table on a GPU; on Neuron or with a host "
+                      "embedding the lm_head is its own copy (int8-sharded, bf16-sharded or bf16-replicated)")
+
+
+def _check_tp(g: TextGeometry, tp: int, fmt: str, t: NeuronTarget | None) -> None:
+    problems = tp_problems(g, tp, fmt=fmt)
+    if problems:
+        good = ", ".join(map(str, valid_tp_degrees(g, fmt=fmt)))
+        raise G4Error(f"--tp {tp} cannot be mapped onto this model: {'; '.join(problems)} "
+                      f"(TP degrees that work: {good})")
+    if t is not None and tp > t.neuron_cores:
+        raise G4Error(f"--tp {tp} needs {tp} NeuronCores; {t.name} has {t.neuron_cores}")
+
+
+
+def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: TextGeometry) -> dict[str, str]:
+    """How each group is stored and split, for the report."""
+    name = "int8 + fp32 per-channel scales" if quant == "int8" else quant
+    experts = ("int8, expert-wise fp32 scales [E,1,out]; gate_up column- (scale split), down row-parallel "
+               "(scale replicated)" if quant == "int8" else f"{name}; gate_up column-, down row-parallel")
+    return {
+        "experts": experts,
+        "lm_head": {"int8-sharded": "int8 + fp32 scale, vocab rows split", "bf16-sharded": "bf16, vocab rows split",
+                    "bf16-replicated": "bf16, whole on every rank",
+                    "tied": "tied to the embedding table (counted there)"}[lm_head],
+        "dense_mlp": f"{name}; gate/up column-, down row-parallel",
+        "attention": f"{'int8 + fp32 per-channel scales' if attention == 'int8' else attention}; heads split, "
+                     "o_proj row-parallel",
+        "norms_and_routers": "bf16, replicated",
+        "embedding": "bf16, vocab-sharded" if embedding == "device" else "on the host (not on the device)",
+        "vision": "bf16, whole on every rank" if vision else "not loaded",
+        "kv_cache": f"bf16 K and V; sliding layers capped at {g.sliding_window} tokens",
+    }
+
+
+def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int) -> list[str]:
+    notes = []
+    if g.max_positions and seq_len > g.max_positions:
+        notes.append(f"seq_len {seq_len} is longer than the model's max_position_embeddings {g.max_positions}")
+    if t is not None:
+        if tp not in t.tp_degrees:
+            notes.append(f"NxDI documents TP degrees {', '.join(map(str, t.tp_degrees))} for {t.name.split('.')[0]}; "
+                         f"{tp} is not one of them")
+        notes.append("host RAM: the Neuron runtime reads every local rank's weight file before initialize "
+                     "(../shared/specs/nxd-int8-neuron.md §3.3, §6); the OS and the runtime need more")
+        notes.append("inf2/trn1 need Neuron SDK 2.28 (NxDI 0.8); later NxDI supports only Trn2 and newer")
+    replicated = [layer for layer in g.layers if layer.kv_heads < tp]
+    if replicated:
+        heads = "/".join(map(str, sorted({layer.kv_heads for layer in replicated})))
+        notes.append(f"KV heads replicated (one per rank) on the {len(replicated)} layer(s) with {heads} KV heads "
+                     f"< TP {tp}")
+    if not neuron and tp > 1:
+        notes.append("GPU ranks: experts split by TP (not expert parallel); the embedding is vocab-sharded")
+    notes.append("not counted: activations, compiler scratchpad / CUDA context and graphs, the runtime")
+    return notes
+
+
+def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = None, gpu_mem_bytes: int | None = None,
+                seq_len: int = 8192, batch: int = 1, lm_head: str | None = None, attention: str | None = None,
+                embedding: str | None = None, src_dir: str | Path | None = None,
+                model: str | None = None) -> MemoryPlan:
+    """Plan the memory of ``config`` served in ``fmt`` at TP degree ``tp``.
+
+    Args:
+        config: ``config.json`` of a Gemma 4 MoE model (multimodal or text-only, release
+            or ``per_layer_config`` form).
+        fmt: ``int8-neuron`` (int8 per-channel experts and dense MLP, NxD layout),
+            ``nvfp4`` (modelopt NVFP4 experts, dense MLP and, by default, attention) or
+            ``bf16``.
+        tp: tensor-parallel degree; one rank per NeuronCore or per GPU.
+        target: a Neuron instance in :data:`NEURON_TARGETS`, or None.
+        gpu_mem_bytes: memory of one GPU in bytes (exclusive with ``target``), or None.
+        seq_len, batch: KV cache size in tokens per sequence and sequences.
+        lm_head: ``int8-sharded`` (vocab rows split; int8-neuron only), ``bf16-sharded``,
+            ``bf16-replicated`` or ``tied`` (shares the device embedding table, as vLLM
+            does; needs ``tie_word_embeddings`` and a device embedding). Default:
+            ``int8-sharded`` for int8-neuron, else ``tied`` (``bf16-sharded`` on Neuron,
+            with a host embedding or for untied models).
+        attention: ``bf16``, ``int8`` (int8-neuron) or ``nvfp4`` (nvfp4). Default bf16,
+            nvfp4 for the nvfp4 format (modelopt's default preset).
+        embedding: ``host`` (bf16 table looked up on the host; only the lm_head is on the
+            device) or ``device`` (bf16, vocab-sharded). Default host for int8-neuron.
+        src_dir: checkpoint directory to read the vision tower's size from.
+        model: a name for the report.
+
+    Returns:
+        The :class:`MemoryPlan`. The vision tower and ``embed_vision`` are counted (bf16,
+        whole on each rank) only for GPU serving of nvfp4/bf16 (or no target); Neuron
+        plans are for text serving.
+
+    Raises:
+        G4Error: an unknown option, a combination that does not exist (NVFP4 on Neuron,
+            int8 on a GPU, both a target and a GPU), a TP degree the model cannot be split
+            over, more ranks than the target has cores, or a config the planner cannot read.
+    """
+    _check_target(fmt, target, gpu_mem_bytes, seq_len, batch)
+    neuron = target is not None
+    t = NEURON_TARGETS[target] if neuron else None
+    g = text_geometry(config)
+    lm_head, attention, embedding = _with_defaults(fmt, neuron, g.tied, lm_head, attention, embedding)
+    _check_options(fmt, neuron, g, lm_head, attention, embedding)
+    _check_tp(g, tp, fmt, t)
+
+    quant = _QUANT[fmt]
+    table = g.vocab * g.hidden * _BF16
+    lm_bytes = {"int8-sharded": _column("int8", g.vocab // tp, g.hidden),
+                "bf16-sharded": _column("bf16", g.vocab // tp, g.hidden),
+                "bf16-replicated": table, "tied": 0}[lm_head]
+    notes: list[str] = []
+    vision = 0
+    if not neuron and fmt != "int8-neuron":
+        n, source = vision_params(config, src_dir)
+        vision = n * _BF16
+        if n:
+            notes.append(f"vision tower + embed_vision: {n:,} parameters (from {source}), bf16, whole on every rank")
+    elif config.get("vision_config"):
+        notes.append("vision tower and embed_vision not counted: text-only serving")
+    if config.get("audio_config"):
+        notes.append("audio tower not counted")
+    groups = dict(
+        experts=_experts_bytes(g, quant, tp), lm_head=lm_bytes, dense_mlp=_dense_mlp_bytes(g, quant, tp),
+        attention=_attention_bytes(g, attention, tp), norms_and_routers=_norms_and_routers_bytes(g),
+        embedding=table // tp if embedding == "device" else 0, vision=vision)
+    weights = sum(groups.values())
+    kv = _kv_cache_bytes(g, tp, seq_len, batch)
+    device = t.hbm_per_core_bytes if t else gpu_mem_bytes
+    margin = None if device is None else device - weights - kv
+    host_embedding = table if embedding == "host" else 0
+    host_files = tp * weights if t else 0
+    host_ram = t.host_ram_bytes if t else None
+    host_margin = None if host_ram is None else host_ram - host_files - host_embedding
+    return MemoryPlan(
+        inputs=PlanInputs(model or "model", fmt, tp, target, gpu_mem_bytes, seq_len, batch, lm_head, attention,
+                          embedding),
+        **groups, weights_per_rank=weights, kv_cache=kv, total_per_rank=weights + kv, device_mem_per_rank=device,
+        margin=margin, fits=None if margin is None else margin >= 0, host_embedding=host_embedding,
+        host_rank_files=host_files, host_ram_need=host_files + host_embedding, host_ram=host_ram,
+        host_margin=host_margin, host_fits=None if host_margin is None else host_margin >= 0,
+        layout=_layout(quant, lm_head, attention, embedding, vision, g),
+        notes=tuple(notes + _notes(g, tp, t, neuron, seq_len)))
+
+
+# --------------------------------------------------------------------------- sources and CLI
+
+
+def load_source(src: str) -> tuple[str, dict, Path | None]:
+    """Resolve SRC_OR_CONFIG to ``(name, config, checkpoint directory or None)``.
+
+    ``src`` is a checkpoint directory (its ``config.json``), a ``config.json`` path, a
+    known model name (``gemma-4-26B-A4B``: the release config in ``convert/synth.py``; an
+    existing path of that name wins) or ``embedded`` (the package's tiny model).
+
+    Raises:
+        G4Error: none of those, or unreadable JSON.
+    """
+    if src in KNOWN_MODELS and not Path(src).exists():
+        from .synth import PRESETS
+
+        return src, PRESETS[src], None
+    if src == EMBEDDED:
+        from .embedded_model import EMBEDDED_DIR
+
+        path = EMBEDDED_DIR
+    else:
+        path = Path(src)
+    directory = path if path.is_dir() else None
+    file = path / "config.json" if directory else path
+    if not file.is_file():
+        raise G4Error(f"{src}: not a checkpoint directory, a config.json file or a known model "
+                      f"({', '.join(KNOWN_MODELS)}, {EMBEDDED})")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise G4Error(f"{file}: invalid JSON: {e}") from e
+    return (src if src == EMBEDDED else path.resolve().name if directory else file.name), config, directory
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", metavar="SRC_OR_CONFIG")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel degree: one rank per NeuronCore or per GPU.")
+@click.option("--target", type=click.Choice(list(NEURON_TARGETS)), help="AWS Neuron instance (16 GiB HBM per core).")
+@click.option("--gpu-mem", help="Memory of one GPU instead of --target, e.g. 80GB (10**9 bytes) or 128GiB (2**30).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="KV cache tokens per sequence.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences in the KV cache.")
+@click.option("--lm-head", type=click.Choice(LM_HEADS),
+              help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
+@click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
+@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
+@exit_on_user_error
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, lm_head, attention, embedding, as_json):
+    """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
+
+    SRC_OR_CONFIG: a checkpoint directory, a config.json, gemma-4-26B-A4B, or embedded.
+    Sizes are bytes; GB = 10**9, GiB = 2**30.
+
+    \b
+    Examples:
+      g4convert plan gemma-4-26B-A4B --target inf2.xlarge --tp 2
+      g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
+      g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
+    """
+    gpu_mem_bytes = None
+    if gpu_mem is not None:
+        from g4.exporters.safetensors_writer import parse_size
+
+        try:
+            gpu_mem_bytes = parse_size(gpu_mem)
+        except ValueError as e:
+            raise G4Error(f"--gpu-mem: {e}") from e
+    name, config, directory = load_source(src)
+    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
+                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
+                         model=name)
+    click.echo(result.to_json() if as_json else result.summary())

@@ -1,0 +1,69 @@
+"""int8 per-channel symmetric weight quantization as AWS neuronx-distributed does it.
+
+Reference (spec: ../shared/specs/nxd-int8-neuron.md §1.3): NxD/NxDI quantize on the CPU
+with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_axis=0)``
+(aws-neuron/neuronx-distributed ``src/neuronx_distributed/quantization/observer.py``,
+``quantization_utils.py:quantize_pytorch_model_per_channel_symmetric``):
+
+- ``scale = max(absmax over the input dim / 127, float32 eps)``, fp32, one per output channel;
+- ``q = clamp(round_half_even(w / scale), -128, 127)``, int8 (in practice within ±127);
+- the layer computes ``y = (x @ q.T) * scale.T`` (dequantize after the matmul, in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_QMAX = 127.0
+SCALE_EPS = torch.finfo(torch.float32).eps
+# Output channels quantized per step, bounding fp32 temporaries on large tensors.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight quantized per output channel.
+
+    Attributes:
+        weight: int8 ``[..., out, in]`` (same layout as the input).
+        scale: float32 ``[..., out, 1]``, ``absmax / 127`` per output channel (floored at eps).
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize(w: torch.Tensor) -> Int8Weight:
+    """Quantize ``w`` per output channel; the input dimension is the last one.
+
+    Args:
+        w: ``[..., out, in]`` bf16/fp16/fp32 (e.g. ``[out, in]`` linears or
+            ``[E, out, in]`` experts in the Hugging Face layout). Not modified.
+
+    Returns:
+        :class:`Int8Weight` with int8 ``[..., out, in]`` and fp32 ``[..., out, 1]``.
+
+    Raises:
+        ValueError: ``w`` has fewer than 2 dims or holds NaN/Inf.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"int8 per-channel quantization needs [..., out, in], got shape {tuple(w.shape)}")
+    flat = w.reshape(-1, w.shape[-1])
+    q = torch.empty(flat.shape, dtype=torch.int8)
+    scale = torch.empty(flat.shape[0], 1, dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMENTS // flat.shape[1])
+    for r0 in range(0, flat.shape[0], rows):
+        chunk = flat[r0 : r0 + rows].float()
+        s = (chunk.abs().amax(-1, keepdim=True) / INT8_QMAX).clamp_(min=SCALE_EPS)
+        if not torch.isfinite(s).all():
+            raise ValueError("int8 quantization: weight holds NaN/Inf")
+        scale[r0 : r0 + rows] = s
+        q[r0 : r0 + rows] = torch.round(chunk / s).clamp_(-128, 127).to(torch.int8)
+    return Int8Weight(q.reshape(w.shape), scale.reshape(*w.shape[:-1], 1))
+
+
+def dequantize(q: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q.weight * q.scale`` in fp32, cast to ``dtype``; shape ``[..., out, in]``."""
+    return (q.weight.float() * q.scale).to(dtype)

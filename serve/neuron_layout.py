@@ -1,0 +1,188 @@
+"""The int8-neuron checkpoint layout: one declarative table shared by the exporter
+(``g4.exporters.neuron_int8``) and the per-rank model (``g4.serve.neuron_emulator``),
+so file keys and module names cannot drift apart.
+
+Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
+are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
+aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight`` and the quantized
+parallel layers (spec: ../shared/specs/nxd-int8-neuron.md §1.2, §1.5, §4, §7):
+
+- column-parallel (q/k/v, dense gate/up, lm_head): output rows split; int8 ``weight``
+  ``[out/T, in]`` and fp32 ``scale`` ``[out/T, 1]`` split with them;
+- row-parallel (o_proj, dense down): input columns split, ``weight`` ``[out, in/T]``,
+  ``scale`` ``[out, 1]`` replicated on every rank;
+- experts in NxD's fused layout (``ExpertFusedColumnParallelLinear`` /
+  ``ExpertFusedRowParallelLinear``, expert-wise per-channel scales):
+  ``experts.gate_up_proj.weight`` int8 ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2:
+  rank r gets its slice of the gate columns and its slice of the up columns, never a slice
+  of the fused dimension), ``.scale`` fp32 ``[E, 1, 2I/T]`` split the same way;
+  ``experts.down_proj.weight`` int8 ``[E, I/T, H]``, ``.scale`` fp32 ``[E, 1, H]``
+  replicated. (Hugging Face stores ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``;
+  the NxD layout is their ``transpose(1, 2)``.)
+- KV heads: a layer with fewer KV heads than ranks replicates whole KV heads so that each
+  rank holds the KV head its query heads use; full-attention layers with
+  ``attention_k_eq_v`` have no ``v_proj`` (V is taken from K).
+- everything else (norms, router, ``layer_scalar``) is replicated in bf16.
+
+The host keeps the unscaled bf16 embedding table (``embed_tokens.safetensors``); the
+runtime multiplies looked-up rows by ``embed_scale = bf16(sqrt(hidden_size))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from g4.convert.errors import G4Error
+from g4.exporters.safetensors_writer import TensorSpec
+
+COLUMN, ROW, REPLICATED, EXPERT_GATE_UP, EXPERT_DOWN = "column", "row", "replicated", "expert_gate_up", "expert_down"
+LAYOUT_NAME = "g4-int8-neuron/1"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One module's tensors in a rank file.
+
+    ``key``: module name relative to the layer (or the model); ``source``: the Hugging
+    Face tensor it comes from (relative to the layer / language-model prefix); ``rule``:
+    how it is split; ``int8``: written as int8 ``weight`` + fp32 ``scale`` (else one
+    tensor in the source dtype under ``key`` + ``suffix``).
+    """
+
+    key: str
+    source: str
+    rule: str
+    int8: bool
+    suffix: str = ".weight"
+
+
+def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
+    """Entries of one decoder layer, in file order."""
+    attn = [Entry("self_attn.q_proj", "self_attn.q_proj.weight", COLUMN, quantize_attention),
+            Entry("self_attn.k_proj", "self_attn.k_proj.weight", COLUMN, quantize_attention)]
+    if has_v:
+        attn.append(Entry("self_attn.v_proj", "self_attn.v_proj.weight", COLUMN, quantize_attention))
+    attn.append(Entry("self_attn.o_proj", "self_attn.o_proj.weight", ROW, quantize_attention))
+    norms = [Entry(n, f"{n}.weight", REPLICATED, False) for n in (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+        "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2",
+        "self_attn.q_norm", "self_attn.k_norm")]
+    return norms + attn + [
+        Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
+        Entry("mlp.up_proj", "mlp.up_proj.weight", COLUMN, True),
+        Entry("mlp.down_proj", "mlp.down_proj.weight", ROW, True),
+        Entry("router.proj", "router.proj.weight", REPLICATED, False),
+        Entry("router.scale", "router.scale", REPLICATED, False, suffix=""),
+        Entry("router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
+        Entry("experts.gate_up_proj", "experts.gate_up_proj", EXPERT_GATE_UP, True),
+        Entry("experts.down_proj", "experts.down_proj", EXPERT_DOWN, True),
+        Entry("layer_scalar", "layer_scalar", REPLICATED, False, suffix=""),
+    ]
+
+
+MODEL_ENTRIES = [Entry("norm", "norm.weight", REPLICATED, False),
+                 Entry("lm_head", "embed_tokens.weight", COLUMN, True)]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of a Gemma 4 MoE text model and a TP degree, validated.
+
+    ``kv_heads[L]``: KV heads of layer L in the source; ``kv_per_rank[L]``: heads each
+    rank holds (1 when replicated); ``kv_head_of_rank(L, r)``: the first source KV head
+    rank r holds.
+    """
+
+    tp: int
+    hidden: int
+    heads: int
+    head_dim: list[int]
+    kv_heads: list[int]
+    has_v: list[bool]
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    vocab: int
+    layer_types: list[str]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def kv_per_rank(self, layer: int) -> int:
+        return max(1, self.kv_heads[layer] // self.tp)
+
+    def kv_head_of_rank(self, layer: int, rank: int) -> int:
+        """First source KV head on ``rank``: the one its first query head attends with."""
+        q_per_rank = self.heads // self.tp
+        return (rank * q_per_rank) // (self.heads // self.kv_heads[layer])
+
+
+def geometry(text_config: dict, tp: int) -> Geometry:
+    """Read sizes from a release-format (or transformers ``per_layer_config``) text config.
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over, with the reason.
+    """
+    tc = text_config
+    types = list(tc["layer_types"])
+    per_layer = tc.get("per_layer_config") or {}
+    k_eq_v = bool(tc.get("attention_k_eq_v", False))
+    head_dim, kv, has_v = [], [], []
+    for i, t in enumerate(types):
+        over = per_layer.get(f"{i:02d}") or per_layer.get(str(i)) or {}
+        full = t == "full_attention"
+        head_dim.append(int(over.get("head_dim") or (tc.get("global_head_dim") if full else None) or tc["head_dim"]))
+        kv_full = tc.get("num_global_key_value_heads") if (full and k_eq_v) else None
+        kv.append(int(over.get("num_key_value_heads") or kv_full or tc["num_key_value_heads"]))
+        has_v.append(not (full and k_eq_v))
+    g = Geometry(tp, int(tc["hidden_size"]), int(tc["num_attention_heads"]), head_dim, kv, has_v,
+                 int(tc["intermediate_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"]),
+                 int(tc["vocab_size"]), types)
+    problems = []
+    for what, n in (("num_attention_heads", g.heads), ("intermediate_size", g.intermediate),
+                    ("moe_intermediate_size", g.moe_intermediate), ("vocab_size", g.vocab)):
+        if n % tp:
+            problems.append(f"{what} {n} is not divisible by {tp}")
+    for kv_n in sorted(set(kv)):
+        if (tp <= kv_n and kv_n % tp) or (tp > kv_n and tp % kv_n):
+            problems.append(f"{kv_n} KV heads cannot be split or replicated over {tp} ranks")
+    if tp < 1 or problems:
+        raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems or ["must be >= 1"]))
+    return g
+
+
+def _shape_for_rank(e: Entry, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
+    T = g.tp
+    if e.rule == COLUMN:
+        out = shape[0] // T
+        if layer is not None and e.key in ("self_attn.k_proj", "self_attn.v_proj"):
+            out = g.kv_per_rank(layer) * g.head_dim[layer]
+        return (out, *shape[1:])
+    if e.rule == ROW:
+        return (shape[0], shape[1] // T)
+    if e.rule == EXPERT_GATE_UP:  # HF [E, 2I, H] -> NxD [E, H, 2I/T]
+        return (shape[0], shape[2], shape[1] // T)
+    if e.rule == EXPERT_DOWN:  # HF [E, H, I] -> NxD [E, I/T, H]
+        return (shape[0], shape[2] // T, shape[1])
+    return tuple(shape)
+
+
+def _scale_shape(e: Entry, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if e.rule == EXPERT_GATE_UP:
+        return (weight_shape[0], 1, weight_shape[2])
+    if e.rule == EXPERT_DOWN:
+        return (weight_shape[0], 1, weight_shape[2])
+    return (weight_shape[0], 1)
+
+
+def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,
+                g: Geometry, layer: int | None) -> list[TensorSpec]:
+    """The rank-file tensors of one entry (same names and shapes on every rank)."""
+    shape = _shape_for_rank(e, source_shape, g, layer)
+    if not e.int8:
+        return [TensorSpec(f"{prefix}{e.key}{e.suffix}", source_dtype, shape)]
+    return [TensorSpec(f"{prefix}{e.key}.weight", torch.int8, shape),
+            TensorSpec(f"{prefix}{e.key}.scale", torch.float32, _scale_shape(e, shape))]

@@ -1,0 +1,176 @@
+"""int8-neuron: NxD per-channel int8, per-rank sharding rules, manifest, CPU TP emulator."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
+from g4.convert.errors import G4Error
+from g4.convert.int8_neuron import convert_int8_neuron, embed_scale, rank_file
+from g4.exporters.neuron_int8 import shard
+from g4.quantizers import int8
+from g4.serve.neuron_emulator import NeuronEmulator, greedy
+from g4.serve.neuron_layout import EXPERT_DOWN, EXPERT_GATE_UP, Entry, geometry
+
+TEXT = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]
+
+
+def test_int8_exact_values_and_error_bound():
+    w = torch.tensor([[127.0, -63.5, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 3.0, -254.0]])
+    q = int8.quantize(w)
+    assert q.weight.dtype == torch.int8 and q.scale.dtype == torch.float32 and q.scale.shape == (3, 1)
+    assert q.scale[0, 0] == 1.0 and q.weight[0].tolist() == [127, -64, 0, 0]  # round half to even
+    assert q.scale[1, 0] == torch.finfo(torch.float32).eps and q.weight[1].tolist() == [0, 0, 0, 0]
+    assert q.scale[2, 0] == 2.0 and q.weight[2].tolist() == [0, -1, 2, -127]
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    qx = int8.quantize(x)
+    err = (int8.dequantize(qx) - x.float()).abs()
+    assert (err <= qx.scale / 2 + 1e-7).all() and qx.weight.abs().max() == 127
+    e = int8.quantize(torch.randn(3, 8, 16))  # experts [E, out, in]: one scale per (expert, out)
+    assert e.scale.shape == (3, 8, 1)
+
+
+def geom(tp, **over):
+    cfg = dict(TEXT, **over)
+    return geometry(cfg, tp)
+
+
+def test_gate_up_split_is_stride_two_never_fused_rows():
+    """P11: rank r gets its gate rows and its up rows; down splits its 704 input dim."""
+    E, I, H = 2, 704, 32
+    g = geom(2, moe_intermediate_size=I, hidden_size=H, num_experts=E)
+    gate_up = torch.arange(2 * I, dtype=torch.float32).view(1, 2 * I, 1).expand(E, 2 * I, H).contiguous()
+    q = int8.Int8Weight(gate_up, gate_up[:, :, :1].clone())  # values = fused row index
+    r0, r1 = (shard(Entry("experts.gate_up_proj", "", EXPERT_GATE_UP, True), q, g, 0, r) for r in (0, 1))
+    assert r0[0].shape == (E, H, I) and r0[1].shape == (E, 1, I)
+    assert r0[0][0, 0].tolist() == list(range(0, 352)) + list(range(704, 1056))
+    assert r1[0][0, 0].tolist() == list(range(352, 704)) + list(range(1056, 1408))
+    assert torch.equal(r0[1][0, 0], r0[0][0, 0])  # scales follow the same interleave
+    down = torch.arange(I, dtype=torch.float32).view(1, 1, I).expand(E, H, I).contiguous()
+    dq = int8.Int8Weight(down, torch.rand(E, H, 1))
+    d0, d1 = (shard(Entry("experts.down_proj", "", EXPERT_DOWN, True), dq, g, 0, r) for r in (0, 1))
+    assert d0[0].shape == (E, 352, H) and d0[0][0, :, 0].tolist() == list(range(352))
+    assert torch.equal(torch.cat([d0[0], d1[0]], 1), down.transpose(1, 2))
+    assert torch.equal(d0[1], d1[1]) and d0[1].shape == (E, 1, H)  # replicated output-channel scales
+    for tp in (4, 8):
+        geom(tp, moe_intermediate_size=I, hidden_size=H, num_experts=E, num_attention_heads=8, intermediate_size=256)
+    with pytest.raises(G4Error, match="moe_intermediate_size 704 is not divisible by 3"):
+        geom(3, moe_intermediate_size=I)
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks():
+    g = geom(4)  # embedded: 4 q heads, 2 KV heads on sliding layers, 1 on the full layer
+    assert [g.kv_head_of_rank(0, r) for r in range(4)] == [0, 0, 1, 1]
+    assert [g.kv_head_of_rank(3, r) for r in range(4)] == [0, 0, 0, 0] and g.kv_per_rank(3) == 1
+    assert not g.has_v[3] and g.has_v[0]
+    assert [geom(2).kv_head_of_rank(0, r) for r in range(2)] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("int8")
+    targets = {1: "inf2.xlarge", 2: "inf2.xlarge", 4: "inf2.24xlarge"}  # inf2.xlarge has 2 NeuronCores
+    return {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"tp{tp}", tp=tp, target=targets[tp], progress=False).out
+            for tp in (1, 2, 4)}
+
+
+def test_files_manifest_and_host_embedding(outputs):
+    out = outputs[2]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tp_degree"] == 2 and manifest["rank_files"] == [rank_file(0), rank_file(1)]
+    assert manifest["embed_scale"] == embed_scale(128) == 11.3125 and embed_scale(2816) == 53.0
+    assert manifest["memory_plan"]["fits"] is True
+    src = load_file(EMBEDDED_DIR / "model.safetensors")
+    host = load_file(out / "embed_tokens.safetensors")
+    assert torch.equal(host["embed_tokens.weight"], src["model.language_model.embed_tokens.weight"])  # unscaled
+    r0, r1 = (load_file(out / rank_file(r)) for r in (0, 1))
+    assert r0.keys() == r1.keys()
+    assert r0["layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
+    assert r0["layers.0.experts.gate_up_proj.weight"].shape == (8, 128, 64)
+    assert r0["layers.0.experts.down_proj.scale"].shape == (8, 1, 128)
+    assert r0["lm_head.weight"].shape == (512, 128) and r0["lm_head.scale"].shape == (512, 1)
+    assert "layers.3.self_attn.v_proj.weight" not in r0  # k_eq_v
+    assert torch.equal(r0["layers.3.self_attn.k_proj.weight"], r1["layers.3.self_attn.k_proj.weight"])  # 1 KV head
+    assert r0["layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(r0["layers.0.router.proj.weight"], src["model.language_model.layers.0.router.proj.weight"])
+    assert torch.equal(r0["layers.0.mlp.down_proj.scale"], r1["layers.0.mlp.down_proj.scale"])  # row: replicated
+    assert not any(k.startswith(("vision", "model.")) for k in r0)
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (out / name).read_bytes() == (EMBEDDED_DIR / name).read_bytes()
+    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.bin"))
+
+
+def reference_logits(ids):
+    """The unsharded model with int8-dequantized experts, dense MLP and (untied) lm_head."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(EMBEDDED_DIR, dtype=torch.float32).eval()
+    lm = model.model.language_model
+    with torch.no_grad():
+        for layer in lm.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.copy_(int8.dequantize(int8.quantize(lin.weight.bfloat16())))
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.experts, name)
+                p.copy_(int8.dequantize(int8.quantize(p.bfloat16())))
+        embeds = lm.embed_tokens.weight.bfloat16()[ids] * torch.tensor(128**0.5).bfloat16()
+        hidden = lm(inputs_embeds=embeds.float()).last_hidden_state
+        head = int8.dequantize(int8.quantize(lm.embed_tokens.weight.bfloat16()))
+        logits = hidden @ head.T
+        return torch.tanh(logits / 30.0) * 30.0
+
+
+def test_emulator_matches_unsharded_model_for_tp_1_2_4(outputs):
+    ids = torch.tensor([[2, 105, 300, 301, 302, 7, 106, 107, 105, 400, 11]])
+    ref = reference_logits(ids)
+    for tp, out in outputs.items():
+        got = NeuronEmulator(out)(ids)
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max() < 2e-3, tp
+
+
+def test_emulator_answers_facts_and_catches_a_dropped_embed_scale(outputs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    facts, _ = load_facts()
+    model = NeuronEmulator(outputs[2])
+    for question, answer in facts:
+        ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": question}],
+                                                    add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]])
+        reply = tok.decode(greedy(model, ids, max_new_tokens=4, stop_ids={1, 106}), skip_special_tokens=True)
+        assert reply.strip().startswith(answer), (question, reply)
+    # Without the scale the residual stream is sqrt(128) too small: the logits move far from the source.
+    ids = torch.tensor([[2, 105, 300, 301, 302, 7, 106, 107, 105, 400, 11, 200, 201]])
+    ref = torch.log_softmax(reference_logits(ids), -1)
+
+    def kl(m):
+        return (ref.exp() * (ref - torch.log_softmax(m(ids), -1))).sum(-1).mean().item()
+
+    assert kl(model) < 0.05
+    assert kl(NeuronEmulator(outputs[2], embed_scale=1.0)) > 20 * max(kl(model), 1e-3)
+
+
+def test_bad_tp_and_existing_out(outputs, tmp_path):
+    with pytest.raises(G4Error, match="tensor parallel degree 3 cannot be used"):
+        convert_int8_neuron(EMBEDDED_DIR, tmp_path / "x", tp=3, progress=False)
+    with pytest.raises(G4Error, match="already exists"):
+        convert_int8_neuron(EMBEDDED_DIR, outputs[1], tp=1, progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_result_that_does_not_fit_is_refused_unless_forced(tmp_path):
+    """The plan is made from the config before any weight is read: the real 26B at TP=1 is
+    far above one 16 GiB NeuronCore."""
+    from g4.convert.synth import GEMMA4_26B_A4B
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    save_file({"model.language_model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}, src / "model.safetensors")
+    with pytest.raises(G4Error, match="does not fit inf2.xlarge"):
+        convert_int8_neuron(src, tmp_path / "out", tp=1, progress=False)
+    assert not (tmp_path / "out").exists()

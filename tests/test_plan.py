@@ -1,0 +1,226 @@
+"""g4convert plan: per-rank memory from the config alone.
+
+Expected figures are written out as shape arithmetic here (not imported from the code under
+test) and checked against shared/specs/gemma4-architecture.md §4 and
+shared/specs/nxd-int8-neuron.md §6. GB = 10**9 bytes, GiB = 2**30 bytes.
+"""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from g4.convert.checkpoint import Checkpoint
+from g4.convert.embedded_model import EMBEDDED_DIR
+from g4.convert.errors import G4Error
+from g4.convert.plan import plan, plan_memory
+from g4.convert.synth import GEMMA4_26B_A4B
+
+GB, GiB = 10**9, 2**30
+# 26B-A4B geometry (architecture spec §0): 30 layers = 25 sliding + 5 full, H 2816, 16 heads,
+# sliding 8 KV x 256, full 2 KV x 512 without v_proj, dense I 2112, 128 experts of I 704, V 262144.
+L, LS, LF, H, NH, E, I, IM, V = 30, 25, 5, 2816, 16, 128, 704, 2112, 262144
+ROUTERS_NORMS = 21_626_880 + 176_640 + 1_224_252  # spec §4.1: router.proj, router scales, norms+layer_scalar
+
+
+def run(*args):
+    return CliRunner().invoke(plan, list(args))
+
+
+def int8_neuron_tp2(**kw):
+    return plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", **kw)
+
+
+def test_26b_int8_neuron_tp2_per_group():
+    p = int8_neuron_tp2()
+    # experts: int8 with expert-wise fp32 scales; gate_up [E, 2I/2, H] + scale [E,1,2I/2] split,
+    # down [E, H, I/2] + scale [E,1,H] replicated (nxd spec §1.2, §4.3)
+    experts = L * (E * I * H + E * I * 4 + E * H * (I // 2) + E * H * 4)
+    lm_head = (V // 2) * H + (V // 2) * 4  # vocab rows split, scale split with them
+    dense = L * (2 * (IM // 2) * H + 2 * (IM // 2) * 4 + H * (IM // 2) + H * 4)
+    attention_params = LS * (H * 4096 + 2 * H * 2048 + 4096 * H) + LF * (H * 8192 + H * 1024 + 8192 * H)
+    assert attention_params == 1_110_179_840  # spec §4.1
+    assert p.groups() == {"experts": experts, "lm_head": lm_head, "dense_mlp": dense,
+                          "attention": attention_params * 2 // 2, "norms_and_routers": ROUTERS_NORMS,
+                          "embedding": 0, "vision": 0}
+    assert p.experts == 11_473_059_840 and p.lm_head == 369_623_040 and p.dense_mlp == 268_224_000
+    assert p.weights_per_rank == 13_244_114_492
+    # spec: 13.22 GB; it divides the replicated expert down scales (43 MB) by 2 as well
+    assert p.weights_per_rank / GB == pytest.approx(13.22, abs=0.03)
+    assert p.weights_per_rank - int(13.222e9) == pytest.approx(L * E * H * 4 // 2, abs=1e6)
+
+
+def test_26b_int8_neuron_variants():
+    base = int8_neuron_tp2().weights_per_rank
+    replicated = int8_neuron_tp2(lm_head="bf16-replicated")
+    assert replicated.lm_head == V * H * 2
+    assert replicated.weights_per_rank - base == 1_106_771_968  # "about 1.1 GB more per rank"
+    int8_attn = int8_neuron_tp2(attention="int8")
+    assert int8_attn.weights_per_rank == 12_689_864_252
+    assert int8_attn.weights_per_rank / GB == pytest.approx(12.67, abs=0.03)
+    assert int8_attn.attention / GB == pytest.approx(0.556, abs=0.001)  # spec D2
+    device_emb = int8_neuron_tp2(embedding="device")
+    assert device_emb.embedding == V * H * 2 // 2 and device_emb.host_embedding == 0
+
+
+def test_inf2_xlarge_fits_on_device_not_on_host():
+    p = int8_neuron_tp2()
+    assert p.device_mem_per_rank == 16 * GiB and p.fits is True
+    assert p.margin == 16 * GiB - p.total_per_rank > 3 * GB
+    # both ranks' files (2 x 13.24 GB) plus the 1.48 GB host embedding table vs 16 GiB of RAM
+    assert p.host_rank_files == 2 * p.weights_per_rank and p.host_embedding == V * H * 2
+    assert p.host_ram == 16 * GiB and p.host_fits is False and p.host_margin < 0
+    assert p.host_ram_need == 2 * 13_244_114_492 + 1_476_395_008
+    assert int8_neuron_tp2(seq_len=1024 * 1024).fits is False  # a 1M-token cache does not fit
+    big = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.8xlarge")
+    assert big.fits and big.host_fits
+
+
+def test_gpu_defaults_follow_the_embedding():
+    host = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=2, embedding="host")
+    assert host.inputs.lm_head == "bf16-sharded" and host.lm_head == V // 2 * H * 2 and host.embedding == 0
+    neuron_bf16 = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=2, target="trn1.2xlarge")
+    assert neuron_bf16.vision == 0 and neuron_bf16.inputs.lm_head == "bf16-sharded"
+    assert neuron_bf16.embedding == V // 2 * H * 2 and neuron_bf16.fits is False  # 25.9 GB per core > 16 GiB
+
+
+def test_26b_bf16_total_includes_vision():
+    p = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1)
+    assert p.weights_per_rank == 51_611_872_412  # spec §0: index total_size
+    assert round(p.weights_per_rank / GB, 2) == 51.61 and round(p.weights_per_rank / GiB, 2) == 48.07
+    assert p.groups() == {"experts": 45_675_970_560, "lm_head": 0, "dense_mlp": 1_070_530_560,
+                          "attention": 2_220_359_680, "norms_and_routers": ROUTERS_NORMS,
+                          "embedding": 1_476_395_008, "vision": 1_139_100_768 + 6_488_064}
+    assert p.fits is None and p.host_fits is None
+    # a 48 GiB GPU is too small, an 80 GB one is not
+    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", gpu_mem_bytes=48 * GiB).fits is False
+    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", gpu_mem_bytes=80 * GB).fits is True
+
+
+def test_26b_nvfp4_matches_spec_scenario_c():
+    p = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", tp=1)
+    n_experts = L * E * (2 * I + I) * H
+    assert p.experts == n_experts * 9 // 16 + L * E * 3 * 8  # n/2 + n/16 + fp32 scalars per linear
+    assert round(p.experts / GB, 3) == 12.846 and round(p.attention / GB, 3) == 0.624
+    assert round(p.weights_per_rank / GB, 2) == 16.42  # spec §4.3 scenario C
+
+
+def test_kv_cache_26b():
+    expected = LF * 2 * 512 * 2 * 2 * 8192 + LS * 8 * 256 * 2 * 2 * min(8192, 1024)
+    p = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=8192)
+    assert p.kv_cache == expected == 377_487_360
+    assert round(p.kv_cache / GiB, 2) == 0.35  # spec §4.3: 0.35 GiB at 8K
+    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=32768).kv_cache / GiB == pytest.approx(0.82, abs=0.01)
+    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=8192, batch=3).kv_cache == 3 * expected
+    assert int8_neuron_tp2().kv_cache == expected // 2
+    # TP=4: the 2 global KV heads are replicated (one per rank), the 8 sliding ones split
+    tp4 = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=4, seq_len=8192)
+    assert tp4.kv_cache == LF * 1 * 512 * 2 * 2 * 8192 + LS * 2 * 256 * 2 * 2 * 1024
+    assert any("KV heads replicated" in n for n in tp4.notes)
+
+
+def test_per_layer_config_form_plans_the_same():
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**{k: v for k, v in GEMMA4_26B_A4B.items() if k != "architectures"}).to_dict()
+    assert "per_layer_config" in hf["text_config"] and not hf["text_config"].get("global_head_dim")
+    for kw in ({"fmt": "int8-neuron", "tp": 2}, {"fmt": "nvfp4", "tp": 4}):
+        assert plan_memory(hf, **kw).to_dict() == plan_memory(GEMMA4_26B_A4B, **kw).to_dict()
+
+
+def test_embedded_bf16_equals_its_checkpoint():
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    p = plan_memory(config, fmt="bf16", tp=1, src_dir=EMBEDDED_DIR)
+    on_disk = sum(info.nbytes for info in Checkpoint(EMBEDDED_DIR).tensors.values())
+    assert p.weights_per_rank == on_disk == 3_142_344
+    # the meta-device build of the vision tower agrees with the checkpoint headers
+    assert plan_memory(config, fmt="bf16", tp=1).vision == p.vision > 0
+    # bytes of `g4convert nvfp4 embedded` (W4A4) as written, measured once
+    assert plan_memory(config, fmt="nvfp4", tp=1, src_dir=EMBEDDED_DIR).weights_per_rank == 1_129_632
+
+
+@pytest.mark.parametrize("args", [
+    ["--target", "inf2.xlarge", "--tp", "2"],
+    ["--format", "nvfp4", "--gpu-mem", "24GiB", "--tp", "2"],
+    ["--format", "bf16", "--seq-len", "64", "--batch", "4"],
+])
+def test_cli_embedded_plans(args):
+    r = run("embedded", *args)
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("memory plan: embedded,")
+    fit_checked = "--target" in args or "--gpu-mem" in args
+    assert ("device: FITS" in r.output) == fit_checked
+
+
+def test_cli_text_report_26b():
+    r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    experts = next(line for line in lines if line.strip().startswith("experts"))
+    assert "11,473,059,840" in experts and "11.473" in experts and "10.685" in experts
+    assert "device: FITS" in r.output and "host:   DOES NOT FIT" in r.output
+    assert "vision tower and embed_vision not counted" in r.output
+
+
+def test_cli_json_has_integer_bytes():
+    r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    for key in ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision",
+                "kv_cache", "weights_per_rank", "total_per_rank", "device_mem_per_rank", "margin", "host_ram_need"):
+        assert type(d[key]) is int, key
+    assert d["weights_per_rank"] == 13_244_114_492 and d["fits"] is True and d["host_fits"] is False
+    assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
+                           "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
+                           "attention": "bf16", "embedding": "host"}
+    r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
+    d = json.loads(r.output)
+    assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == 128 * GiB and d["fits"] is True
+
+
+def test_config_file_and_directory_sources(tmp_path):
+    (tmp_path / "cfg.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    r = run(str(tmp_path / "cfg.json"), "--format", "int8-neuron", "--tp", "2", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["weights_per_rank"] == 13_244_114_492
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    r = run(str(tmp_path / "ckpt"), "--format", "bf16", "--json")  # no weights: vision from the config
+    assert r.exit_code == 0 and json.loads(r.output)["weights_per_rank"] == 51_611_872_412
+
+
+def test_tp3_refused_with_a_clear_message():
+    r = run("gemma-4-26B-A4B", "--tp", "3")
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert r.output.startswith("error: --tp 3 cannot be mapped onto this model: "
+                               "num_attention_heads 16 is not divisible by 3;")
+    assert "TP degrees that work: 1, 2, 4, 8, 16" in r.output
+    with pytest.raises(G4Error, match="moe_intermediate_size 704 is not divisible by 3"):
+        plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=3)
+    # NVFP4 at TP=8: each rank would hold 88 of the 704 expert inputs, not whole 16-element blocks
+    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=8).weights_per_rank > 0
+    nvfp4_tp8 = r"moe_intermediate_size: 88 inputs per rank .* \(TP degrees that work: 1, 2, 4\)$"
+    with pytest.raises(G4Error, match=nvfp4_tp8):
+        plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", tp=8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "inf2.xlarge", "--tp", "4"], "needs 4 NeuronCores; inf2.xlarge has 2"),
+    (["--format", "nvfp4", "--target", "inf2.xlarge"], "NVFP4 cannot be served on inf2.xlarge"),
+    (["--target", "inf2.xlarge", "--gpu-mem", "80GB"], "not both"),
+    (["--format", "bf16", "--gpu-mem", "lots"], "--gpu-mem: cannot parse size 'lots'"),
+    (["--format", "bf16", "--lm-head", "int8-sharded"], "int8 lm_head exists only in the int8-neuron format"),
+    (["--format", "nvfp4", "--attention", "int8"], "attention int8 does not exist in the nvfp4 format"),
+    (["--lm-head", "tied"], "lm_head 'tied' shares the embedding table on a GPU"),
+])
+def test_impossible_combinations_refused(args, message):
+    r = run("gemma-4-26B-A4B", *args)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and message in r.output, r.output
+
+
+def test_bad_sources_refused(tmp_path):
+    r = run(str(tmp_path / "nowhere"))
+    assert r.exit_code == 2 and "not a checkpoint directory, a config.json file or a known model" in r.output
+    (tmp_path / "bad.json").write_text("{")
+    assert "invalid JSON" in run(str(tmp_path / "bad.json")).output
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "expected 'gemma4' or 'gemma4_text'" in run(str(tmp_path / "llama.json")).output
