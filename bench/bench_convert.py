@@ -1,8 +1,10 @@
-"""Whole NVFP4 conversion of a synthetic gemma-4-26B-A4B checkpoint (real names and
-shapes, random bf16 weights): seconds per layer, size in/out, projected real-model size,
-and peak RSS against the bound 2 x largest tensor + 1.5 GiB.
+"""Whole conversion (NVFP4, or int8-neuron at --tp) of a synthetic gemma-4-26B-A4B checkpoint
+(real names and shapes, random bf16 weights): seconds per layer, size in/out (per rank for
+int8-neuron), projected real-model size, and peak RSS against the bound
+2 x largest tensor + 1.5 GiB.
 
-    python bench/bench_convert.py [--layers 2] [--work bench/_work] [--calib-samples 32]
+    python bench/bench_convert.py [--layers 2] [--format nvfp4|int8-neuron] [--tp 2]
+                                  [--work bench/_work] [--calib-samples 32]
 
 The synthetic source is made once with `g4convert synth` and reused. The conversion
 runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
@@ -28,27 +30,39 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--weight-only", action="store_true")
+    ap.add_argument("--format", choices=["nvfp4", "int8-neuron"], default="nvfp4")
+    ap.add_argument("--tp", type=int, default=2)
     args = ap.parse_args()
     from g4.convert.checkpoint import Checkpoint
     from g4.convert.synth import synthetic_config, synthetic_specs
 
     src = args.work / f"synth-26b-{args.layers}L"
-    out = args.work / f"synth-26b-{args.layers}L-nvfp4"
+    out = args.work / f"synth-26b-{args.layers}L-{args.format}"
     args.work.mkdir(parents=True, exist_ok=True)
     if not src.exists():
         t = time.perf_counter()
         subprocess.run(["g4convert", "-q", "synth", "--layers", str(args.layers), str(src)], check=True)
         print(f"synth: {time.perf_counter() - t:.1f} s")
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-c",
-           "import resource, sys; from g4.convert.nvfp4 import convert_nvfp4;"
-           f"r = convert_nvfp4({str(src)!r}, {str(out)!r}, calib_samples={args.calib_samples},"
-           f" calib_seq_len={args.calib_seq_len}, weight_only={args.weight_only}, progress=False);"
-           "print(r.summary(), file=sys.stderr);"
-           "print(r.seconds, r.bytes_in, r.bytes_out, r.peak_rss_bytes)"]
+    if args.format == "nvfp4":
+        call = (f"from g4.convert.nvfp4 import convert_nvfp4; r = convert_nvfp4({str(src)!r}, {str(out)!r}, "
+                f"calib_samples={args.calib_samples}, calib_seq_len={args.calib_seq_len}, "
+                f"weight_only={args.weight_only}, progress=False); out_bytes = r.bytes_out")
+    else:
+        call = (f"from g4.convert.int8_neuron import convert_int8_neuron; r = convert_int8_neuron({str(src)!r}, "
+                f"{str(out)!r}, tp={args.tp}, target='inf2.xlarge', progress=False); out_bytes = r.bytes_per_rank[0]")
+    cmd = [sys.executable, "-c", f"import sys; {call}; print(r.summary(), file=sys.stderr); "
+           "print(r.seconds, r.bytes_in, out_bytes, r.peak_rss_bytes)"]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     seconds, bytes_in, bytes_out, rss = (float(x) for x in res.stdout.split())
     print(res.stderr.strip().splitlines()[-1])
+    if args.format == "int8-neuron":
+        print(json.dumps({"layers": args.layers, "tp": args.tp, "seconds_total": round(seconds, 1),
+                          "bytes_per_rank_GB": round(bytes_out / 1e9, 3),
+                          "peak_rss_GiB": round(rss / GIB, 3),
+                          "rss_bound_GiB (2 x largest + 1.5)": round((2 * max(i.nbytes for i in Checkpoint(src).tensors.values()) + 1.5 * GIB) / GIB, 3)},
+                         indent=2))
+        return
 
     ck = Checkpoint(src)
     largest = max(i.nbytes for i in ck.tensors.values())
