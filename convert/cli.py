@@ -12,8 +12,6 @@ import click
 from .errors import G4Error, exit_on_user_error
 from .plan import plan
 
-log = logging.getLogger("g4")
-
 EMBEDDED = "embedded"
 
 
