@@ -140,7 +140,7 @@ def convert_int8_neuron(
 
     t0 = time.perf_counter()
     ckpt = Checkpoint(src)
-    g = geometry(ckpt.text_config, tp)
+    g = geometry(ckpt.config, tp)
     plan = None
     if target is not None:
         plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,

@@ -64,8 +64,7 @@ class NeuronEmulator(nn.Module):
             self.embed_table = load_file(out_dir / self.manifest["host_embedding"]["file"])["embed_tokens.weight"]
         except (OSError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{out_dir}: not a readable int8-neuron output ({e})") from e
-        text = raw_config.get("text_config") or raw_config
-        self.geom = g = geometry(text, self.manifest["tp_degree"])
+        self.geom = g = geometry(raw_config, self.manifest["tp_degree"])
         self.config = AutoConfig.from_pretrained(out_dir).get_text_config()
         self.config._attn_implementation = "sdpa"
         self.config._experts_implementation = "eager"

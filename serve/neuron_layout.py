@@ -120,38 +120,24 @@ class Geometry:
         return (rank * q_per_rank) // (self.heads // self.kv_heads[layer])
 
 
-def geometry(text_config: dict, tp: int) -> Geometry:
-    """Read sizes from a release-format (or transformers ``per_layer_config``) text config.
+def geometry(config: dict, tp: int) -> Geometry:
+    """Sizes of ``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
+
+    Parsing and the TP rules are the memory planner's (``g4.convert.plan.text_geometry``,
+    ``tp_problems``), so the plan and the files cannot disagree.
 
     Raises:
-        G4Error: a TP degree the model cannot be split over, with the reason.
+        G4Error: not a Gemma 4 MoE config, or a TP degree the model cannot be split over.
     """
-    tc = text_config
-    types = list(tc["layer_types"])
-    per_layer = tc.get("per_layer_config") or {}
-    k_eq_v = bool(tc.get("attention_k_eq_v", False))
-    head_dim, kv, has_v = [], [], []
-    for i, t in enumerate(types):
-        over = per_layer.get(f"{i:02d}") or per_layer.get(str(i)) or {}
-        full = t == "full_attention"
-        head_dim.append(int(over.get("head_dim") or (tc.get("global_head_dim") if full else None) or tc["head_dim"]))
-        kv_full = tc.get("num_global_key_value_heads") if (full and k_eq_v) else None
-        kv.append(int(over.get("num_key_value_heads") or kv_full or tc["num_key_value_heads"]))
-        has_v.append(not (full and k_eq_v))
-    g = Geometry(tp, int(tc["hidden_size"]), int(tc["num_attention_heads"]), head_dim, kv, has_v,
-                 int(tc["intermediate_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"]),
-                 int(tc["vocab_size"]), types)
-    problems = []
-    for what, n in (("num_attention_heads", g.heads), ("intermediate_size", g.intermediate),
-                    ("moe_intermediate_size", g.moe_intermediate), ("vocab_size", g.vocab)):
-        if n % tp:
-            problems.append(f"{what} {n} is not divisible by {tp}")
-    for kv_n in sorted(set(kv)):
-        if (tp <= kv_n and kv_n % tp) or (tp > kv_n and tp % kv_n):
-            problems.append(f"{kv_n} KV heads cannot be split or replicated over {tp} ranks")
-    if tp < 1 or problems:
-        raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems or ["must be >= 1"]))
-    return g
+    from g4.convert.plan import text_geometry, tp_problems
+
+    tg = text_geometry(config if "model_type" in config else {**config, "model_type": "gemma4_text"})
+    problems = tp_problems(tg, tp)
+    if problems:
+        raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems))
+    return Geometry(tp, tg.hidden, tg.heads, [a.head_dim for a in tg.layers], [a.kv_heads for a in tg.layers],
+                    [a.has_v for a in tg.layers], tg.intermediate, tg.moe_intermediate, tg.experts, tg.vocab,
+                    ["sliding_attention" if a.sliding else "full_attention" for a in tg.layers])
 
 
 def _shape_for_rank(e: Entry, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
