@@ -4,6 +4,7 @@ public function; errors the user can act on print one line and exit with status 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def _default_out(src: str, suffix: str) -> Path:
     return Path(f"{name}-{suffix}")
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
@@ -44,6 +49,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
+    signal.signal(signal.SIGTERM, _terminate)  # clean up partial outputs on kill as on Ctrl-C
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     ctx.obj = {"progress": not quiet}
