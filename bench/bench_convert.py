@@ -41,7 +41,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if not src.exists():
         t = time.perf_counter()
-        subprocess.run(["g4convert", "-q", "synth", "--layers", str(args.layers), str(src)], check=True)
+        subprocess.run([sys.executable, "-m", "g4.convert.cli", "-q", "synth", "--layers", str(args.layers), str(src)],
+                       check=True)
         print(f"synth: {time.perf_counter() - t:.1f} s")
     shutil.rmtree(out, ignore_errors=True)
     if args.format == "nvfp4":

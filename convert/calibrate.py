@@ -62,14 +62,17 @@ def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise G4Error(f"{path}:{lineno}: invalid JSON: {e}") from e
-            if "text" in rec:
-                docs.append(str(rec["text"]))
-            elif "messages" in rec:
+            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                docs.append(rec["text"])
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
                 if tokenizer is None:
                     raise G4Error(f"{path}:{lineno}: 'messages' records need a tokenizer with a chat template")
-                docs.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
+                try:
+                    docs.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
+                except Exception as e:  # jinja/transformers raise many types for bad messages
+                    raise G4Error(f"{path}:{lineno}: cannot render 'messages' with the chat template: {e}") from e
             else:
-                raise G4Error(f"{path}:{lineno}: record has neither 'text' nor 'messages'")
+                raise G4Error(f"{path}:{lineno}: expected an object with a string 'text' or a list 'messages'")
     else:
         docs = [d.strip() for d in raw.split("\n\n") if d.strip()]
     if not docs:

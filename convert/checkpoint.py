@@ -9,8 +9,10 @@ Pickle files (``*.bin``, ``*.pt``) are never opened.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from .errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+_REQUIRED_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "intermediate_size", "moe_intermediate_size", "num_experts", "top_k_experts", "vocab_size")
 
 _ST_DTYPES = {
     "BF16": torch.bfloat16,
@@ -78,15 +82,21 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     infos: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
-        dtype = _ST_DTYPES.get(entry.get("dtype"))
+        try:
+            dtype = _ST_DTYPES.get(entry["dtype"])
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {name} has a malformed header entry ({type(e).__name__}: {e})") from e
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-        info = TensorInfo(path.name, dtype, tuple(entry["shape"]))
-        start, end = entry["data_offsets"]
+        info = TensorInfo(path.name, dtype, shape)
         if end - start != info.nbytes:
             raise CheckpointError(
                 f"{path}: tensor {name} spans {end - start} bytes but {info.dtype} {list(info.shape)} needs {info.nbytes}"
@@ -127,7 +137,8 @@ class Checkpoint:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         if not self.root.is_dir():
-            raise CheckpointError(f"{self.root}: not a directory")
+            why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
+            raise CheckpointError(f"{self.root}: {why} (SRC is a local Hugging Face checkpoint directory or 'embedded')")
         self.config = self._read_config()
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
@@ -142,12 +153,18 @@ class Checkpoint:
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
         model_type = config.get("model_type")
         if model_type not in GEMMA4_MODEL_TYPES:
             raise CheckpointError(f"{path}: model_type is {model_type!r}, expected one of {GEMMA4_MODEL_TYPES} (Gemma 4)")
         text = config.get("text_config") or config
-        if not text.get("enable_moe_block", False):
+        if not isinstance(text, dict) or not text.get("enable_moe_block", False):
             raise CheckpointError(f"{path}: text config has no MoE block (enable_moe_block is not true); g4 converts Gemma 4 MoE models")
+        for key in _REQUIRED_INT_KEYS:
+            value = text.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CheckpointError(f"{path}: text config {key} is {value!r}, expected a positive integer")
         return config
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
@@ -156,7 +173,9 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: invalid index ({e})") from e
+                raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
             for file in files:
                 if not (self.root / file).is_file():
@@ -253,4 +272,24 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
             bad = (~torch.isfinite(t)).sum().item()
             raise CheckpointError(f"tensor {name}: {bad} NaN/Inf value(s) in the source weights")
     return t
+
+
+# What travels with converted weights (case P14): tokenizer, chat template, generation and
+# processor configs. An allow-list, so stale quantization metadata, other weight formats
+# (.gguf, .bin) or READMEs of the source are never carried into OUT.
+SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                      "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                      "generation_config.json", "processor_config.json", "preprocessor_config.json",
+                      "video_preprocessor_config.json")
+
+
+def copy_side_files(src: Path, dst: Path, *, extra: tuple[str, ...] = ()) -> list[str]:
+    """Copy the tokenizer, chat template, generation and processor configs of ``src``
+    (plus ``extra`` names) into ``dst``; returns the names copied."""
+    copied = []
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS + extra):
+            shutil.copy2(f, Path(dst) / f.name)
+            copied.append(f.name)
+    return copied
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import int8
 from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
 
-from .checkpoint import INDEX_NAME, Checkpoint, check_finite
+from .checkpoint import Checkpoint, check_finite, copy_side_files
 from .errors import G4Error
 from .nvfp4 import peak_rss_bytes
 from .sources import checked_sources
@@ -42,7 +41,6 @@ log = logging.getLogger(__name__)
 WEIGHTS_DIR = "weights"
 EMBED_FILE = "embed_tokens.safetensors"
 MANIFEST = "manifest.json"
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def rank_file(rank: int) -> str:
@@ -159,7 +157,7 @@ def convert_int8_neuron(
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     source_files = sorted({i.file for i in ckpt.tensors.values()})
 
-    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root]) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()
         writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="int8-neuron", disable=not progress)
@@ -218,9 +216,7 @@ def convert_int8_neuron(
             "memory_plan": plan.to_dict() if plan is not None else None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for f in sorted(ckpt.root.iterdir()):
-            if f.is_file() and f.name != INDEX_NAME and not f.name.endswith(_NOT_COPIED_SUFFIXES):
-                shutil.copy2(f, tmp / f.name)
+        copy_side_files(ckpt.root, tmp, extra=("config.json",))
         per_rank = writers[0].total_bytes
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())

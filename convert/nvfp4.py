@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,15 +37,13 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import nvfp4 as q
 
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
-from .checkpoint import INDEX_NAME, Checkpoint, check_finite
+from .checkpoint import Checkpoint, check_finite, copy_side_files
 from .errors import CheckpointError, ExportError
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
-_NOT_COPIED = {"config.json", INDEX_NAME}
 _CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @dataclass
@@ -292,7 +289,7 @@ def convert_nvfp4(
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     n_quant = params_quant = quant_bytes = 0
-    with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
         for p in plans:
@@ -316,9 +313,9 @@ def convert_nvfp4(
         bar.close()
         writer.close()
         ckpt.close()
+        copy_side_files(ckpt.root, tmp)
         meta.write_metadata(tmp, ckpt.config, excludes=excludes, weight_only=weight_only)
-        _copy_side_files(ckpt.root, tmp)
-        meta.check_export(tmp)
+        meta.check_export(tmp, label=Path(out))
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
@@ -333,10 +330,3 @@ def _load_tokenizer(root: Path):
     except Exception as e:  # many exception types for a missing/broken tokenizer
         raise CheckpointError(f"{root}: calibration needs the checkpoint's tokenizer and it cannot be "
                               f"loaded ({type(e).__name__}: {e}); add tokenizer files or use --weight-only") from e
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """Copy tokenizer, chat template, generation and processor configs (case P14)."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_NOT_COPIED_SUFFIXES):
-            shutil.copy2(f, dst / f.name)

@@ -26,11 +26,16 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     """:func:`map_sources` plus per-layer structure checks.
 
     Raises:
-        MappingError: unmapped, missing or extra (``v_proj`` on a k_eq_v layer) tensors.
+        MappingError: unmapped, missing or extra (``v_proj`` on a k_eq_v layer, a physical
+            ``lm_head.weight`` in a tied model) tensors.
         CheckpointError: fused expert shapes that disagree with the config.
     """
     smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
     tc = ckpt.text_config
+    tied = tc.get("tie_word_embeddings", ckpt.config.get("tie_word_embeddings", True))
+    if smap.lm_head and tied:
+        raise MappingError(f"tensor {smap.lm_head}: present although tie_word_embeddings is true (case P06: loaders "
+                           "disagree on such checkpoints); remove it, or set tie_word_embeddings to false")
     layer_types = tc.get("layer_types") or []
     k_eq_v = bool(tc.get("attention_k_eq_v", False))
     n_exp, inter, hidden = int(tc["num_experts"]), int(tc["moe_intermediate_size"]), int(tc["hidden_size"])

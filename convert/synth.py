@@ -128,6 +128,8 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        marker = {"converter": {"name": "g4"}, "format": "g4-synthetic", "layers": layers, "seed": seed}
+        (tmp / "g4_synth.json").write_text(json.dumps(marker) + "\n")
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=parse_size(max_shard_size))
         with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
             for spec in specs:

@@ -80,7 +80,7 @@ def _shard_files(out_dir: Path) -> list[str]:
     return [SINGLE_NAME]
 
 
-def check_export(out_dir: str | Path) -> dict[str, int]:
+def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dict[str, int]:
     """Check an NVFP4 output directory against the rules vLLM depends on.
 
     Checks: no fused 3-D expert tensor and no ``.moe.`` / compressed-tensors names
@@ -92,6 +92,10 @@ def check_export(out_dir: str | Path) -> dict[str, int]:
     exclusion list matches the tensors (P07): no quantized module is excluded, every
     bf16 2-D linear weight is, every pattern matches something (``lm_head`` when tied).
 
+    Args:
+        label: the name used for the directory in error messages (the final OUT when
+            checking its temporary directory).
+
     Returns:
         ``{"quantized_modules": n, "kept_tensors": m}``.
 
@@ -99,12 +103,16 @@ def check_export(out_dir: str | Path) -> dict[str, int]:
         ExportError: naming the first offending tensor.
     """
     out_dir = Path(out_dir)
+    label = label or out_dir
     config = json.loads((out_dir / "config.json").read_text())
     qc = config.get("quantization_config") or {}
     hq = json.loads((out_dir / "hf_quant_config.json").read_text())["quantization"]
     excludes = qc.get("ignore", [])
     if excludes != hq.get("exclude_modules"):
-        raise ExportError(f"{out_dir}: config.json ignore and hf_quant_config.json exclude_modules differ")
+        raise ExportError(f"{label}: config.json ignore and hf_quant_config.json exclude_modules differ")
+    for key, want in (("quant_algo", "NVFP4"), ("group_size", BLOCK_SIZE)):
+        if hq.get(key) != want:
+            raise ExportError(f"{label}: hf_quant_config.json {key} is {hq.get(key)!r}, expected {want!r}")
     w4a4 = any("input_activations" in g for g in qc.get("config_groups", {}).values())
     modules: dict[str, dict[str, tuple]] = defaultdict(dict)
     kept: dict[str, tuple] = {}
@@ -159,7 +167,7 @@ def check_export(out_dir: str | Path) -> dict[str, int]:
         if p == "lm_head" and tied:
             continue
         if not any(_excluded(n.rpartition(".")[0], [p]) for n in kept):
-            raise ExportError(f"{out_dir}: exclusion pattern {p!r} matches no tensor in the checkpoint")
+            raise ExportError(f"{label}: exclusion pattern {p!r} matches no tensor in the checkpoint")
     return {"quantized_modules": len(quantized), "kept_tensors": len(kept)}
 
 

@@ -177,28 +177,81 @@ class ShardedSafetensorsWriter:
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+# Files that mark a directory as a g4 result, which --overwrite may replace (their JSON
+# has converter.name "g4" or a format starting with "g4-").
+G4_OUTPUT_MARKERS = ("hf_quant_config.json", "manifest.json", "g4_synth.json")
+
+
+def _is_g4_output(path: Path) -> bool:
+    for marker in G4_OUTPUT_MARKERS:
+        try:
+            data = json.loads((path / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and (data.get("converter", {}).get("name") == "g4"
+                                       or str(data.get("format", "")).startswith("g4-")):
+            return True
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove ``.OUT.partial-<pid>`` dirs left by runs that were killed (SIGKILL, power loss)."""
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 @contextmanager
-def atomic_output_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[Path] = ()) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and an existing ``out`` is
     untouched. With ``overwrite``, an existing ``out`` is replaced only after the new
-    result is complete (moved aside, new one renamed in, old one deleted).
+    result is complete (moved aside, new one renamed in, old one deleted), and only if it
+    is empty or a previous g4 result.
+
+    Args:
+        sources: input directories; ``out`` may be neither one of them nor contain one.
 
     Raises:
-        ExportError: ``out`` exists and ``overwrite`` is false, or its parent is missing.
+        ExportError: ``out`` exists without ``overwrite``; ``out`` is or contains a source
+            or the working directory; ``out`` exists, is not empty and is not a g4 result;
+            its parent is missing.
     """
     out = Path(out).absolute()
+    resolved = out.resolve()
+    guarded = [(f"SRC {Path(s).resolve()}", Path(s).resolve()) for s in sources]
+    for what, path in [*guarded, ("the working directory", Path.cwd().resolve())]:
+        if path == resolved or resolved in path.parents:
+            raise ExportError(f"{out}: OUT would replace {what}; choose another OUT")
     if out.exists() and not overwrite:
         raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_g4_output(out))):
+        raise ExportError(f"{out}: exists and is not a g4 result; --overwrite only replaces g4 results "
+                          "(remove it yourself if you mean it)")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: parent directory of OUT does not exist")
+    _remove_stale_partials(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         yield tmp
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"{out}: cannot write the result: {e.strerror or e}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -206,6 +259,6 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
         tmp.rename(out)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.rmtree(old)
     else:
         tmp.rename(out)

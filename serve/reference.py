@@ -67,7 +67,16 @@ class VerifyReport:
     answers: list[dict] = field(default_factory=list)
 
     def passed(self, min_agreement: float) -> bool:
-        return self.token_agreement >= min_agreement and self.facts_correct == self.facts_total
+        return not self.failures(min_agreement)
+
+    def failures(self, min_agreement: float) -> list[str]:
+        """Why the check fails at ``min_agreement`` (empty when it passes)."""
+        why = []
+        if self.token_agreement < min_agreement:
+            why.append(f"token agreement {self.token_agreement:.3f} < {min_agreement}")
+        if self.facts_correct != self.facts_total:
+            why.append(f"{self.facts_total - self.facts_correct} fact(s) answered wrong")
+        return why
 
     def summary(self) -> str:
         lines = [f"token agreement {self.token_agreement:.3f} over {self.positions} positions of {self.prompts} "
@@ -140,9 +149,18 @@ def _model_class(config: dict):
 
 
 def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
-    """The source checkpoint as a transformers model (eval mode, eager experts)."""
+    """The source checkpoint as a transformers model (eval mode, eager experts).
+
+    Raises:
+        CheckpointError: transformers would leave weights uninitialised (e.g. the
+            pre-release ``moe.*`` expert names, which only g4's converter maps).
+    """
     cls = _model_class(Checkpoint(src).config)
-    model = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager")
+    model, info = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager", output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", []) if k != "lm_head.weight"]
+    if missing:
+        raise CheckpointError(f"{src}: transformers cannot load {len(missing)} source tensor(s) (e.g. {missing[0]}); "
+                              "a reference with random weights would be meaningless")
     return model.eval()
 
 
@@ -179,6 +197,21 @@ def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Te
                       for kind in ("experts.gate_up_proj", "experts.down_proj")}
             module.forward = experts_forward_with_input_hook(
                 module, lambda kind, x, s=scales: q.fake_quantize_activation(x, s[kind]))
+
+
+def _check_pair(out: Path, src: Path, act_quant: bool) -> None:
+    """OUT must be a modelopt NVFP4 checkpoint converted from SRC (same config otherwise)."""
+    out_cfg = Checkpoint(out).config
+    qc = out_cfg.get("quantization_config") or {}
+    if qc.get("quant_method") != "modelopt" or qc.get("quant_algo") != "NVFP4":
+        raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
+    src_cfg = Checkpoint(src).config
+    if {k: v for k, v in out_cfg.items() if k != "quantization_config"} != src_cfg:
+        raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it converted from another "
+                              "checkpoint? pass --against SRC")
+    w4a4 = any("input_activations" in g for g in qc.get("config_groups", {}).values())
+    if act_quant and not w4a4:
+        raise CheckpointError(f"{out}: --act-quant needs input_scale tensors, and this is a weight-only (W4A16) checkpoint")
 
 
 def _chat_ids(tokenizer, text: str) -> torch.Tensor:
@@ -239,7 +272,12 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     from transformers import AutoTokenizer
 
     out, src = Path(out), Path(src)
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    _check_pair(out, src, act_quant)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # many exception types for a missing or broken tokenizer
+        raise CheckpointError(f"{src}: verify needs the source's tokenizer and it cannot be loaded "
+                              f"({type(e).__name__})") from e
     src_model = load_source_model(src, dtype)
     q_model = load_converted_model(out, src, dtype, act_quant=act_quant)
     facts_path = src / "facts.json"

@@ -30,7 +30,7 @@ def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
     assert r.exit_code == 2 and "layers.0.experts.down_proj: 1 NaN/Inf" in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
     r = run("nvfp4", str(tmp_path / "nowhere"), str(tmp_path / "o2"))
-    assert r.exit_code == 2 and "not a directory" in r.output
+    assert r.exit_code == 2 and "nowhere: does not exist" in r.output
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o3"), "--max-shard-size", "lots")
     assert r.exit_code == 2 and "cannot parse size 'lots'" in r.output
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()

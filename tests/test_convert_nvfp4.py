@@ -248,9 +248,46 @@ def test_existing_out_is_refused_then_replaced_atomically(tiny_mm, tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists"):
         convert_nvfp4(tiny_mm, out, weight_only=True, progress=False)
+    with pytest.raises(ExportError, match="is not a g4 result"):  # --overwrite replaces only our own results
+        convert_nvfp4(tiny_mm, out, weight_only=True, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
-    convert_nvfp4(tiny_mm, out, weight_only=True, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    ours = tmp_path / "ours"
+    convert_nvfp4(tiny_mm, ours, weight_only=True, progress=False)
+    (ours / "stale.txt").write_text("old result")
+    convert_nvfp4(tiny_mm, ours, weight_only=True, overwrite=True, progress=False)
+    assert not (ours / "stale.txt").exists() and (ours / "model.safetensors").is_file()
+
+
+def test_out_may_not_replace_src(tiny_mm, tmp_path):
+    """--overwrite must never delete the source: OUT equal to SRC or a parent of it is refused."""
+    parent = tmp_path / "parent"
+    src = shutil.copytree(tiny_mm, parent / "src")
+    for out in (src, parent):
+        with pytest.raises(ExportError, match="OUT would replace SRC"):
+            convert_nvfp4(src, out, weight_only=True, overwrite=True, progress=False)
+    assert Checkpoint(src).tensors
+
+
+def test_only_side_files_travel_and_stale_metadata_is_not_copied(tiny_mm, tmp_path):
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    stale = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "group_size": 128}}
+    (src / "hf_quant_config.json").write_text(json.dumps(stale))
+    (src / "model.gguf").write_bytes(b"GGUF")
+    (src / "README.md").write_text("source card")
+    out = tmp_path / "out"
+    convert_nvfp4(src, out, weight_only=True, progress=False)
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    assert not (out / "model.gguf").exists() and not (out / "README.md").exists()
+
+
+def test_tied_model_with_a_physical_lm_head_is_refused(tiny_mm, tmp_path):
+    """P06: tie flag true but lm_head.weight on disk is ambiguous for loaders."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    sd["lm_head.weight"] = sd["model.language_model.embed_tokens.weight"].clone()
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MappingError, match="lm_head.weight: present although tie_word_embeddings is true"):
+        convert_nvfp4(src, tmp_path / "out", weight_only=True, progress=False)
 
 
 def test_sharded_output_and_side_files(tiny_mm, tmp_path):

@@ -62,3 +62,16 @@ def test_dequantized_state_matches_quantizer(embedded_nvfp4):
     rel = (sd[key] - src[key].float()).norm() / src[key].float().norm()
     assert rel < 0.15
     assert "model.language_model.layers.2.experts.down_proj" in scales
+
+
+def test_verify_refuses_wrong_inputs(embedded_nvfp4, tiny_mm, tmp_path):
+    from g4.convert.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not a modelopt NVFP4 checkpoint"):
+        verify_nvfp4(EMBEDDED_DIR, EMBEDDED_DIR)  # a bf16 source passed as OUT
+    with pytest.raises(CheckpointError, match="differs from .*; was it converted from another checkpoint"):
+        verify_nvfp4(embedded_nvfp4, tiny_mm)
+    w4a16 = tmp_path / "w4a16"
+    convert_nvfp4(EMBEDDED_DIR, w4a16, weight_only=True, progress=False)
+    with pytest.raises(CheckpointError, match="--act-quant needs input_scale tensors"):
+        verify_nvfp4(w4a16, EMBEDDED_DIR, act_quant=True)
