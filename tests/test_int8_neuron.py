@@ -1,6 +1,7 @@
 """int8-neuron: NxD per-channel int8, per-rank sharding rules, manifest, CPU TP emulator."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -174,3 +175,21 @@ def test_result_that_does_not_fit_is_refused_unless_forced(tmp_path):
     with pytest.raises(G4Error, match="does not fit inf2.xlarge"):
         convert_int8_neuron(src, tmp_path / "out", tp=1, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path):
+    """The weight list a Neuron runtime gets is checked against the shared table (names,
+    dtypes, per-rank shapes computed from config.json, independently of the exporter)."""
+    from g4.serve.neuron_runtime import initialize_traced, load_rank_weights
+
+    for tp, out in outputs.items():
+        weights = load_rank_weights(out)
+        assert len(weights) == tp and all(w["layers.0.mlp.gate_proj.weight"].dtype == torch.int8 for w in weights)
+    bad = shutil.copytree(outputs[2], tmp_path / "bad")
+    sd = load_file(bad / rank_file(1))
+    sd["layers.2.experts.down_proj.weight"] = sd["layers.2.experts.down_proj.weight"][:, :-1].contiguous()
+    save_file(sd, bad / rank_file(1))
+    with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.experts.down_proj.weight"):
+        load_rank_weights(bad)
+    with pytest.raises(G4Error, match="torch-neuronx / neuronx-distributed are not installed"):
+        initialize_traced(tmp_path / "model.pt", outputs[2])
