@@ -169,6 +169,9 @@ class LayerCalibrator:
             raise CheckpointError(f"{ckpt.root / 'config.json'}: transformers cannot build a config: {e}") from e
         self.config = config.get_text_config()
         self.config._attn_implementation = "sdpa"
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos and input_ids.shape[1] > max_pos:
+            raise G4Error(f"--calib-seq-len {input_ids.shape[1]} exceeds the model's max_position_embeddings {max_pos}")
         self.ckpt = ckpt
         self.batch_size = batch_size
         self.dtype = compute_dtype or ckpt.tensors[ckpt.prefix + "embed_tokens.weight"].dtype

@@ -4,6 +4,7 @@ public function; errors the user can act on print one line and exit with status 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -50,6 +51,9 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
     signal.signal(signal.SIGTERM, _terminate)  # clean up partial outputs on kill as on Ctrl-C
+    if quiet:  # read by transformers / huggingface_hub when they are first imported
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     ctx.obj = {"progress": not quiet}
