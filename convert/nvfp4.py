@@ -277,6 +277,7 @@ def convert_nvfp4(
     towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})
     excludes = exclude_modules(prefix=ckpt.prefix, num_layers=ckpt.num_layers, parts=parts, towers=towers)
 
+    _log_tensor_kinds(ckpt, plans, model_keep, weight_only)
     calibrator, calib_tokens = None, 0
     if not weight_only:
         tokenizer = _load_tokenizer(ckpt.root)
@@ -320,6 +321,33 @@ def convert_nvfp4(
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
+
+
+def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], weight_only: bool) -> None:
+    """One log line per tensor kind and source shape: how many, and what is written for them."""
+    from collections import Counter
+
+    act = "" if weight_only else " + input_scale"
+    kinds: Counter = Counter()
+    for p in plans:
+        for g in p.groups:
+            for m in g.members:
+                info = ckpt.tensors[p.sources[f"{m}.weight"]]
+                kinds[(m, info.dtype, info.shape, "/".join(x.rsplit(".", 1)[-1] for x in g.members))] += 1
+        for fused in (EXPERT_GATE_UP, EXPERT_DOWN):
+            info = ckpt.tensors[p.sources[fused]]
+            kinds[(fused, info.dtype, info.shape, "")] += 1
+    for (kind, dtype, shape, group), n in kinds.items():
+        if kind == EXPERT_GATE_UP:
+            what = f"{shape[0]} x gate_proj + up_proj nvfp4 [{shape[1] // 2}, {shape[2]}] (one weight_scale_2 per expert)"
+        elif kind == EXPERT_DOWN:
+            what = f"{shape[0]} x down_proj nvfp4 [{shape[1]}, {shape[2]}]"
+        else:
+            what = f"nvfp4 [{shape[0]}, {shape[1]}] (weight_scale_2 shared by {group})"
+        log.info("%-22s x%-3d %s %-18s -> %s%s", kind, n, str(dtype).removeprefix("torch."), list(shape), what, act)
+    if plans:
+        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(plans), ", ".join(plans[0].keep))
+    log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors", len(model_keep))
 
 
 def _load_tokenizer(root: Path):
