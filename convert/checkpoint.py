@@ -231,6 +231,14 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
 
+    def get_finite(self, name: str) -> torch.Tensor:
+        """:meth:`get`, refusing NaN/Inf.
+
+        Raises:
+            CheckpointError: ``<file>: tensor <name>: <n> NaN/Inf value(s) in the source weights``.
+        """
+        return check_finite(name, self.get(name), where=self.root / self.tensors[name].file)
+
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Gather rows of a 2-D tensor without reading the rest (e.g. embedding lookups).
 
@@ -259,18 +267,20 @@ class Checkpoint:
         self._handles.clear()
 
 
-def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Return ``t``, or raise naming it if it holds NaN/Inf (one fast ``aminmax`` pass:
-    NaN propagates through min/max, Inf shows as an infinite extreme).
+def check_finite(name: str, t: torch.Tensor, *, where: Path | str | None = None) -> torch.Tensor:
+    """Return ``t``, or raise naming it (and the file ``where`` it is stored) if it holds
+    NaN/Inf (one fast ``aminmax`` pass: NaN propagates through min/max, Inf shows as an
+    infinite extreme).
 
     Raises:
-        CheckpointError: ``tensor <name>: <n> NaN/Inf value(s) in the source weights``.
+        CheckpointError: ``[<file>: ]tensor <name>: <n> NaN/Inf value(s) in the source weights``.
     """
     if t.is_floating_point() and t.numel():
         lo, hi = torch.aminmax(t)
         if not (torch.isfinite(lo) and torch.isfinite(hi)):
             bad = (~torch.isfinite(t)).sum().item()
-            raise CheckpointError(f"tensor {name}: {bad} NaN/Inf value(s) in the source weights")
+            prefix = f"{where}: " if where is not None else ""
+            raise CheckpointError(f"{prefix}tensor {name}: {bad} NaN/Inf value(s) in the source weights")
     return t
 
 

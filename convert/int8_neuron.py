@@ -31,7 +31,7 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import int8
 from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
 
-from .checkpoint import Checkpoint, check_finite, copy_side_files
+from .checkpoint import Checkpoint, copy_side_files
 from .errors import G4Error
 from .nvfp4 import peak_rss_bytes
 from .sources import checked_sources
@@ -164,15 +164,15 @@ def convert_int8_neuron(
         for L, src_names, entries in layers:
             for e in entries:
                 name = src_names[e.source]
-                _write_entry(writers, e, ckpt.get(name), name, g, L, f"layers.{L}.")
+                _write_entry(writers, e, ckpt.get_finite(name), g, L, f"layers.{L}.")
             bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
             log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", tp)
             ckpt.close()  # unmap this layer's pages
-        embed = ckpt.get(embed_name)
+        embed = ckpt.get_finite(embed_name)
         for e in MODEL_ENTRIES:
-            name = embed_name if e.key == "lm_head" else ckpt.prefix + e.source
-            _write_entry(writers, e, embed if e.key == "lm_head" else ckpt.get(name), name, g, None, "")
+            tensor = embed if e.key == "lm_head" else ckpt.get_finite(ckpt.prefix + e.source)
+            _write_entry(writers, e, tensor, g, None, "")
         for w in writers:
             w.close()
         host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
@@ -222,9 +222,7 @@ def convert_int8_neuron(
                       time.perf_counter() - t0, peak_rss_bytes())
 
 
-def _write_entry(writers, e: Entry, tensor: torch.Tensor, name: str, g: Geometry, layer: int | None,
-                 prefix: str) -> None:
-    check_finite(name, tensor)
+def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str) -> None:
     value = int8.quantize(tensor) if e.int8 else tensor
     names = [f"{prefix}{e.key}.weight", f"{prefix}{e.key}.scale"] if e.int8 else [f"{prefix}{e.key}{e.suffix}"]
     for r, w in enumerate(writers):

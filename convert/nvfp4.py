@@ -37,7 +37,7 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import nvfp4 as q
 
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
-from .checkpoint import Checkpoint, check_finite, copy_side_files
+from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .sources import checked_sources
 
@@ -289,12 +289,15 @@ def convert_nvfp4(
         calibrator = LayerCalibrator(ckpt, ids, batch_size=calib_batch_size, compute_dtype=_CALIB_DTYPES[calib_dtype])
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
+    for name in model_keep:  # fail before the long layer loop, not after it
+        ckpt.get_finite(name)
+        ckpt.close()
     n_quant = params_quant = quant_bytes = 0
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
         for p in plans:
-            w = {s: check_finite(n, ckpt.get(n)) for s, n in p.sources.items()}
+            w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
             amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
             for name, t in _produce_layer(p, w, amax):
                 writer.write(name, t)
@@ -309,7 +312,7 @@ def convert_nvfp4(
             del w
             ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
         for name in model_keep + ([lm_head] if lm_head else []):
-            writer.write(name, check_finite(name, ckpt.get(name)))
+            writer.write(name, ckpt.get_finite(name))
             bar.update(ckpt.tensors[name].nbytes)
         bar.close()
         writer.close()

@@ -27,7 +27,7 @@ def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
     sd["model.language_model.layers.0.experts.down_proj"][1, 2, 3] = float("inf")
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     r = run("nvfp4", str(src), str(tmp_path / "o1"), "--weight-only")
-    assert r.exit_code == 2 and "layers.0.experts.down_proj: 1 NaN/Inf" in r.output
+    assert r.exit_code == 2 and "model.safetensors: tensor model.language_model.layers.0.experts.down_proj: 1 NaN/Inf" in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
     r = run("nvfp4", str(tmp_path / "nowhere"), str(tmp_path / "o2"))
     assert r.exit_code == 2 and "nowhere: does not exist" in r.output

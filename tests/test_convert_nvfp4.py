@@ -224,6 +224,8 @@ def test_bad_sources_fail_cleanly_without_output(tiny_mm, tmp_path):
     cases = {
         "nan": (lambda sd: sd["model.language_model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
                 CheckpointError, "layers.1.mlp.up_proj.weight: 1 NaN/Inf"),
+        "embed": (lambda sd: sd["model.language_model.embed_tokens.weight"].__setitem__((3, 3), float("inf")),
+                  CheckpointError, "model.safetensors: tensor model.language_model.embed_tokens.weight: 1 NaN/Inf"),
         "extra": (lambda sd: sd.__setitem__("model.language_model.layers.0.mystery.weight", torch.zeros(2)),
                   MappingError, "layers.0.mystery.weight: no rule"),
         "v": (lambda sd: sd.__setitem__("model.language_model.layers.1.self_attn.v_proj.weight",

@@ -163,6 +163,16 @@ def test_bad_tp_and_existing_out(outputs, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_nan_weight_is_refused_with_file_and_tensor(tmp_path):
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    sd["model.language_model.layers.2.experts.gate_up_proj"][1, 2, 3] = float("nan")
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(G4Error, match="model.safetensors: tensor model.language_model.layers.2.experts.gate_up_proj: 1 NaN"):
+        convert_int8_neuron(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_result_that_does_not_fit_is_refused_unless_forced(tmp_path):
     """The plan is made from the config before any weight is read: the real 26B at TP=1 is
     far above one 16 GiB NeuronCore."""
