@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +270,8 @@ def convert_nvfp4(
     t0 = time.perf_counter()
     if preset not in PRESETS:
         raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if calib_dtype not in _CALIB_DTYPES:
+        raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     parts = PRESETS[preset]
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src)
@@ -284,8 +287,6 @@ def convert_nvfp4(
         ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer),
                                    samples=calib_samples, seq_len=calib_seq_len)
         calib_tokens = ids.numel()
-        if calib_dtype not in _CALIB_DTYPES:
-            raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
         calibrator = LayerCalibrator(ckpt, ids, batch_size=calib_batch_size, compute_dtype=_CALIB_DTYPES[calib_dtype])
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
@@ -328,8 +329,6 @@ def convert_nvfp4(
 
 def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], weight_only: bool) -> None:
     """One log line per tensor kind and source shape: how many, and what is written for them."""
-    from collections import Counter
-
     act = "" if weight_only else " + input_scale"
     kinds: Counter = Counter()
     for p in plans:
