@@ -35,6 +35,7 @@ def _terminate(signum, frame):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="g4", prog_name="g4convert")
 @click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @click.pass_context
@@ -86,6 +87,9 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     """
     from .nvfp4 import convert_nvfp4
 
+    if weight_only and (calib_data or ctx.get_parameter_source("calib_samples").name != "DEFAULT"
+                        or ctx.get_parameter_source("calib_seq_len").name != "DEFAULT"):
+        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len")
     out = out or _default_out(src, "nvfp4")
     try:
         report = convert_nvfp4(_resolve_src(src), out, preset=preset, weight_only=weight_only,

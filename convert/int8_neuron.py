@@ -157,7 +157,8 @@ def convert_int8_neuron(
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     source_files = sorted({i.file for i in ckpt.tensors.values()})
 
-    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root]) as tmp:
+    need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
+    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()
         writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="int8-neuron", disable=not progress)

@@ -294,7 +294,8 @@ def convert_nvfp4(
         ckpt.get_finite(name)
         ckpt.close()
     n_quant = params_quant = quant_bytes = 0
-    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root]) as tmp:
+    need = sum(spec.nbytes for spec in specs)
+    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
         for p in plans:

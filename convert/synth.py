@@ -127,7 +127,7 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
     specs = synthetic_specs(config)
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, need_bytes=sum(spec.nbytes for spec in specs)) as tmp:
         marker = {"converter": {"name": "g4"}, "format": "g4-synthetic", "layers": layers, "seed": seed}
         (tmp / "g4_synth.json").write_text(json.dumps(marker) + "\n")
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=parse_size(max_shard_size))

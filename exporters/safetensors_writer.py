@@ -213,7 +213,8 @@ def _remove_stale_partials(out: Path) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[Path] = ()) -> Iterator[Path]:
+def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[Path] = (),
+                      need_bytes: int = 0) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and an existing ``out`` is
@@ -223,11 +224,14 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
 
     Args:
         sources: input directories; ``out`` may be neither one of them nor contain one.
+        need_bytes: bytes the result will take; refused up front if the file system of
+            ``out`` has less free space (the old ``out`` is kept until the end, so it
+            does not count as free).
 
     Raises:
         ExportError: ``out`` exists without ``overwrite``; ``out`` is or contains a source
             or the working directory; ``out`` exists, is not empty and is not a g4 result;
-            its parent is missing.
+            its parent is missing; not enough free disk space.
     """
     out = Path(out).absolute()
     resolved = out.resolve()
@@ -243,6 +247,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: parent directory of OUT does not exist")
     _remove_stale_partials(out)
+    free = shutil.disk_usage(out.parent).free
+    if need_bytes > free:
+        raise ExportError(f"{out.parent}: {free / 1e9:.2f} GB free, the result needs {need_bytes / 1e9:.2f} GB")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -34,3 +34,19 @@ def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o3"), "--max-shard-size", "lots")
     assert r.exit_code == 2 and "cannot parse size 'lots'" in r.output
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_disk_space_is_checked_before_writing(tiny_mm, tmp_path, monkeypatch):
+    import shutil as sh
+
+    from g4.exporters import safetensors_writer
+
+    monkeypatch.setattr(safetensors_writer.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9, 1000))
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only")
+    assert r.exit_code == 2 and "GB free, the result needs" in r.output
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.partial-*"))
+
+
+def test_weight_only_rejects_calibration_options(tiny_mm, tmp_path):
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--calib-samples", "4")
+    assert r.exit_code == 2 and "--weight-only does not calibrate" in r.output
