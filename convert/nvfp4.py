@@ -359,5 +359,6 @@ def _load_tokenizer(root: Path):
     try:
         return AutoTokenizer.from_pretrained(root)
     except Exception as e:  # many exception types for a missing/broken tokenizer
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{root}: calibration needs the checkpoint's tokenizer and it cannot be "
-                              f"loaded ({type(e).__name__}: {e}); add tokenizer files or use --weight-only") from e
+                              f"loaded ({type(e).__name__}: {first_line}); add tokenizer files or use --weight-only") from e
