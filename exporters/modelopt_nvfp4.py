@@ -19,9 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from g4.convert.checkpoint import INDEX_NAME, SINGLE_NAME, read_safetensors_header
+from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import ExportError
 from g4.exporters.nvfp4_names import QUANT_SUFFIXES
 from g4.quantizers.nvfp4 import BLOCK_SIZE
@@ -73,13 +72,6 @@ def _excluded(module: str, patterns: list[str]) -> bool:
     return any(module.startswith(p[:-1]) if p.endswith("*") else module == p for p in patterns)
 
 
-def _shard_files(out_dir: Path) -> list[str]:
-    index = out_dir / INDEX_NAME
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return [SINGLE_NAME]
-
-
 def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dict[str, int]:
     """Check an NVFP4 output directory against the rules vLLM depends on.
 
@@ -116,24 +108,18 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     w4a4 = any("input_activations" in g for g in qc.get("config_groups", {}).values())
     modules: dict[str, dict[str, tuple]] = defaultdict(dict)
     kept: dict[str, tuple] = {}
-    files = _shard_files(out_dir)
-    where: dict[str, str] = {}
-    for file in files:
-        for name, info in read_safetensors_header(out_dir / file).items():
-            where[name] = file
-            if ".moe." in name or name.endswith(("gate_up_proj", "experts.down_proj")) or "_global_scale" in name \
-                    or name.endswith("weight_packed"):
-                raise ExportError(f"tensor {name}: name vLLM does not load for modelopt NVFP4 (fused, .moe. or compressed-tensors)")
-            module, _, suffix = name.rpartition(".")
-            if suffix in QUANT_SUFFIXES:
-                modules[module][suffix] = (info.dtype, info.shape)
-            kept[name] = (info.dtype, info.shape)
+    ckpt = Checkpoint(out_dir)  # the same header/index validation as any source
+    for name, info in ckpt.tensors.items():
+        if ".moe." in name or name.endswith(("gate_up_proj", "experts.down_proj")) or "_global_scale" in name \
+                or name.endswith("weight_packed"):
+            raise ExportError(f"tensor {name}: name vLLM does not load for modelopt NVFP4 (fused, .moe. or compressed-tensors)")
+        module, _, suffix = name.rpartition(".")
+        if suffix in QUANT_SUFFIXES:
+            modules[module][suffix] = (info.dtype, info.shape)
+        kept[name] = (info.dtype, info.shape)
     quantized = {m: t for m, t in modules.items() if t.get("weight", (None,))[0] == torch.uint8}
     expected = set(QUANT_SUFFIXES) if w4a4 else set(QUANT_SUFFIXES[:3])
-    handles = {f: safe_open(str(out_dir / f), framework="pt") for f in files}
-
-    def value(name: str) -> torch.Tensor:
-        return handles[where[name]].get_tensor(name)
+    value = ckpt.get
 
     scalars: dict[str, torch.Tensor] = {}
     for module, ts in sorted(quantized.items()):

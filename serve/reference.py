@@ -21,11 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from g4.convert.calibrate import experts_forward_with_input_hook
-from g4.convert.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
 from g4.quantizers import nvfp4 as q
 
@@ -93,13 +92,6 @@ class VerifyReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def _shards(out_dir: Path) -> list[Path]:
-    index = out_dir / INDEX_NAME
-    if index.is_file():
-        return [out_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [out_dir / SINGLE_NAME]
-
-
 def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Dequantize an NVFP4 checkpoint into a transformers-layout state dict.
@@ -109,11 +101,8 @@ def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
         tensor as stored; ``{module name: input_scale}`` of quantized modules, with
         experts keyed ``<layer>.experts.gate_up_proj`` / ``<layer>.experts.down_proj``).
     """
-    raw: dict[str, torch.Tensor] = {}
-    for path in _shards(Path(out_dir)):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                raw[name] = f.get_tensor(name)
+    ckpt = Checkpoint(out_dir)
+    raw = {name: ckpt.get(name) for name in ckpt.tensors}
     sd: dict[str, torch.Tensor] = {}
     input_scales: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
