@@ -1,0 +1,306 @@
+"""CPU generation engines behind ``g4serve``: one interface, three checkpoint formats.
+
+* :class:`HFEngine`: a transformers Gemma 4 model with a KV cache (transformers'
+  ``DynamicCache``, sliding layers included). Built from the result's **own** ``config.json``
+  (there is no SRC at serving time): an NVFP4 result is dequantized by
+  :func:`g4.serve.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
+  loaded as it is.
+* :class:`EmulatorEngine`: an int8-neuron result through
+  :class:`g4.serve.neuron_emulator.NeuronEmulator` (tensor-parallel ranks emulated on the
+  CPU; no KV cache, every step recomputes the whole sequence).
+
+An engine only turns prompt ids into generated ids (:meth:`Engine.generate`); chat
+rendering and reply parsing live in ``g4.serve.chat``, HTTP in ``g4.serve.server``. Other
+backends (``g4.serve.neuron_backend.NeuronEngine``) subclass :class:`Engine` and implement
+:meth:`Engine.start` / :meth:`Engine.step`.
+
+**W4A4 activation emulation.** A W4A4 NVFP4 result (``input_scale`` on every quantized
+linear) is served by vLLM on Blackwell with each linear's input quantized to NVFP4 against
+that static ``input_scale`` (spec ``../shared/specs/nvfp4-modelopt-vllm.md``). The CPU
+engine reproduces that by default (``act_quant=None`` means "on when the result has
+input scales"), so the reference answers what the deployed model computes, including the
+activation-quantization error the calibration was meant to bound; pass ``act_quant=False``
+for the weight-only (W4A16, Hopper/Marlin) arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from g4.convert.errors import CheckpointError
+
+from .formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request.
+
+    ``temperature`` 0 is greedy (argmax); otherwise softmax(logits / temperature) restricted to
+    the ``top_k`` most likely ids (0 = all) and the smallest nucleus of mass >= ``top_p``.
+    ``max_tokens``: generated tokens at most (stop id included). ``seed``: a fixed seed gives
+    the same sample every time; ``None`` draws one.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose the next id from fp32 ``logits`` ``[V]`` under ``p``."""
+    if p.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the ids ranked above each one
+        sorted_probs[before >= p.top_p] = 0.0  # the top id always stays
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Engine:
+    """Generates token ids for prompt ids; one request at a time (callers serialise).
+
+    Attributes:
+        backend: ``"cpu"`` (or ``"neuron"`` for the Neuron engine).
+        description: one line, e.g. ``"NVFP4 W4A4 (modelopt) dequantized, W4A4 emulation, bfloat16"``.
+        tokenizer: the checkpoint's tokenizer (with its chat template).
+        stop_ids: generation stops after emitting one of these (``generation_config.json``
+            ``eos_token_id``, the whole list: ``[1, 106, 50]`` for Gemma 4).
+        max_context: prompt plus generated tokens at most (``max_position_embeddings``).
+        defaults: the checkpoint's sampling defaults from ``generation_config.json``
+            (``temperature``, ``top_p``, ``top_k`` where given).
+    """
+
+    backend = "cpu"
+
+    def __init__(self, path: Path, tokenizer, description: str):
+        self.path, self.tokenizer, self.description = Path(path), tokenizer, description
+        gen = _read_json_if(self.path / "generation_config.json")
+        config = _read_json_if(self.path / "config.json")
+        text = config.get("text_config") or config
+        eos = gen.get("eos_token_id", text.get("eos_token_id", config.get("eos_token_id")))
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None and not eos:
+            eos = [tokenizer.eos_token_id]
+        self.stop_ids = frozenset(int(i) for i in eos)
+        self.max_context = int(text.get("max_position_embeddings") or 2048)
+        self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+
+    def start(self, prompt_ids: list[int]):
+        """Run the prompt; return ``(state, logits [V] fp32)`` for the first generated position."""
+        raise NotImplementedError
+
+    def step(self, state, token: int):
+        """Append ``token``; return ``(state, logits [V] fp32)`` for the next position."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+        """Yield generated ids one at a time until a stop id (yielded too), ``params.max_tokens``
+        ids, or ``should_stop()`` (checked before each step, e.g. a disconnected client)."""
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        state, logits = self.start(list(prompt_ids))
+        for n in range(params.max_tokens):
+            token = sample_next(logits, params, generator)
+            yield token
+            if token in self.stop_ids or n + 1 == params.max_tokens or should_stop():
+                return
+            state, logits = self.step(state, token)
+
+
+class HFEngine(Engine):
+    """A transformers Gemma 4 model with a KV cache.
+
+    Args:
+        model: ``Gemma4ForConditionalGeneration`` or ``Gemma4ForCausalLM`` in eval mode.
+    """
+
+    def __init__(self, path: Path, model, tokenizer, description: str):
+        super().__init__(path, tokenizer, description)
+        self.model = model
+
+    def start(self, prompt_ids):
+        out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+        return out.cache, out.logits[0, -1].float()
+
+    def step(self, state, token):
+        out = self.model(input_ids=torch.tensor([[token]]), cache=state, use_cache=True)
+        return out.cache, out.logits[0, -1].float()
+
+
+class EmulatorEngine(Engine):
+    """An int8-neuron result on the CPU through the tensor-parallel emulator (full recompute
+    per step: fine for tiny models, slow for real ones)."""
+
+    def __init__(self, path: Path, emulator, tokenizer, description: str):
+        super().__init__(path, tokenizer, description)
+        self.emulator = emulator
+
+    def start(self, prompt_ids):
+        ids = torch.tensor([prompt_ids])
+        return ids, self.emulator(ids)[0, -1]
+
+    def step(self, state, token):
+        ids = torch.cat([state, torch.tensor([[token]])], dim=1)
+        return ids, self.emulator(ids)[0, -1]
+
+
+def _read_json_if(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer and chat template.
+
+    Raises:
+        CheckpointError: missing or unloadable tokenizer files, or no chat template (case P14).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # many exception types for a missing or broken tokenizer
+        raise CheckpointError(f"{path}: serving needs its tokenizer and it cannot be loaded "
+                              f"({type(e).__name__}: {e})") from e
+    if not getattr(tokenizer, "chat_template", None):
+        raise CheckpointError(f"{path}: no chat template (chat_template.jinja); chat completions need it")
+    return tokenizer
+
+
+def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant: bool):
+    """transformers model of an NVFP4 result (dequantized) or a bf16 checkpoint, built from
+    the directory's own config.json.
+
+    Raises:
+        CheckpointError: tensors that do not cover the model exactly.
+    """
+    from transformers import AutoConfig
+
+    from .reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model
+
+    if fmt.format == BF16:
+        return load_source_model(path, dtype)
+    config = AutoConfig.from_pretrained(path, experts_implementation="eager")
+    if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
+        del config.quantization_config
+    model = _model_class(_read_json_if(path / "config.json"))(config).to(dtype).eval()
+    sd, input_scales = load_nvfp4_as_hf(path, dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: tensors do not match the model its config.json describes: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    if act_quant:
+        if not input_scales:
+            raise CheckpointError(f"{path}: W4A4 emulation needs input_scale tensors and this result has none "
+                                  "(weight-only W4A16)")
+        _install_activation_quant(model, input_scales)
+    return model
+
+
+def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: str = "bfloat16",
+                    fmt: ResultFormat | None = None) -> Engine:
+    """The CPU engine for the result in ``path`` (format detected from its files).
+
+    Args:
+        act_quant: NVFP4 only: emulate W4A4 activation quantization; ``None`` = on exactly when
+            the result is W4A4 (see the module docstring).
+        dtype: ``"bfloat16"`` (what vLLM computes in) or ``"float32"`` for the transformers model;
+            the int8-neuron emulator always computes in fp32.
+
+    Raises:
+        CheckpointError: unknown format, unreadable files, ``act_quant=True`` on a W4A16 result.
+    """
+    path = Path(path)
+    fmt = fmt or detect_format(path)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    tokenizer = load_tokenizer(path)
+    if fmt.format == INT8_NEURON:
+        from .neuron_emulator import NeuronEmulator
+
+        emulator = NeuronEmulator(path, dtype=torch.float32)
+        tp = emulator.manifest.get("tp_degree")
+        return EmulatorEngine(path, emulator, tokenizer, f"{fmt.detail}, TP={tp} emulated on CPU, float32")
+    if fmt.format == NVFP4:
+        act_quant = fmt.w4a4 if act_quant is None else act_quant
+        what = f"{fmt.detail} dequantized, {'W4A4 activation emulation' if act_quant else 'weight-only arithmetic'}"
+    else:
+        act_quant = False
+        what = fmt.detail
+    model = build_hf_model(path, fmt, DTYPES[dtype], bool(act_quant))
+    return HFEngine(path, model, tokenizer, f"{what}, {dtype}")
+
+
+BACKENDS = ("auto", "cpu", "vllm", "neuron")
+
+
+def _backend_status(name: str) -> tuple[bool, str]:
+    """``vllm_status()`` / ``neuron_status()`` of the backend modules, imported lazily (they
+    may be missing or broken in a CPU-only install; that is a reason, not a crash)."""
+    try:
+        if name == "vllm":
+            from .vllm_backend import vllm_status as status
+        else:
+            from .neuron_backend import neuron_status as status
+    except ImportError as e:
+        return False, f"the {name} backend cannot be imported ({e})"
+    return status()
+
+
+def choose_backend(fmt: ResultFormat, requested: str = "auto") -> tuple[str, str]:
+    """Pick the backend for a result: ``(backend, why in words)``.
+
+    ``auto``: vLLM for NVFP4 when vLLM and a CUDA GPU are present, neuron for int8-neuron when
+    neuronx-distributed and NeuronCores are present, otherwise the CPU reference (and always
+    the CPU reference for an unquantized checkpoint). An explicit backend is checked.
+
+    Raises:
+        G4Error: unknown backend, a backend that cannot serve this format, or one whose
+            runtime is not available here (with the reason).
+    """
+    from g4.convert.errors import G4Error
+
+    if requested not in BACKENDS:
+        raise G4Error(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    kind = {NVFP4: "NVFP4 result", INT8_NEURON: "int8-neuron result", BF16: "unquantized checkpoint"}[fmt.format]
+    native = {NVFP4: "vllm", INT8_NEURON: "neuron", BF16: None}[fmt.format]
+    if requested == "cpu":
+        return "cpu", f"{kind}, --backend cpu"
+    if requested == "auto":
+        if native is None:
+            return "cpu", f"{kind}: served by the CPU reference (--backend vllm for vLLM)"
+        ok, why = _backend_status(native)
+        return (native, f"{kind}, {why}") if ok else ("cpu", f"{kind}, {why}")
+    if requested == "vllm" and fmt.format == INT8_NEURON:
+        raise G4Error(f"{fmt.path}: an int8-neuron result is served by the neuron or cpu backend, not vllm")
+    if requested == "neuron" and fmt.format != INT8_NEURON:
+        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is a {kind}")
+    ok, why = _backend_status(requested)
+    if not ok:
+        raise G4Error(f"backend {requested} unavailable: {why}")
+    return requested, f"{kind}, {why}"

@@ -1,0 +1,106 @@
+"""Tell what a g4 result (or plain checkpoint) is from its own files.
+
+Three formats are recognised, in this order:
+
+* ``int8-neuron``: ``manifest.json`` whose ``format`` is ``g4-int8-neuron/1`` (written by
+  ``g4convert int8-neuron``; layout in ``serve/neuron_layout.py``, spec
+  ``../shared/specs/nxd-int8-neuron.md``).
+* ``nvfp4``: ``hf_quant_config.json`` with ``quantization.quant_algo == "NVFP4"``, or a
+  ``config.json`` whose ``quantization_config`` has ``quant_method: modelopt`` and
+  ``quant_algo: NVFP4`` (modelopt's export; spec ``../shared/specs/nvfp4-modelopt-vllm.md``).
+  W4A4 when a config group declares ``input_activations`` (then every quantized linear has an
+  ``input_scale``), W4A16 otherwise.
+* ``bf16``: a Hugging Face Gemma 4 checkpoint (``config.json`` with ``model_type`` ``gemma4``
+  or ``gemma4_text``, no ``quantization_config``, safetensors weights): the source itself.
+
+Anything else is refused with a one-line :class:`g4.convert.errors.CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from g4.convert.errors import CheckpointError
+
+NVFP4, INT8_NEURON, BF16 = "nvfp4", "int8-neuron", "bf16"
+INT8_NEURON_LAYOUT = "g4-int8-neuron/1"
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+
+
+@dataclass(frozen=True)
+class ResultFormat:
+    """What ``path`` holds.
+
+    Attributes:
+        format: ``"nvfp4"``, ``"int8-neuron"`` or ``"bf16"``.
+        path: the directory.
+        w4a4: NVFP4 with calibrated ``input_scale`` tensors (activation quantization);
+            False for W4A16 and for the other formats.
+        detail: one line for logs, e.g. ``"NVFP4 W4A4 (modelopt)"``.
+    """
+
+    format: str
+    path: Path
+    w4a4: bool
+    detail: str
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def detect_format(path: str | Path) -> ResultFormat:
+    """Detect the format of the directory ``path`` from its own files (no source needed).
+
+    Raises:
+        CheckpointError: ``path`` is not a directory, its metadata is unreadable, or it is none
+            of the three formats (e.g. another quantization method, or no config.json).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        layout = _read_json(manifest).get("format")
+        if layout == INT8_NEURON_LAYOUT:
+            return ResultFormat(INT8_NEURON, path, False, f"int8-neuron ({layout})")
+        raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {INT8_NEURON_LAYOUT!r})")
+    config_path = path / "config.json"
+    config = _read_json(config_path) if config_path.is_file() else None
+    hf_quant = path / "hf_quant_config.json"
+    algo = None
+    if hf_quant.is_file():
+        algo = (_read_json(hf_quant).get("quantization") or {}).get("quant_algo")
+    qc = (config or {}).get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise CheckpointError(f"{config_path}: quantization_config is not an object")
+    if algo == "NVFP4" or (qc and qc.get("quant_method") == "modelopt" and qc.get("quant_algo") == "NVFP4"):
+        if config is None:
+            raise CheckpointError(f"{path}: NVFP4 metadata but no config.json")
+        w4a4 = any(isinstance(g, dict) and "input_activations" in g
+                   for g in ((qc or {}).get("config_groups") or {}).values())
+        return ResultFormat(NVFP4, path, w4a4, f"NVFP4 {'W4A4' if w4a4 else 'W4A16'} (modelopt)")
+    if algo is not None:
+        raise CheckpointError(f"{hf_quant}: quant_algo {algo!r} is not served by g4 (NVFP4 only)")
+    if config is None:
+        raise CheckpointError(f"{path}: no config.json, manifest.json or hf_quant_config.json: "
+                              "not a g4 result or a Hugging Face checkpoint")
+    if qc:
+        method = qc.get("quant_method") or qc.get("quant_algo") or "unknown"
+        raise CheckpointError(f"{config_path}: quantization method {method!r} is not served by g4 "
+                              "(NVFP4, int8-neuron or unquantized bf16 only)")
+    model_type = config.get("model_type")
+    if model_type not in GEMMA4_MODEL_TYPES:
+        raise CheckpointError(f"{config_path}: model_type {model_type!r} is not Gemma 4 "
+                              f"({' or '.join(GEMMA4_MODEL_TYPES)})")
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{path}: no *.safetensors weights (pickled weights are never loaded)")
+    return ResultFormat(BF16, path, False, f"unquantized Gemma 4 checkpoint ({config.get('dtype', 'bf16')})")
