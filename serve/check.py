@@ -1,0 +1,388 @@
+"""``g4serve check``: serve a result, talk to it as any OpenAI client would, and compare its
+greedy replies with the source model's in transformers.
+
+What is measured (all through ``/v1/chat/completions`` with the ``openai`` client package):
+
+* **token agreement** per prompt: the served greedy ids (``choices[0].token_ids``, which g4's
+  server and vLLM's ``return_token_ids`` return; otherwise the reply re-tokenized with the
+  source tokenizer, and then the reference too) against ``model.generate`` of SRC with the
+  same chat template and budget. A stop id at the end of either sequence counts as one
+  "stop" position (whatever stop id it was). Agreement = positions ``i`` below the shorter
+  length where both ids are equal, divided by the longer length (so a reply that stops early
+  or runs on is penalised); overall = the same sums over all prompts. ``first_divergence``:
+  the first position where they differ (``None`` when identical).
+* **facts** (when SRC ships ``facts.json``, as the embedded model does): each question asked
+  greedily; right when the reply starts with the answer.
+* **P13 chat checks** (../shared/cases/public-cases.md): one arithmetic question with thinking
+  off and on (``chat_template_kwargs.enable_thinking``), each streamed and not: ``content``
+  non-empty, containing the answer and no ``<|channel>``, ``<channel|>``, ``<turn|>`` or
+  ``<|think|>`` text; streamed content equal to non-streamed; every combination reported.
+
+The report is written to ``OUT/verification.json`` (atomically; no timestamps, so the same
+inputs render the same model card). Schema (``g4_verification: 1``)::
+
+    {"g4_verification": 1, "format": "nvfp4"|"int8-neuron"|"bf16", "backend": "cpu"|"vllm"|"neuron",
+     "source": str, "min_agreement": float, "passed": bool, "failures": [str],
+     "overall": {"prompts", "token_agreement", "exact_match_prompts", "facts_correct", "facts_total",
+                 "token_ids_from": "server"|"retokenized", "max_tokens"},
+     "prompts": [{"prompt", "token_agreement", "first_divergence", "reply", "reference_reply"}],
+     "facts": [{"question", "answer", "reply", "ok"}],
+     "chat_checks": [{"thinking", "stream", "ok", "content", "problem"}]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from g4.convert.errors import G4Error
+
+from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
+from .formats import ResultFormat, detect_format
+
+STOP = -1  # one "stopped here" position, whatever the stop id
+P13_QUESTION, P13_ANSWER = "What is 2+2?", "4"
+REPORT_NAME = "verification.json"
+
+
+def agreement(served: list[int], reference: list[int]) -> tuple[float, int | None, int, int]:
+    """Greedy token agreement of two id sequences.
+
+    Returns:
+        ``(agreement in [0, 1], first divergence index or None, matches, positions)`` where
+        ``positions = max(len)`` and matches are counted below ``min(len)``.
+    """
+    n = max(len(served), len(reference))
+    if n == 0:
+        return 1.0, None, 0, 0
+    matches = sum(a == b for a, b in zip(served, reference))
+    first = next((i for i in range(n) if i >= len(served) or i >= len(reference) or served[i] != reference[i]), None)
+    return matches / n, first, matches, n
+
+
+def normalise_ids(ids: list[int], stop_ids: frozenset[int], stopped: bool) -> list[int]:
+    """Ids with a final stop id (or a stop the server did not return as an id) as :data:`STOP`."""
+    ids = list(ids)
+    if ids and ids[-1] in stop_ids:
+        ids[-1] = STOP
+    elif stopped:
+        ids.append(STOP)
+    return ids
+
+
+def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """The prompt set and the facts.
+
+    ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
+    per line). Without it: every prompt ``SRC/facts.json`` ships (the fact questions, then the
+    ``heldout`` prompts the model never saw), else the built-in
+    :data:`g4.serve.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
+
+    Raises:
+        G4Error: an unreadable or empty prompts file, or a malformed line.
+    """
+    from .reference import DEFAULT_PROMPTS
+
+    facts: list[tuple[str, str]] = []
+    prompts = list(DEFAULT_PROMPTS)
+    facts_path = src / "facts.json"
+    if facts_path.is_file():
+        data = json.loads(facts_path.read_text())
+        facts = [(f["question"], f["answer"]) for f in data.get("facts", [])]
+        prompts = [q for q, _ in facts] + list(data.get("heldout") or [])
+    if prompts_file is not None:
+        try:
+            lines = [ln for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise G4Error(f"{prompts_file}: cannot read prompts ({type(e).__name__})") from e
+        if str(prompts_file).endswith(".jsonl"):
+            try:
+                prompts = [json.loads(ln)["prompt"] for ln in lines]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise G4Error(f"{prompts_file}: each line must be a JSON object with a 'prompt' string") from e
+            if not all(isinstance(p, str) and p.strip() for p in prompts):
+                raise G4Error(f"{prompts_file}: each 'prompt' must be a non-empty string")
+        else:
+            prompts = [ln.strip() for ln in lines]
+        if not prompts:
+            raise G4Error(f"{prompts_file}: no prompts")
+    return prompts, facts
+
+
+@dataclass
+class _Reference:
+    ids: list[list[int]]
+    replies: list[str]
+
+
+def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_Reference, object, frozenset[int]]:
+    """Greedy replies of SRC in transformers (``model.generate``, bf16, KV cache) to ``prompts``.
+
+    Returns:
+        (ids and parsed content per prompt, SRC tokenizer, SRC stop ids).
+    """
+    import torch
+
+    from .engine import Engine, load_tokenizer
+    from .reference import load_source_model
+
+    tokenizer = load_tokenizer(src)
+    stop_ids = Engine(src, tokenizer, "source").stop_ids
+    control = ControlIds.from_tokenizer(tokenizer)
+    model = load_source_model(src)
+    ids, replies = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            prompt_ids = render_prompt(tokenizer, [{"role": "user", "content": prompt}])
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id)
+            gen = out[0, len(prompt_ids):].tolist()
+            if stop_ids & set(gen):  # generate pads finished sequences; cut after the first stop
+                gen = gen[:next(i for i, t in enumerate(gen) if t in stop_ids) + 1]
+            parser = ReplyParser(tokenizer, control, prompt_ids)
+            d = parser.feed(gen)
+            d += parser.finish()
+            ids.append(gen)
+            replies.append(d.content)
+    del model
+    gc.collect()
+    return _Reference(ids, replies), tokenizer, stop_ids
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_name: str,
+                   act_quant: bool | None = None, dtype: str = "bfloat16",
+                   vllm_timeout_s: float = 900.0) -> Iterator[str]:
+    """Serve ``out`` on a free loopback port for the duration of the block; yields the base URL
+    (``http://127.0.0.1:PORT``, without ``/v1``).
+
+    Raises:
+        G4Error: the backend cannot start (e.g. vLLM exits early or is not ready in time).
+    """
+    if backend == "vllm":
+        from .vllm_backend import VllmServer
+
+        with VllmServer(out, host="127.0.0.1", port=free_port(), served_model_name=served_model_name) as vs:
+            vs.wait_ready(vllm_timeout_s)
+            yield vs.url.removesuffix("/v1")
+        return
+    from .server import BackgroundServer, create_app
+
+    if backend == "neuron":
+        from .neuron_backend import load_neuron_engine
+
+        engine = load_neuron_engine(out)
+    else:
+        from .engine import load_cpu_engine
+
+        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
+    app = create_app(engine, served_model_name=served_model_name)
+    with BackgroundServer(app) as srv:
+        yield srv.url
+
+
+def _ask(client, model: str, question: str, max_tokens: int, *, stream: bool = False,
+         template_kwargs: dict | None = None) -> tuple[str, str, list[int] | None, str | None]:
+    """One greedy chat request: ``(content, reasoning, token_ids or None, finish_reason)``."""
+    extra: dict = {"return_token_ids": True}
+    if template_kwargs is not None:
+        extra["chat_template_kwargs"] = template_kwargs
+    kw = dict(model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=max_tokens,
+              extra_body=extra)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        msg_extra = choice.message.model_extra or {}
+        reasoning = msg_extra.get("reasoning_content") or msg_extra.get("reasoning") or ""
+        ids = (choice.model_extra or {}).get("token_ids")
+        return choice.message.content or "", reasoning, ids, choice.finish_reason
+    content, reasoning, finish = [], [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            d_extra = choice.delta.model_extra or {}
+            content.append(choice.delta.content or "")
+            reasoning.append(d_extra.get("reasoning_content") or d_extra.get("reasoning") or "")
+            finish = choice.finish_reason or finish
+    return "".join(content), "".join(reasoning), None, finish
+
+
+def chat_checks(client, model: str, max_tokens: int) -> list[dict]:
+    """The P13 four-way check: thinking off/on x non-stream/stream, each reported."""
+    results = []
+    for thinking in (False, True):
+        first = None
+        for stream in (False, True):
+            try:
+                content, reasoning, _, finish = _ask(client, model, P13_QUESTION, max_tokens, stream=stream,
+                                                     template_kwargs={"enable_thinking": thinking})
+            except Exception as e:  # an HTTP or protocol error is this combination's failure
+                results.append({"thinking": thinking, "stream": stream, "ok": False, "content": "",
+                                "problem": f"request failed: {type(e).__name__}: {e}"})
+                continue
+            problems = []
+            if not content.strip():
+                problems.append(f"empty content (finish_reason {finish}"
+                                + (", reasoning only" if reasoning else "") + ")")
+            leaked = control_text_in(content)
+            if leaked:
+                problems.append(f"content carries {', '.join(leaked)}")
+            leaked = control_text_in(reasoning)
+            if leaked:
+                problems.append(f"reasoning carries {', '.join(leaked)}")
+            if content.strip() and P13_ANSWER not in content:
+                problems.append(f"content {content!r} lacks the answer {P13_ANSWER!r}")
+            if first is None:
+                first = content
+            elif content != first:
+                problems.append(f"streamed content {content!r} differs from non-streamed {first!r}")
+            results.append({"thinking": thinking, "stream": stream, "ok": not problems, "content": content,
+                            "problem": "; ".join(problems) or None})
+    return results
+
+
+def write_report(out: Path, report: dict) -> Path:
+    """Write ``out/verification.json`` atomically (temp file in ``out``, then rename)."""
+    path = Path(out) / REPORT_NAME
+    fd, tmp = tempfile.mkstemp(prefix=f".{REPORT_NAME}.", dir=out)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def run_check(out: str | Path, src: str | Path, *, source_label: str | None = None, prompts_file: Path | None = None,
+              min_agreement: float = 0.9, url: str | None = None, max_tokens: int = 16,
+              chat_max_tokens: int = 256, backend: str = "auto", act_quant: bool | None = None,
+              dtype: str = "bfloat16", served_model_name: str | None = None,
+              echo: Callable[[str], None] = print) -> dict:
+    """Check the result ``out`` against its source ``src`` through an OpenAI-compatible server
+    (started here on a free loopback port, or the one at ``url``) and write
+    ``out/verification.json``.
+
+    Args:
+        max_tokens: generation budget per prompt and fact (tokens).
+        chat_max_tokens: budget of each P13 chat request (thinking needs room).
+        backend: as ``g4serve --backend`` (ignored with ``url``; the report then names the
+            backend from ``/v1/models`` ``owned_by``).
+
+    Returns:
+        The report (see the module docstring); ``report["passed"]`` says whether it passed.
+
+    Raises:
+        G4Error: unreadable OUT/SRC or prompts, a backend that cannot start, an unreachable
+            ``url``.
+    """
+    import openai
+
+    from .engine import choose_backend
+
+    out, src = Path(out), Path(src)
+    fmt = detect_format(out)
+    prompts, facts = load_prompts(prompts_file, src)
+    echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
+    ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
+
+    if url:
+        chosen, why = None, f"external server {url}"
+        ctx = contextlib.nullcontext(url.rstrip("/").removesuffix("/v1"))
+    else:
+        chosen, why = choose_backend(fmt, backend)
+        ctx = running_server(out, fmt, chosen, served_model_name=served_model_name or out.resolve().name,
+                             act_quant=act_quant, dtype=dtype)
+    echo(f"backend {chosen or 'external'}: {why}")
+    with ctx as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                               timeout=600.0, max_retries=0)
+        try:
+            listing = client.models.list().data
+        except openai.OpenAIError as e:
+            raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {e})") from e
+        ids_listed = [m.id for m in listing]
+        if served_model_name and served_model_name not in ids_listed:
+            raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
+        model = served_model_name or ids_listed[0]
+        if chosen is None:
+            owned = (listing[0].model_extra or {}).get("owned_by") or getattr(listing[0], "owned_by", "")
+            chosen = {"vllm": "vllm", "g4-cpu": "cpu", "g4-neuron": "neuron"}.get(owned, owned or "unknown")
+
+        rows, matches, positions, exact, from_server = [], 0, 0, 0, True
+        served_all = []
+        for prompt in prompts:
+            content, _, ids, finish = _ask(client, model, prompt, max_tokens)
+            served_all.append((content, ids, finish))
+            from_server &= ids is not None
+        for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
+            if from_server:
+                a = normalise_ids(ids, src_stop_ids, finish == "stop")
+                b = normalise_ids(ref_ids, src_stop_ids, False)
+            else:  # compare text through the source tokenizer on both sides
+                a = src_tokenizer.encode(content, add_special_tokens=False) + ([STOP] if finish == "stop" else [])
+                b = (src_tokenizer.encode(ref_reply, add_special_tokens=False)
+                     + ([STOP] if ref_ids and ref_ids[-1] in src_stop_ids else []))
+            frac, first, m, n = agreement(a, b)
+            matches, positions, exact = matches + m, positions + n, exact + (first is None)
+            rows.append({"prompt": prompt, "token_agreement": round(frac, 6), "first_divergence": first,
+                         "reply": content, "reference_reply": ref_reply})
+            echo(f"  {frac:6.3f} {'=' if first is None else f'@{first}':>4} {prompt!r} -> {content!r} "
+                 f"(reference {ref_reply!r})")
+
+        fact_rows = []
+        replies = {p: c for p, (c, _, _) in zip(prompts, served_all)}
+        for question, answer in facts:
+            content = replies[question] if question in replies else _ask(client, model, question, max_tokens)[0]
+            ok = content.strip().startswith(answer)
+            fact_rows.append({"question": question, "answer": answer, "reply": content, "ok": ok})
+            echo(f"  {'ok ' if ok else 'BAD'} {question!r} -> {content!r} (expected {answer!r})")
+        checks = chat_checks(client, model, chat_max_tokens)
+        for c in checks:
+            echo(f"  chat thinking={'on ' if c['thinking'] else 'off'} stream={'yes' if c['stream'] else 'no '}: "
+                 f"{'ok' if c['ok'] else 'FAIL: ' + c['problem']} content={c['content']!r}")
+
+    overall_agreement = matches / positions if positions else 1.0
+    failures = []
+    if overall_agreement < min_agreement:
+        failures.append(f"token agreement {overall_agreement:.3f} < {min_agreement}")
+    bad_facts = [f["question"] for f in fact_rows if not f["ok"]]
+    if bad_facts:
+        failures.append(f"{len(bad_facts)} fact(s) answered wrong")
+    bad_checks = [f"thinking {'on' if c['thinking'] else 'off'}/{'stream' if c['stream'] else 'non-stream'}"
+                  for c in checks if not c["ok"]]
+    if bad_checks:
+        failures.append(f"chat check failed: {', '.join(bad_checks)}")
+    report = {
+        "g4_verification": 1, "format": fmt.format, "backend": chosen, "source": source_label or str(src),
+        "min_agreement": min_agreement, "passed": not failures, "failures": failures,
+        "overall": {"prompts": len(prompts), "token_agreement": round(overall_agreement, 6),
+                    "exact_match_prompts": exact,
+                    "facts_correct": sum(f["ok"] for f in fact_rows) if facts else None,
+                    "facts_total": len(facts) if facts else None,
+                    "token_ids_from": "server" if from_server else "retokenized", "max_tokens": max_tokens},
+        "prompts": rows, "facts": fact_rows, "chat_checks": checks,
+    }
+    path = write_report(out, report)
+    facts_line = f", facts {report['overall']['facts_correct']}/{len(facts)}" if facts else ""
+    echo(f"token agreement {overall_agreement:.3f} over {positions} positions of {len(prompts)} prompts "
+         f"({exact} identical){facts_line}; chat checks {sum(c['ok'] for c in checks)}/{len(checks)}; "
+         f"report {path}")
+    return report

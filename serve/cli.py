@@ -1,0 +1,207 @@
+"""``g4serve``: serve a g4 result behind an OpenAI-compatible API, or check it end to end.
+
+``g4serve OUT ...`` is short for ``g4serve serve OUT ...``: a first argument that is not a
+subcommand is taken as OUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from g4.convert.errors import G4Error, exit_on_user_error
+
+EMBEDDED = "embedded"
+USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
+         "       g4serve check OUT --against SRC [--prompts FILE] [--min-agreement 0.9] [--url URL] "
+         "[--max-tokens N]")
+
+
+class _OutFirstGroup(click.Group):
+    """A group whose first positional may be OUT: anything that is not a subcommand (or the
+    group's own --help/--version) is routed to ``serve``."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+            args = ["serve", *args]
+        return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx, formatter):
+        formatter.write(f"Usage: {USAGE}\n")
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.group(cls=_OutFirstGroup, context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=True)
+@click.version_option(package_name="g4", prog_name="g4serve")
+def main() -> None:
+    """Serve a converted Gemma 4 result (NVFP4, int8-neuron, or a bf16 checkpoint) behind an
+    OpenAI-compatible API (/v1/chat/completions, /v1/models, /health), or check it end to end.
+
+    \b
+    Backends: vllm (NVFP4 with vLLM and a CUDA GPU), neuron (int8-neuron on NeuronCores),
+    cpu (reference: NVFP4 dequantized into transformers' Gemma 4, int8-neuron through the
+    tensor-parallel emulator). --backend auto picks one from OUT's files and this machine
+    and says why.
+
+    \b
+    Examples:
+      g4convert nvfp4                                    # -> ./gemma4-tiny-nvfp4
+      g4serve gemma4-tiny-nvfp4                          # http://127.0.0.1:8000/v1
+      g4serve check gemma4-tiny-nvfp4 --against embedded # writes gemma4-tiny-nvfp4/verification.json
+    """
+
+
+def _resolve_src(src: str) -> Path:
+    if src == EMBEDDED:
+        from g4.convert.embedded_model import EMBEDDED_DIR
+
+        return EMBEDDED_DIR
+    path = Path(src)
+    if not path.is_dir():
+        raise G4Error(f"--against {src}: not a directory (a source checkpoint, or 'embedded')")
+    return path
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
+
+
+_out_arg = click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+_backend_opt = click.option("--backend", type=click.Choice(["auto", "cpu", "vllm", "neuron"]), default="auto",
+                            show_default=True, help="Where to run OUT; auto picks from its format and this machine.")
+_act_quant_opt = click.option("--act-quant/--no-act-quant", default=None,
+                              help="CPU, NVFP4: emulate W4A4 activation quantization with the input_scales "
+                                   "(default: on exactly when OUT is W4A4, as vLLM computes it on Blackwell).")
+_dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+                          show_default=True, help="CPU backend compute dtype of the transformers model.")
+
+
+@main.command()
+@_out_arg
+@_backend_opt
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--served-model-name", help="Model id clients send (default: OUT's directory name).")
+@_act_quant_opt
+@_dtype_opt
+@click.option("--max-model-len", type=click.IntRange(min=1), help="vllm backend: --max-model-len.")
+@click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
+@click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
+@exit_on_user_error
+def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype, verbose):
+    """Serve OUT at http://HOST:PORT/v1 until Ctrl-C."""
+    from .engine import choose_backend
+    from .formats import detect_format
+
+    _setup_logging(verbose)
+    fmt = detect_format(out)
+    chosen, why = choose_backend(fmt, backend)
+    click.echo(f"backend {chosen}: {why}")
+    name = served_model_name or out.resolve().name
+    if chosen == "vllm":
+        _serve_vllm(out, host, port, name, max_model_len, kv_cache_dtype)
+        return
+    if max_model_len or kv_cache_dtype:
+        raise G4Error("--max-model-len and --kv-cache-dtype are vllm backend options")
+    sock = _bind(host, port)
+    if chosen == "neuron":
+        from .neuron_backend import load_neuron_engine
+
+        engine = load_neuron_engine(out)
+    else:
+        from .engine import load_cpu_engine
+
+        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
+    import uvicorn
+
+    from .server import create_app
+
+    app = create_app(engine, served_model_name=name)
+    click.echo(f"engine: {engine.description}")
+    click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
+               f"(one request at a time; Ctrl-C stops)")
+    uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning")).run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise G4Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_cache_dtype) -> None:
+    from .vllm_backend import VllmServer
+
+    signal.signal(signal.SIGTERM, _terminate)
+    server = VllmServer(out, host=host, port=port, served_model_name=name, max_model_len=max_model_len,
+                        kv_cache_dtype=kv_cache_dtype)
+    click.echo(f"starting: {server.command.shell()}  (log {server.log_path})")
+    with server:
+        server.wait_ready()
+        click.echo(f"serving {name!r} on {server.url} (Ctrl-C stops)")
+        try:
+            code = server.proc.wait()
+        except KeyboardInterrupt:
+            click.echo("stopping vLLM", err=True)
+            return
+    raise G4Error(f"vLLM exited with code {code} (log {server.log_path})")
+
+
+@main.command()
+@_out_arg
+@click.option("--against", "src", required=True, help="The source checkpoint OUT was converted from, or 'embedded'.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompt set: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: SRC's facts.json "
+                   "held-out prompts or built-in ones.")
+@click.option("--min-agreement", type=click.FloatRange(0), default=0.9, show_default=True,
+              help="Fail (exit 1) below this greedy token agreement.")
+@click.option("--url", help="Check a server already running there (e.g. http://127.0.0.1:8000) instead of "
+                            "starting one.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens generated per prompt and fact.")
+@click.option("--chat-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Tokens per P13 chat request (thinking on needs room).")
+@_backend_opt
+@click.option("--served-model-name", help="Model id to request (default: the server's first model).")
+@_act_quant_opt
+@_dtype_opt
+@click.option("-v", "--verbose", is_flag=True)
+@exit_on_user_error
+def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_tokens, backend, served_model_name,
+          act_quant, dtype, verbose):
+    """Serve OUT (or use --url), send the prompt set through /v1/chat/completions with the
+    openai client, compare with SRC in transformers (greedy token agreement, first divergence,
+    facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
+    from .check import run_check
+
+    _setup_logging(verbose)
+    report = run_check(out, _resolve_src(src), source_label=src, prompts_file=prompts_file,
+                       min_agreement=min_agreement, url=url, max_tokens=max_tokens, chat_max_tokens=chat_max_tokens,
+                       backend=backend, act_quant=act_quant, dtype=dtype, served_model_name=served_model_name,
+                       echo=click.echo)
+    if report["passed"]:
+        click.echo("PASS")
+    else:
+        click.echo(f"FAIL: {'; '.join(report['failures'])}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

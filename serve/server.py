@@ -1,0 +1,398 @@
+"""OpenAI-compatible HTTP front (FastAPI + uvicorn) for a g4 :class:`~g4.serve.engine.Engine`.
+
+Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` ending in
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
+
+* Requests are generated one at a time by a single worker thread (the engine holds one model
+  and one KV cache); the HTTP side is asynchronous, so any number of clients may connect and
+  wait in the queue (at most ``max_queue`` waiting; more get 503). A streaming client that
+  disconnects cancels its generation at the next token.
+* Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for
+  malformed JSON, out-of-range or unsupported parameters (``temperature`` < 0 or > 2,
+  ``top_p`` outside (0, 1], ``max_tokens`` < 1 or beyond the context, ``n`` > 1), empty or
+  malformed ``messages`` and template errors; 404 for an unknown model or route; 413 for a
+  body over ``max_body_bytes`` (checked from ``Content-Length`` and while reading, before any
+  parsing); 503 when the queue is full; 500 if generation itself fails. The server keeps
+  serving after each.
+* Non-standard fields: ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
+  ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
+from .engine import Engine, SamplingParams
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+MAX_QUEUE = 64
+OWNED_BY = {"cpu": "g4-cpu", "neuron": "g4-neuron"}
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style error object with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (fields this server does not use are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        msg = "field required"
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, payload) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+class GenerationWorker:
+    """One thread that runs queued jobs through the engine, in order, one at a time."""
+
+    def __init__(self, engine: Engine, max_queue: int = MAX_QUEUE):
+        self.engine = engine
+        self.control = ControlIds.from_tokenizer(engine.tokenizer)
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.thread = threading.Thread(target=self._run, name="g4serve-generate", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise APIError(503, f"server busy: {self.jobs.maxsize} requests already waiting", type="server_error",
+                           code="server_busy") from None
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._generate(job)
+            except Exception as e:  # report to the client; keep serving
+                log.exception("generation failed")
+                job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+
+    def _generate(self, job: _Job) -> None:
+        engine = self.engine
+        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids)
+        stopper = StopMatcher(job.stops)
+        ids: list[int] = []
+        for token in engine.generate(job.prompt_ids, job.params, job.cancelled.is_set):
+            ids.append(token)
+            d = parser.feed(token)
+            out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content))
+            if out:
+                job.emit("delta", out)
+            if stopper.hit:
+                break
+        tail = parser.finish()
+        out = Delta(reasoning="" if stopper.hit else tail.reasoning,
+                    content=stopper.feed(tail.content) + stopper.finish())
+        if out:
+            job.emit("delta", out)
+        stopped = stopper.hit or bool(ids and ids[-1] in engine.stop_ids)
+        job.emit("done", {"finish_reason": "stop" if stopped else "length", "token_ids": ids})
+
+
+def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+               max_queue: int = MAX_QUEUE):
+    """The FastAPI application serving ``engine`` as model ``served_model_name``.
+
+    ``app.state.worker`` is the :class:`GenerationWorker`; call ``app.state.worker.close()``
+    when done with an app that is not run by uvicorn's lifespan.
+    """
+    worker = GenerationWorker(engine, max_queue=max_queue)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    app = FastAPI(title="g4serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.worker = worker
+    app.state.engine = engine
+    app.state.served_model_name = served_model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        err = APIError(400, f"invalid request: {exc.errors()[0].get('msg', '')}")
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("unhandled error")
+        err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": created,
+            "owned_by": OWNED_BY.get(engine.backend, engine.backend), "root": str(engine.path),
+            "max_model_len": engine.max_context}]}
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+        return bytes(body)
+
+    def prepare(req: ChatRequest) -> tuple[list[int], SamplingParams, list[str]]:
+        try:
+            prompt_ids = render_prompt(engine.tokenizer, [m.model_dump() for m in req.messages],
+                                       req.chat_template_kwargs)
+        except ChatError as e:
+            raise APIError(400, str(e), param="messages") from e
+        room = engine.max_context - len(prompt_ids)
+        if room < 1:
+            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                                f"{engine.max_context} tokens", param="messages", code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} plus the {len(prompt_ids)} prompt tokens exceeds the "
+                                f"model's context of {engine.max_context} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        d = engine.defaults
+        top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
+        params = SamplingParams(
+            max_tokens=max_tokens or room,
+            temperature=req.temperature if req.temperature is not None else float(d.get("temperature", 1.0)),
+            top_p=req.top_p if req.top_p is not None else float(d.get("top_p", 1.0)),
+            top_k=max(int(top_k), 0), seed=req.seed)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return prompt_ids, params, stops
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            req = ChatRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model is not None and req.model != served_model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+        prompt_ids, params, stops = await run_in_threadpool(prepare, req)
+        loop = asyncio.get_running_loop()
+        job = _Job(prompt_ids, params, stops, loop, asyncio.Queue())
+        worker.submit(job)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = lambda ids: {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),  # noqa: E731
+                             "total_tokens": len(prompt_ids) + len(ids)}
+        if not req.stream:
+            reply = Delta()
+            try:
+                while True:
+                    kind, payload = await job.events.get()
+                    if kind == "delta":
+                        reply += payload
+                    elif kind == "error":
+                        raise APIError(500, payload, type="server_error")
+                    else:
+                        break
+            finally:
+                job.cancelled.set()  # no-op when finished; stops generation if the client went away
+            return {"id": rid, "object": "chat.completion", "created": now, "model": served_model_name,
+                    "choices": [{"index": 0, "finish_reason": payload["finish_reason"],
+                                 "message": {"role": "assistant", "content": reply.content,
+                                             "reasoning_content": reply.reasoning or None},
+                                 "token_ids": payload["token_ids"], "logprobs": None}],
+                    "usage": usage(payload["token_ids"])}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish_reason=None) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events():
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, payload = await job.events.get()
+                    if kind == "delta":
+                        delta = {}
+                        if payload.reasoning:
+                            delta["reasoning_content"] = payload.reasoning
+                        if payload.content:
+                            delta["content"] = payload.content
+                        yield chunk(delta)
+                    elif kind == "error":
+                        yield f"data: {json.dumps(APIError(500, payload, type='server_error').body())}\n\n"
+                        break
+                    else:
+                        yield chunk({}, payload["finish_reason"])
+                        if include_usage:
+                            yield "data: " + json.dumps({
+                                "id": rid, "object": "chat.completion.chunk", "created": now,
+                                "model": served_model_name, "choices": [], "usage": usage(payload["token_ids"])}) + "\n\n"
+                        break
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancelled.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+class BackgroundServer:
+    """uvicorn serving ``app`` on ``host`` in a daemon thread (for ``g4serve check``, tests and
+    the benchmark). ``port=0`` takes a free port; :attr:`url` is ``http://host:port``.
+
+    Use as a context manager; leaving it stops the server and waits for the thread.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="g4serve-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        """Start and wait until uvicorn accepts connections.
+
+        Raises:
+            RuntimeError: not started within ``timeout_s`` seconds.
+        """
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
