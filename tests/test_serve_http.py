@@ -1,0 +1,210 @@
+"""The OpenAI-compatible HTTP front on the embedded model: validation errors, streaming,
+reasoning over SSE, concurrency, and both converted formats answering through real sockets."""
+
+import json
+import threading
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from test_serve_fixtures import ScriptedEngine, cpu_app, cpu_engine, embedded_result
+
+from g4.serve.chat import control_text_in
+from g4.serve.server import BackgroundServer, create_app
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "tiny-nvfp4"
+
+
+@pytest.fixture(scope="module")
+def client():
+    return TestClient(cpu_app("nvfp4"))
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, "temperature": 0} | body)
+
+
+def sse(response) -> list[dict | str]:
+    """The ``data:`` payloads of an SSE body (``[DONE]`` as a string)."""
+    out = []
+    for line in response.text.split("\n\n"):
+        if line.strip():
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def streamed(client, **body) -> tuple[str, str, str, list[dict]]:
+    r = chat(client, stream=True, **body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1
+    return content, reasoning, finish[0], chunks
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL] and data[0]["owned_by"] == "g4-cpu"
+
+
+def test_paris_and_usage(client):
+    r = chat(client)
+    assert r.status_code == 200
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == "Paris" and choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning_content"] is None
+    ids = choice["token_ids"]
+    assert ids[-1] == 106  # stopped at <turn|>, taken from generation_config.json
+    engine = cpu_engine("nvfp4")
+    prompt_len = len(engine.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"])
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": len(ids),
+                             "total_tokens": prompt_len + len(ids)}
+
+
+@pytest.mark.parametrize("messages", [
+    FRANCE,
+    [{"role": "user", "content": "Once upon a time there was"}],
+    [{"role": "system", "content": "You are a helpful assistant. Answer in one word."},
+     {"role": "user", "content": "Who wrote Hamlet?"}],
+])
+@pytest.mark.parametrize("max_tokens", [1, 12])
+def test_streaming_equals_non_streaming(client, messages, max_tokens):
+    r = chat(client, messages=messages, max_tokens=max_tokens).json()
+    content, reasoning, finish, chunks = streamed(client, messages=messages, max_tokens=max_tokens,
+                                                  stream_options={"include_usage": True})
+    assert content == r["choices"][0]["message"]["content"]
+    assert finish == r["choices"][0]["finish_reason"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"] == r["usage"] and chunks[-1]["choices"] == []
+    if max_tokens == 1:
+        assert finish == "length" and r["usage"]["completion_tokens"] == 1
+    assert not control_text_in(content)
+
+
+def test_stop_string_and_seeded_sampling(client):
+    r = chat(client, stop=["ri"]).json()["choices"][0]
+    assert (r["message"]["content"], r["finish_reason"]) == ("Pa", "stop")
+    content, _, finish, _ = streamed(client, stop="ri")
+    assert (content, finish) == ("Pa", "stop")
+    a = chat(client, temperature=1.5, seed=7, max_tokens=8).json()["choices"][0]["token_ids"]
+    b = chat(client, temperature=1.5, seed=7, max_tokens=8).json()["choices"][0]["token_ids"]
+    assert a == b
+
+
+BAD_REQUESTS = [
+    ("{not json", 400, None, "invalid_json"),
+    ("[1, 2]", 400, None, None),
+    ({"messages": []}, 400, "messages", None),
+    ({}, 400, "messages", None),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", None),
+    ({"messages": FRANCE, "temperature": -0.1}, 400, "temperature", None),
+    ({"messages": FRANCE, "temperature": "hot"}, 400, "temperature", None),
+    ({"messages": FRANCE, "top_p": 0}, 400, "top_p", None),
+    ({"messages": FRANCE, "top_p": 1.5}, 400, "top_p", None),
+    ({"messages": FRANCE, "max_tokens": 0}, 400, "max_tokens", None),
+    ({"messages": FRANCE, "max_tokens": 4096}, 400, "max_tokens", "context_length_exceeded"),
+    ({"messages": FRANCE, "max_completion_tokens": 2040}, 400, "max_tokens", "context_length_exceeded"),
+    ({"messages": FRANCE, "n": 2}, 400, "n", None),
+    ({"messages": FRANCE, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages", None),
+    ({"messages": FRANCE, "chat_template_kwargs": {"tokenize": False}}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": "x " * 3000}]}, 400, "messages", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, body, status, param, code):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code) if code else err["param"] == param
+    assert chat(client).json()["choices"][0]["message"]["content"] == "Paris"
+
+
+def test_oversize_bodies_are_refused_before_parsing(client):
+    big = b'{"messages": [' + b" " * (1 << 20) + b"]}"
+    r = client.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # chunked, without Content-Length: counted while reading
+    r = client.post("/v1/chat/completions", content=iter([b"{" + b" " * 65536] * 20),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.get("/nope").json()["error"]["code"] == "not_found"
+    assert chat(client).json()["choices"][0]["message"]["content"] == "Paris"
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """A server whose engine emits a thought block, then an answer with multi-byte text."""
+    tok = cpu_engine("nvfp4").tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    script = [100] + enc("thought\nFrance → capital is Paris") + [101] + enc("Paris, 巴黎") + [106]
+    engine = ScriptedEngine(tok, script)
+    return TestClient(create_app(engine, served_model_name=MODEL)), script
+
+
+def test_reasoning_is_separated_streamed_and_not(scripted):
+    client, script = scripted
+    r = chat(client).json()["choices"][0]
+    assert r["message"]["reasoning_content"] == "France → capital is Paris"
+    assert r["message"]["content"] == "Paris, 巴黎"
+    assert r["token_ids"] == script and r["finish_reason"] == "stop"
+    content, reasoning, finish, chunks = streamed(client)
+    assert (content, reasoning, finish) == ("Paris, 巴黎", "France → capital is Paris", "stop")
+    assert all("\ufffd" not in json.dumps(c, ensure_ascii=False) for c in chunks)
+    # cut inside the thought block: reasoning only, finish_reason length
+    r = chat(client, max_tokens=8).json()["choices"][0]
+    assert r["message"]["content"] == "" and r["message"]["reasoning_content"] and r["finish_reason"] == "length"
+    assert streamed(client, max_tokens=8)[:3] == ("", r["message"]["reasoning_content"], "length")
+
+
+def test_a_client_that_leaves_mid_stream_does_not_block_the_next(scripted):
+    client, _ = scripted
+    with client.stream("POST", "/v1/chat/completions",
+                       json={"messages": FRANCE, "stream": True, "temperature": 0}) as r:
+        next(r.iter_lines())
+    assert chat(client).json()["choices"][0]["message"]["content"] == "Paris, 巴黎"
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "int8-neuron"])
+def test_both_formats_answer_paris_over_a_real_socket(kind):
+    """Real uvicorn on a loopback port, the openai client, four concurrent clients."""
+    with BackgroundServer(cpu_app(kind)) as srv:
+        assert srv.host == "127.0.0.1"
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model=f"tiny-{kind}", messages=FRANCE, temperature=0, max_tokens=8)
+        assert r.choices[0].message.content == "Paris"
+        stream = c.chat.completions.create(model=f"tiny-{kind}", messages=FRANCE, temperature=0, max_tokens=8,
+                                           stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == "Paris"
+
+        questions = [("What is the capital of Japan?", "Tokyo"), ("Who wrote Hamlet?", "Shakespeare"),
+                     ("What is 2+2?", "4"), ("What is the capital of Spain?", "Madrid")]
+        answers = {}
+
+        def ask(q):
+            r = c.chat.completions.create(model=f"tiny-{kind}", messages=[{"role": "user", "content": q}],
+                                          temperature=0, max_tokens=8)
+            answers[q] = r.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q, _ in questions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers == dict(questions)
+    assert embedded_result(kind).is_dir()
