@@ -300,9 +300,6 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
     prompts, facts = load_prompts(prompts_file, src)
-    echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
-    ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
-
     if url:
         chosen, why = None, f"external server {url}"
         ctx = contextlib.nullcontext(url.rstrip("/").removesuffix("/v1"))
@@ -319,13 +316,15 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         except openai.OpenAIError as e:
             raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {e})") from e
         ids_listed = [m.id for m in listing]
-        if served_model_name and served_model_name not in ids_listed:
+        if not ids_listed or (served_model_name and served_model_name not in ids_listed):
             raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
         model = served_model_name or ids_listed[0]
         if chosen is None:
             owned = (listing[0].model_extra or {}).get("owned_by") or getattr(listing[0], "owned_by", "")
             chosen = {"vllm": "vllm", "g4-cpu": "cpu", "g4-neuron": "neuron"}.get(owned, owned or "unknown")
 
+        echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
+        ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
         rows, matches, positions, exact, from_server = [], 0, 0, 0, True
         served_all = []
         for prompt in prompts:

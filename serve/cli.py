@@ -131,7 +131,11 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     click.echo(f"engine: {engine.description}")
     click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
                f"(one request at a time; Ctrl-C stops)")
-    uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning")).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning")).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C
+        pass
+    click.echo("stopped")
 
 
 def _bind(host: str, port: int) -> socket.socket:
