@@ -34,7 +34,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -65,6 +65,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -85,7 +91,7 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("n")
@@ -261,7 +267,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
             max_tokens=max_tokens or room,
             temperature=req.temperature if req.temperature is not None else float(d.get("temperature", 1.0)),
             top_p=req.top_p if req.top_p is not None else float(d.get("top_p", 1.0)),
-            top_k=max(int(top_k), 0), seed=req.seed)
+            top_k=max(int(top_k), 0), seed=None if req.seed is None else req.seed % (1 << 64))
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return prompt_ids, params, stops
 
@@ -333,9 +339,9 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                     else:
                         yield chunk({}, payload["finish_reason"])
                         if include_usage:
-                            yield "data: " + json.dumps({
-                                "id": rid, "object": "chat.completion.chunk", "created": now,
-                                "model": served_model_name, "choices": [], "usage": usage(payload["token_ids"])}) + "\n\n"
+                            final = {"id": rid, "object": "chat.completion.chunk", "created": now,
+                                     "model": served_model_name, "choices": [], "usage": usage(payload["token_ids"])}
+                            yield f"data: {json.dumps(final)}\n\n"
                         break
                 yield "data: [DONE]\n\n"
             finally:

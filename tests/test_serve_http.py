@@ -107,6 +107,8 @@ BAD_REQUESTS = [
     ({"messages": []}, 400, "messages", None),
     ({}, 400, "messages", None),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", None),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0", None),
+    ({"messages": FRANCE, "seed": 1 << 70}, 400, "seed", None),
     ({"messages": FRANCE, "temperature": -0.1}, 400, "temperature", None),
     ({"messages": FRANCE, "temperature": "hot"}, 400, "temperature", None),
     ({"messages": FRANCE, "top_p": 0}, 400, "top_p", None),
