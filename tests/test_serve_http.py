@@ -210,3 +210,27 @@ def test_both_formats_answer_paris_over_a_real_socket(kind):
             t.join(120)
         assert answers == dict(questions)
     assert embedded_result(kind).is_dir()
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """enable_thinking renders the checkpoint's template differently (a template in the style of
+    the 26B release), and with thinking off the reply after the closed empty block is content."""
+    from transformers import AutoTokenizer
+    from test_serve_chat import THINKING_TEMPLATE
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    tok.chat_template = THINKING_TEMPLATE
+    script = [100] + tok.encode("thought\nadd", add_special_tokens=False) + [101] + tok.encode(
+        "4", add_special_tokens=False) + [106]
+    client = TestClient(create_app(ScriptedEngine(tok, script), served_model_name=MODEL))
+    on = chat(client, chat_template_kwargs={"enable_thinking": True}).json()
+    off = chat(client, chat_template_kwargs={"enable_thinking": False}).json()
+    from g4.serve.chat import render_prompt
+
+    for r, thinking in ((on, True), (off, False)):
+        assert r["usage"]["prompt_tokens"] == len(render_prompt(tok, FRANCE, {"enable_thinking": thinking}))
+    assert on["usage"]["prompt_tokens"] != off["usage"]["prompt_tokens"]
+    for r in (on, off):
+        assert (r["choices"][0]["message"]["content"], r["choices"][0]["message"]["reasoning_content"]) == ("4", "add")
