@@ -19,7 +19,6 @@ release by release):
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -68,27 +67,14 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 
 def result_format(model_dir: str | Path) -> str:
-    """``"nvfp4"`` (modelopt NVFP4 result), ``"int8-neuron"`` or ``"bf16"`` (plain Hugging
-    Face checkpoint), from the directory's own files.
+    """``"nvfp4"``, ``"int8-neuron"`` or ``"bf16"``: ``g4.serve.formats.detect_format`` of the directory.
 
     Raises:
-        G4Error: not a model directory, or a quantization vLLM's modelopt path cannot read.
+        CheckpointError: not a result or checkpoint g4 serves.
     """
-    d = Path(model_dir)
-    if (d / "manifest.json").is_file():
-        return "int8-neuron"
-    hq = d / "hf_quant_config.json"
-    if hq.is_file():
-        try:
-            algo = json.loads(hq.read_text())["quantization"]["quant_algo"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise G4Error(f"{hq}: unreadable hf_quant_config.json ({e})") from e
-        if algo != "NVFP4":
-            raise G4Error(f"{hq}: quant_algo {algo!r}; g4 serves NVFP4 results")
-        return "nvfp4"
-    if not (d / "config.json").is_file():
-        raise G4Error(f"{d}: no config.json (not a model directory)")
-    return "bf16"
+    from g4.serve.formats import detect_format
+
+    return detect_format(model_dir).format
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from g4.serve import vllm_backend as vb
 def nvfp4_dir(tmp_path):
     d = tmp_path / "nvfp4"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
     (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
     return d
 
@@ -69,13 +69,14 @@ def test_vllm_0_19_0_refused_for_nvfp4(nvfp4_dir):
 
 
 def test_bf16_checkpoint_has_no_quantization_flag(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
     argv = vb.vllm_command(tmp_path, compute_capability=(9, 0), vllm_version="0.19.0").argv
     assert "--quantization" not in argv and "marlin" not in _flags(argv)
 
 
 def test_int8_neuron_and_bad_options_refused(tmp_path, nvfp4_dir):
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "g4-int8-neuron/1"}))
     with pytest.raises(G4Error, match="neuron backend"):
         vb.vllm_command(tmp_path)
     with pytest.raises(G4Error, match="kv-cache-dtype"):
