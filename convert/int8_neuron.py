@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import shard
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
@@ -218,6 +219,8 @@ def convert_int8_neuron(
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         copy_side_files(ckpt.root, tmp, extra=("config.json",))
+        write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
+                         options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
         per_rank = writers[0].total_bytes
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from g4.exporters import modelopt_nvfp4 as meta
+from g4.exporters.model_card import write_model_card
 from g4.exporters.nvfp4_names import (
     DENSE_GROUPS,
     EXPERT_DOWN,
@@ -322,6 +323,9 @@ def convert_nvfp4(
         copy_side_files(ckpt.root, tmp)
         meta.write_metadata(tmp, ckpt.config, excludes=excludes, weight_only=weight_only)
         meta.check_export(tmp, label=Path(out))
+        write_model_card(tmp, "nvfp4", src=ckpt.root, out_name=Path(out).name, options=dict(  # README.md (hub helper)
+            preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
+            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size))
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
