@@ -34,6 +34,42 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
+# --- Hub publishing on the conversion commands (convert/push.py) ---
+def _hub_options(fn):
+    fn = click.option("--base-model", help="Hub repo id of SRC for the model card's base_model, when g4 cannot "
+                                           "tell it from SRC (config _name_or_path, HF cache path).")(fn)
+    fn = click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private.")(fn)
+    fn = click.option("--push-to-hub", metavar="REPO_ID",
+                      help="After a successful conversion, publish OUT to this Hub repo (see `g4convert push`).")(fn)
+    return fn
+
+
+def _hub_preflight(push_to_hub: str | None, base_model: str | None) -> None:
+    """Fail before a long conversion when the push could not happen (bad ids, no token)."""
+    from g4.exporters.model_card import check_repo_id
+
+    if base_model:
+        check_repo_id(base_model, what="--base-model")
+    if push_to_hub:
+        from .push import _token
+
+        check_repo_id(push_to_hub)
+        _token()
+
+
+def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: str | None) -> None:
+    from g4.exporters.model_card import set_base_model
+
+    if base_model and not push_to_hub:
+        set_base_model(out, base_model)
+    if push_to_hub:
+        from .push import echo_report, push_result, quiet_http_logs
+
+        quiet_http_logs()
+        echo_report(push_result(out, push_to_hub, private=private, base_model=base_model), out)
+# --- end of Hub publishing ---
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
 @click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
@@ -76,15 +112,17 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="GB = 10**9 bytes, GiB = 2**30.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
+@_hub_options
 @click.pass_context
 @exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          calib_dtype, max_shard_size, overwrite):
+          calib_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
     """Convert SRC (a checkpoint directory, or 'embedded') to a modelopt NVFP4 checkpoint in OUT.
 
     OUT uses the tensor names every vLLM from 0.19.1 to 0.33 loads unpatched
     (`vllm serve OUT --quantization modelopt`); a GPU load has not been run by this project yet.
     """
+    _hub_preflight(push_to_hub, base_model)
     from .nvfp4 import convert_nvfp4
 
     if weight_only and (calib_data or ctx.get_parameter_source("calib_samples").name != "DEFAULT"
@@ -100,6 +138,7 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     except ValueError as e:  # e.g. a bad --max-shard-size
         raise G4Error(str(e)) from e
     click.echo(report.summary())
+    _hub_after(out, push_to_hub, private, base_model)
 
 
 @main.command("int8-neuron")
@@ -112,21 +151,24 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
               help="Neuron instance the memory plan is checked against (see `g4convert plan`).")
 @click.option("--force", is_flag=True, help="Write even if the plan says it does not fit the target.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
+@_hub_options
 @click.pass_context
 @exit_on_user_error
-def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite):
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite, push_to_hub, private, base_model):
     """Write AWS Neuron (NxD) int8 per-channel weights of SRC pre-sharded per TP rank into OUT.
 
     Experts, dense MLP and the tied lm_head (vocabulary-sharded) become int8 with fp32
     per-channel scales; the embedding table stays on the host (bf16, unscaled); a manifest
     records the layout, embed_scale and the per-rank memory plan.
     """
+    _hub_preflight(push_to_hub, base_model)
     from .int8_neuron import convert_int8_neuron
 
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(_resolve_src(src), out, tp=tp, quantize_attention=quantize_attention,
                                  target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
+    _hub_after(out, push_to_hub, private, base_model)
 
 
 @main.command()
@@ -182,6 +224,9 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
 
 
 main.add_command(plan)
+from .push import push  # noqa: E402  (g4convert push; imports huggingface_hub only when run)
+
+main.add_command(push)
 
 
 if __name__ == "__main__":
