@@ -21,7 +21,6 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import queue
@@ -143,6 +142,8 @@ class GenerationWorker:
         self.thread.start()
 
     def submit(self, job: _Job) -> None:
+        if not self.thread.is_alive():
+            raise APIError(503, "the generation worker has stopped", type="server_error", code="worker_stopped")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -188,18 +189,15 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                max_queue: int = MAX_QUEUE):
     """The FastAPI application serving ``engine`` as model ``served_model_name``.
 
-    ``app.state.worker`` is the :class:`GenerationWorker`; call ``app.state.worker.close()``
-    when done with an app that is not run by uvicorn's lifespan.
+    ``app.state.worker`` is the :class:`GenerationWorker` (a daemon thread that lives as long as
+    the process, or until ``app.state.worker.close()``).
     """
     worker = GenerationWorker(engine, max_queue=max_queue)
     created = int(time.time())
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        worker.close()
-
-    app = FastAPI(title="g4serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # The worker outlives any one uvicorn run: an app may be served several times (tests, the
+    # benchmark, `g4serve check --url` against an in-process server); it is an idle daemon thread.
+    app = FastAPI(title="g4serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.engine = engine
     app.state.served_model_name = served_model_name

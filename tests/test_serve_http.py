@@ -234,3 +234,18 @@ def test_chat_template_kwargs_reach_the_template():
     assert on["usage"]["prompt_tokens"] != off["usage"]["prompt_tokens"]
     for r in (on, off):
         assert (r["choices"][0]["message"]["content"], r["choices"][0]["message"]["reasoning_content"]) == ("4", "add")
+
+
+def test_an_app_serves_again_after_a_uvicorn_run_and_a_stopped_worker_answers_503():
+    tok = cpu_engine("nvfp4").tokenizer
+    app = create_app(ScriptedEngine(tok, tok.encode("Paris", add_special_tokens=False) + [106]),
+                     served_model_name=MODEL)
+    for _ in range(2):
+        with BackgroundServer(app) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            assert c.chat.completions.create(model=MODEL, messages=FRANCE).choices[0].message.content == "Paris"
+    assert chat(TestClient(app)).json()["choices"][0]["message"]["content"] == "Paris"
+    app.state.worker.close()
+    app.state.worker.thread.join(10)
+    r = chat(TestClient(app))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_stopped"

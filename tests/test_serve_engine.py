@@ -1,0 +1,75 @@
+"""CPU engines: the KV-cache loop against full recomputation, stop ids, formats."""
+
+import pytest
+import torch
+from test_serve_fixtures import cpu_engine
+
+from g4.convert.embedded_model import EMBEDDED_DIR
+from g4.serve.chat import render_prompt
+from g4.serve.engine import HFEngine, SamplingParams, load_cpu_engine
+
+
+@pytest.fixture(scope="module")
+def bf16_engine():
+    return load_cpu_engine(EMBEDDED_DIR, dtype="float32")  # the source itself is servable
+
+
+def test_kv_cache_matches_full_recompute_past_the_sliding_window(bf16_engine):
+    e = bf16_engine
+    assert isinstance(e, HFEngine) and e.stop_ids == {1, 106, 50} and e.max_context == 2048
+    text = " ".join(["Paris is the capital of France."] * 12) + " What is the capital of France?"
+    prompt = render_prompt(e.tokenizer, [{"role": "user", "content": text}])
+    assert len(prompt) > 64  # beyond the sliding window of the sliding layers
+    stop_ids, e.stop_ids = e.stop_ids, frozenset()  # run on past the end of turn
+    try:
+        got = list(e.generate(prompt, SamplingParams(max_tokens=24)))
+    finally:
+        e.stop_ids = stop_ids
+    ids, want = list(prompt), []
+    with torch.no_grad():
+        for _ in range(24):
+            want.append(int(e.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(want[-1])
+    assert got == want
+
+
+def test_generation_stops_at_a_stop_id_and_at_max_tokens(bf16_engine):
+    e = bf16_engine
+    prompt = render_prompt(e.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    ids = list(e.generate(prompt, SamplingParams(max_tokens=16)))
+    assert e.tokenizer.decode(ids) == "Paris<turn|>"
+    assert list(e.generate(prompt, SamplingParams(max_tokens=1))) == ids[:1]
+    cancelled = list(e.generate(prompt, SamplingParams(max_tokens=16), should_stop=lambda: True))
+    assert cancelled == ids[:1]
+
+
+def test_engines_of_both_converted_formats():
+    nv, i8 = cpu_engine("nvfp4"), cpu_engine("int8-neuron")
+    assert "W4A4 activation emulation" in nv.description
+    assert "TP=2 emulated" in i8.description
+    for e in (nv, i8):
+        prompt = render_prompt(e.tokenizer, [{"role": "user", "content": "Who wrote Hamlet?"}])
+        assert e.tokenizer.decode(list(e.generate(prompt, SamplingParams(max_tokens=8)))) == "Shakespeare<turn|>"
+
+
+def test_act_quant_needs_input_scales(tmp_path):
+    import json
+    import shutil
+
+    from g4.convert.errors import CheckpointError
+    from test_serve_fixtures import embedded_result
+
+    w4a16 = tmp_path / "w4a16"
+    shutil.copytree(embedded_result("nvfp4"), w4a16)
+    from safetensors.torch import load_file, save_file
+
+    sd = {k: v for k, v in load_file(w4a16 / "model.safetensors").items() if not k.endswith(".input_scale")}
+    save_file(sd, w4a16 / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((w4a16 / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g.pop("input_activations")
+    (w4a16 / "config.json").write_text(json.dumps(cfg))
+    e = load_cpu_engine(w4a16)  # auto: weight-only arithmetic for a W4A16 result
+    assert "weight-only arithmetic" in e.description
+    with pytest.raises(CheckpointError, match="needs input_scale"):
+        load_cpu_engine(w4a16, act_quant=True)
