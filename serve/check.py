@@ -22,7 +22,8 @@ The report is written to ``OUT/verification.json`` (atomically; no timestamps, s
 inputs render the same model card). Schema (``g4_verification: 1``)::
 
     {"g4_verification": 1, "format": "nvfp4"|"int8-neuron"|"bf16", "backend": "cpu"|"vllm"|"neuron",
-     "source": str, "min_agreement": float, "passed": bool, "failures": [str],
+     "engine": str|null (g4 server: e.g. "NVFP4 W4A4 (modelopt) dequantized, W4A4 activation emulation,
+     bfloat16"; null for other servers), "source": str, "min_agreement": float, "passed": bool, "failures": [str],
      "overall": {"prompts", "token_agreement", "exact_match_prompts", "facts_correct", "facts_total",
                  "token_ids_from": "server"|"retokenized", "max_tokens"},
      "prompts": [{"prompt", "token_agreement", "first_divergence", "reply", "reference_reply"}],
@@ -319,8 +320,10 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         if not ids_listed or (served_model_name and served_model_name not in ids_listed):
             raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
         model = served_model_name or ids_listed[0]
+        listed_extra = listing[0].model_extra or {}
+        engine_desc = listed_extra.get("g4_engine")  # g4's own server says what arithmetic it runs
         if chosen is None:
-            owned = (listing[0].model_extra or {}).get("owned_by") or getattr(listing[0], "owned_by", "")
+            owned = listed_extra.get("owned_by") or getattr(listing[0], "owned_by", "")
             chosen = {"vllm": "vllm", "g4-cpu": "cpu", "g4-neuron": "neuron"}.get(owned, owned or "unknown")
 
         echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
@@ -370,7 +373,8 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     if bad_checks:
         failures.append(f"chat check failed: {', '.join(bad_checks)}")
     report = {
-        "g4_verification": 1, "format": fmt.format, "backend": chosen, "source": source_label or str(src),
+        "g4_verification": 1, "format": fmt.format, "backend": chosen, "engine": engine_desc,
+        "source": source_label or str(src),
         "min_agreement": min_agreement, "passed": not failures, "failures": failures,
         "overall": {"prompts": len(prompts), "token_agreement": round(overall_agreement, 6),
                     "exact_match_prompts": exact,

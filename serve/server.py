@@ -14,7 +14,8 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
   body over ``max_body_bytes`` (checked from ``Content-Length`` and while reading, before any
   parsing); 503 when the queue is full; 500 if generation itself fails. The server keeps
   serving after each.
-* Non-standard fields: ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
+* Non-standard fields: ``/v1/models`` ``data[0].g4_engine`` (the engine's arithmetic in words),
+  ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
   ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
 """
 
@@ -231,7 +232,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": created,
             "owned_by": OWNED_BY.get(engine.backend, engine.backend), "root": str(engine.path),
-            "max_model_len": engine.max_context}]}
+            "max_model_len": engine.max_context, "g4_engine": engine.description}]}
 
     async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")

@@ -20,7 +20,7 @@ from g4.serve.check import STOP, agreement, free_port, normalise_ids
 from g4.serve.cli import main
 from g4.serve.server import BackgroundServer
 
-REPORT_KEYS = {"g4_verification", "format", "backend", "source", "min_agreement", "passed", "failures", "overall",
+REPORT_KEYS = {"g4_verification", "format", "backend", "engine", "source", "min_agreement", "passed", "failures", "overall",
                "prompts", "facts", "chat_checks"}
 
 
@@ -64,6 +64,7 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert (report["g4_verification"], report["format"], report["backend"], report["source"]) == (
         1, "nvfp4", "cpu", "embedded")
     assert report["passed"] is True and report["failures"] == [] and report["min_agreement"] == 0.9
+    assert report["engine"] == "NVFP4 W4A4 (modelopt) dequantized, W4A4 activation emulation, bfloat16"
     o = report["overall"]
     assert o["prompts"] == len(report["prompts"]) == 20 and o["token_ids_from"] == "server"
     assert o["token_agreement"] >= 0.9 and (o["facts_correct"], o["facts_total"]) == (12, 12)
