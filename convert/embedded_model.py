@@ -80,13 +80,19 @@ MULTIMODAL_TOKENS = {
 EOS_TOKEN_IDS = [EOS_ID, END_OF_TURN_ID, TOOL_RESPONSE_ID]
 
 CHAT_TEMPLATE = (
+    # Gemma 4 style (the E2B/E4B form: no empty thought block when thinking is off, which this
+    # model was never trained on); enable_thinking puts <|think|> at the start of the system turn.
     "{{ bos_token }}"
+    "{% set think = enable_thinking is defined and enable_thinking %}"
+    "{% if think and (messages | length == 0 or messages[0]['role'] != 'system') %}"
+    "<|turn>system\n<|think|><turn|>\n{% endif %}"
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{% if message['content'] is string %}{% set content = message['content'] %}"
     "{% else %}{% set content = message['content'] | selectattr('type', 'equalto', 'text')"
     " | map(attribute='text') | join('') %}{% endif %}"
-    "<|turn>{{ role }}\n{{ content | trim }}<turn|>\n"
+    "<|turn>{{ role }}\n{% if think and loop.first and role == 'system' %}<|think|>{% endif %}"
+    "{{ content | trim }}<turn|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
