@@ -40,6 +40,10 @@ def exit_on_user_error(fn):
         except G4Error as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except OSError as e:  # permissions, full disk, ...: the file and the reason, not a traceback
+            where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+            click.echo(f"error: {where}{e.strerror or e}", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was written to OUT", err=True)
             sys.exit(130)

@@ -129,7 +129,8 @@ def local_files(out: str | Path) -> list[LocalFile]:
 def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: int = HUB_MAX_FILE_BYTES) -> None:
     """Refuse to publish an incomplete or oversized result.
 
-    Checks: OUT has ``g4_conversion.json`` and ``README.md``; every shard named by
+    Checks: every ``*.safetensors`` file's header and data section are complete;
+    OUT has ``g4_conversion.json`` and ``README.md``; every shard named by
     ``model.safetensors.index.json`` and every rank file named by ``manifest.json`` is in
     OUT; no file is larger than ``max_file_bytes`` (default :data:`HUB_MAX_FILE_BYTES`).
 
@@ -153,6 +154,15 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
     missing = [n for n in needed if n not in names]
     if missing:
         raise HubError(f"{out}: incomplete result, missing {', '.join(missing)}; nothing was sent")
+    from g4.convert.checkpoint import read_safetensors_header
+    from g4.convert.errors import CheckpointError
+
+    for f in files:
+        if f.rel.endswith(".safetensors"):
+            try:  # a truncated or corrupt shard is never published
+                read_safetensors_header(f.path)
+            except CheckpointError as e:
+                raise HubError(f"{e}; nothing was sent") from e
     for f in files:
         if f.size > max_file_bytes:
             raise HubError(f"{f.path}: {f.size / 1e9:.2f} GB is over the per-file limit of {max_file_bytes / 1e9:g} GB "

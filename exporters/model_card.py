@@ -367,7 +367,23 @@ def _verification(out: Path) -> dict | None:
         raise CardError(f"{path}: unreadable ({e})") from e
     if not isinstance(data, dict) or data.get("g4_verification") != 1:
         raise CardError(f"{path}: not a g4_verification version 1 file")
+    data["stale"] = _stale_reason(out, data.get("files"))
     return data
+
+
+def _stale_reason(out: Path, files) -> str | None:
+    """Why a verification is not about OUT's current weights (None when it is): the
+    ``files`` fingerprints ``g4serve check`` recorded, compared by size, then sha256."""
+    from g4.serve.check import weight_fingerprints
+
+    if not isinstance(files, dict) or not files:
+        return "verification.json does not record which weights it checked"
+    now = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}
+    if set(now) != set(files) or any(now[k] != (files[k] or {}).get("bytes") for k in now):
+        return "the weight files changed since the check"
+    if weight_fingerprints(out) != files:
+        return "the weight files changed since the check"
+    return None
 
 
 # --------------------------------------------------------------------------- rendering
@@ -511,7 +527,12 @@ def _verification_body(v: dict | None) -> dict | None:
     if v is None:
         return None
     o = v.get("overall") or {}
-    rows = [["result", ("PASS" if v.get("passed") else "FAIL") + f" (min token agreement {v.get('min_agreement')})"],
+    if v.get("stale"):
+        result = f"NOT VALID FOR THESE FILES: {v['stale']}; run g4serve check again"
+        v = {**v, "passed": False}
+    else:
+        result = ("PASS" if v.get("passed") else "FAIL") + f" (min token agreement {v.get('min_agreement')})"
+    rows = [["result", result],
             ["backend", v.get("backend")], ["format", v.get("format")], ["prompts", o.get("prompts")],
             ["greedy token agreement", o.get("token_agreement")],
             ["prompts with identical replies", o.get("exact_match_prompts")]]

@@ -239,6 +239,8 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     for what, path in [*guarded, ("the working directory", Path.cwd().resolve())]:
         if path == resolved or resolved in path.parents:
             raise ExportError(f"{out}: OUT would replace {what}; choose another OUT")
+    if out.is_symlink():
+        raise ExportError(f"{out}: is a symbolic link (to {out.resolve()}); give the real path as OUT")
     if out.exists() and not overwrite:
         raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_g4_output(out))):

@@ -255,6 +255,23 @@ def chat_checks(client, model: str, max_tokens: int) -> list[dict]:
     return results
 
 
+def weight_fingerprints(out: str | Path) -> dict[str, dict]:
+    """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
+    (sorted): which weights a verification is about, so that a model card never shows a
+    result for files changed since (read in 16 MiB chunks)."""
+    import hashlib
+
+    out = Path(out)
+    prints = {}
+    for path in sorted(out.rglob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        prints[path.relative_to(out).as_posix()] = {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+    return prints
+
+
 def write_report(out: Path, report: dict) -> Path:
     """Write ``out/verification.json`` atomically (temp file in ``out``, then rename)."""
     path = Path(out) / REPORT_NAME
@@ -300,7 +317,13 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
 
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
+    src_fmt = detect_format(src)
+    if src_fmt.format != "bf16":
+        raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
+    if not os.access(out, os.W_OK):
+        raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
     prompts, facts = load_prompts(prompts_file, src)
+    files = weight_fingerprints(out)
     if url:
         chosen, why = None, f"external server {url}"
         ctx = contextlib.nullcontext(url.rstrip("/").removesuffix("/v1"))
@@ -320,7 +343,13 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         if not ids_listed or (served_model_name and served_model_name not in ids_listed):
             raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
         model = served_model_name or ids_listed[0]
-        listed_extra = listing[0].model_extra or {}
+        listed = next(m for m in listing if m.id == model)
+        listed_extra = listed.model_extra or {}
+        if url:  # an external server must be serving OUT itself, or its PASS would be about other weights
+            root = listed_extra.get("root") or getattr(listed, "root", None)
+            if not root or Path(root).resolve() != out.resolve():
+                raise G4Error(f"{base} serves {root or model!r}, not {out}; start it on OUT "
+                              f"(g4serve {out}) or leave out --url")
         engine_desc = listed_extra.get("g4_engine")  # g4's own server says what arithmetic it runs
         if chosen is None:
             owned = listed_extra.get("owned_by") or getattr(listing[0], "owned_by", "")
@@ -330,8 +359,12 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
         rows, matches, positions, exact, from_server = [], 0, 0, 0, True
         served_all = []
-        for prompt in prompts:
-            content, _, ids, finish = _ask(client, model, prompt, max_tokens)
+        for i, prompt in enumerate(prompts, 1):
+            try:
+                content, _, ids, finish = _ask(client, model, prompt, max_tokens)
+            except openai.BadRequestError as e:
+                raise G4Error(f"prompt {i} ({prompt[:40]!r}): the server refused it: "
+                              f"{getattr(e, 'message', e)}") from e
             served_all.append((content, ids, finish))
             from_server &= ids is not None
         for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
@@ -381,7 +414,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
                     "facts_correct": sum(f["ok"] for f in fact_rows) if facts else None,
                     "facts_total": len(facts) if facts else None,
                     "token_ids_from": "server" if from_server else "retokenized", "max_tokens": max_tokens},
-        "prompts": rows, "facts": fact_rows, "chat_checks": checks,
+        "prompts": rows, "facts": fact_rows, "chat_checks": checks, "files": files,
     }
     path = write_report(out, report)
     facts_line = f", facts {report['overall']['facts_correct']}/{len(facts)}" if facts else ""

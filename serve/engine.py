@@ -84,7 +84,8 @@ class Engine:
         description: one line, e.g. ``"NVFP4 W4A4 (modelopt) dequantized, W4A4 emulation, bfloat16"``.
         tokenizer: the checkpoint's tokenizer (with its chat template).
         stop_ids: generation stops after emitting one of these (``generation_config.json``
-            ``eos_token_id``, the whole list: ``[1, 106, 50]`` for Gemma 4).
+            ``eos_token_id``, the whole list: ``[1, 106, 50]`` for Gemma 4; ``<turn|>`` is
+            added, with a warning, when that list lacks it).
         max_context: prompt plus generated tokens at most (``max_position_embeddings``).
         defaults: the checkpoint's sampling defaults from ``generation_config.json``
             (``temperature``, ``top_p``, ``top_k`` where given).
@@ -101,6 +102,11 @@ class Engine:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None and not eos:
             eos = [tokenizer.eos_token_id]
+        end_of_turn = tokenizer.convert_tokens_to_ids("<turn|>")  # Gemma 4's end of turn (106), a stop id
+        if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id and end_of_turn not in eos:
+            log.warning("%s: stop ids %s lack <turn|> (%d); stopping at it too (generation_config.json missing "
+                        "or incomplete)", self.path, eos, end_of_turn)
+            eos = [*eos, end_of_turn]
         self.stop_ids = frozenset(int(i) for i in eos)
         self.max_context = int(text.get("max_position_embeddings") or 2048)
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}

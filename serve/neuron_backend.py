@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.serve.engine import Engine
+from g4.serve.neuron_layout import check_embed_scale, geometry
 from g4.serve.neuron_model import host_embed
 
 
@@ -64,7 +65,9 @@ class NeuronEngine(Engine):
             self.table = load_file(Path(path) / manifest["host_embedding"]["file"])["embed_tokens.weight"]
         except (OSError, KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable int8-neuron result ({e})") from e
-        self.embed_scale, self.forward, self.seq_len, self.dtype = manifest["embed_scale"], forward, seq_len, dtype
+        config = json.loads((Path(path) / "config.json").read_text())
+        scale = check_embed_scale(manifest, geometry(config, manifest["tp_degree"]), Path(path) / "manifest.json")
+        self.embed_scale, self.forward, self.seq_len, self.dtype = scale, forward, seq_len, dtype
         self.max_context = min(self.max_context, seq_len)
 
     def _logits(self, ids: list[int]) -> torch.Tensor:

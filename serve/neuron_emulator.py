@@ -20,11 +20,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
 from g4.convert.errors import CheckpointError
-from g4.serve.neuron_layout import MODEL_ENTRIES, geometry, layer_entries
+from g4.serve.neuron_layout import MODEL_ENTRIES, check_embed_scale, geometry, layer_entries
 
 
 def _dequant(sd: dict[str, torch.Tensor], key: str, int8: bool, suffix: str, dtype: torch.dtype) -> torch.Tensor:
@@ -62,9 +63,11 @@ class NeuronEmulator(nn.Module):
             raw_config = json.loads((out_dir / "config.json").read_text())
             ranks = [load_file(out_dir / f) for f in self.manifest["rank_files"]]
             self.embed_table = load_file(out_dir / self.manifest["host_embedding"]["file"])["embed_tokens.weight"]
-        except (OSError, KeyError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{out_dir}: not a readable int8-neuron output ({e})") from e
+        except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as e:
+            raise CheckpointError(f"{out_dir}: not a readable int8-neuron output ({type(e).__name__}: {e})") from e
         self.geom = g = geometry(raw_config, self.manifest["tp_degree"])
+        if embed_scale is None:
+            check_embed_scale(self.manifest, g, out_dir / "manifest.json")
         self.config = AutoConfig.from_pretrained(out_dir).get_text_config()
         self.config._attn_implementation = "sdpa"
         self.config._experts_implementation = "eager"

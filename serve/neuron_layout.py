@@ -172,3 +172,21 @@ def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dty
         return [TensorSpec(f"{prefix}{e.key}{e.suffix}", source_dtype, shape)]
     return [TensorSpec(f"{prefix}{e.key}.weight", torch.int8, shape),
             TensorSpec(f"{prefix}{e.key}.scale", torch.float32, _scale_shape(e, shape))]
+
+
+def check_embed_scale(manifest: dict, g: Geometry, where) -> float:
+    """The manifest's ``embed_scale``, checked against ``bf16(sqrt(hidden_size))`` from the
+    config (what ``Gemma4TextScaledWordEmbedding`` multiplies by; case P12: a dropped or
+    double scale gives wrong output that a small end-to-end check may not notice).
+
+    Raises:
+        CheckpointError: missing or different value (naming ``where``).
+    """
+    from g4.convert.errors import CheckpointError
+
+    expected = float(torch.tensor(g.hidden ** 0.5).to(torch.bfloat16))
+    got = manifest.get("embed_scale")
+    if not isinstance(got, (int, float)) or float(got) != expected:
+        raise CheckpointError(f"{where}: embed_scale {got!r}, but hidden_size {g.hidden} needs "
+                              f"bf16(sqrt({g.hidden})) = {expected:g} (P12)")
+    return expected

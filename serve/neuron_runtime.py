@@ -92,6 +92,9 @@ def load_rank_weights(out_dir: str | Path, ranks: list[int] | None = None) -> li
         path = out_dir / files[rank]
         if not path.is_file():
             raise CheckpointError(f"{path}: rank {rank} weight file is missing")
+        from g4.convert.checkpoint import read_safetensors_header
+
+        read_safetensors_header(path)  # truncated or corrupt file: one clear error
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
             if names != set(expected):

@@ -309,3 +309,14 @@ def test_sharded_output_and_side_files(tiny_mm, tmp_path):
     assert render(out) == render(tiny_mm)
     assert 4.4 < report.bits_per_quantized_weight < 4.6
     check_export(out)
+
+
+def test_out_given_as_a_symlink_is_refused_and_left_alone(tiny_mm, tmp_path):
+    first = tmp_path / "first"
+    convert_nvfp4(tiny_mm, first, weight_only=True, progress=False)
+    link = tmp_path / "link"
+    link.symlink_to(first)
+    with pytest.raises(ExportError, match="is a symbolic link"):
+        convert_nvfp4(tiny_mm, link, weight_only=True, overwrite=True, progress=False)
+    assert link.is_symlink() and (first / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "link"]

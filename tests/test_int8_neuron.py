@@ -203,3 +203,14 @@ def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path)
         load_rank_weights(bad)
     with pytest.raises(G4Error, match="torch-neuronx / neuronx-distributed are not installed"):
         initialize_traced(tmp_path / "model.pt", outputs[2])
+
+
+def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
+    """P12 at load time: a manifest whose embed_scale is not bf16(sqrt(hidden_size)) is refused
+    (a small end-to-end check on the tiny model may not notice the wrong scale)."""
+    bad = shutil.copytree(outputs[2], tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["embed_scale"] = 1.0
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(G4Error, match=r"embed_scale 1.0, but hidden_size 128 needs bf16\(sqrt\(128\)\) = 11.3125"):
+        NeuronEmulator(bad)

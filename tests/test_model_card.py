@@ -123,8 +123,10 @@ def test_card_names_the_repo_and_is_deterministic(tiny_mm_nvfp4, tmp_path):
 
 
 def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):
+    from g4.serve.check import weight_fingerprints
+
     out = shutil.copytree(tiny_mm_nvfp4, tmp_path / "out")
-    (out / "verification.json").write_text(json.dumps(VERIFICATION))
+    (out / "verification.json").write_text(json.dumps({**VERIFICATION, "files": weight_fingerprints(out)}))
     text = write_card(out)
     assert "Not verified yet" not in text and "has not been loaded in vLLM" not in text
     assert "| result | PASS (min token agreement 0.9) |" in text
@@ -132,6 +134,15 @@ def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):
     assert "3 / 4 ok; thinking=True stream=True: reasoning leaked into content" in text
     assert "capital of France? \\| pipes" in text  # table cells escaped
     assert "| `verification.json` |" in text
+    weights = next(out.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the weights change after the check: its PASS must not be shown for them
+    weights.write_bytes(bytes(data))
+    text = write_card(out)
+    assert "NOT VALID FOR THESE FILES: the weight files changed since the check" in text
+    assert "| result | PASS" not in text
+    (out / "verification.json").write_text(json.dumps(VERIFICATION))
+    assert "does not record which weights it checked" in write_card(out)
     (out / "verification.json").write_text(json.dumps({"something": "else"}))
     with pytest.raises(CardError, match="not a g4_verification version 1"):
         render_card(out)

@@ -164,12 +164,14 @@ def test_existing_repo_with_other_content(hub, out):
 
 
 def test_update_of_the_same_conversion_is_allowed(hub, out):
+    from g4.serve.check import weight_fingerprints
+
     assert g4push(hub, "push", str(out), REPO).returncode == 0
     (out / "verification.json").write_text(json.dumps({
         "g4_verification": 1, "format": "nvfp4", "backend": "vllm", "source": "x", "min_agreement": 0.9,
         "passed": True, "overall": {"prompts": 1, "token_agreement": 1.0, "exact_match_prompts": 1,
                                     "facts_correct": 0, "facts_total": 0},
-        "prompts": [], "facts": [], "chat_checks": []}))
+        "prompts": [], "facts": [], "chat_checks": [], "files": weight_fingerprints(out)}))
     r = g4push(hub, "push", str(out), REPO)  # card and verification change; the weights do not
     assert r.returncode == 0, r.stderr
     assert hub.lfs_uploads == 3 and "| result | PASS" in hub.content(REPO, CARD_FILE).decode()
@@ -197,6 +199,12 @@ def test_incomplete_or_oversized_result_is_refused_before_sending(hub, out):
     big = max(out.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
     r = g4push(hub, "push", str(out), REPO, "--max-file-size", "100kB")
     assert r.returncode == 2 and big.name in r.stderr and "per-file limit" in r.stderr
+    shard = out / "model-00002-of-00003.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-1000])  # a truncated shard is never published
+    r = g4push(hub, "push", str(out), REPO)
+    assert r.returncode == 2 and shard.name in r.stderr and "nothing was sent" in r.stderr, r.stderr
+    shard.write_bytes(whole)
     (out / "model-00002-of-00003.safetensors").unlink()
     r = g4push(hub, "push", str(out), REPO)
     assert r.returncode == 2 and "incomplete result, missing model-00002-of-00003.safetensors" in r.stderr

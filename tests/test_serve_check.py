@@ -77,8 +77,14 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
 
 
 def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy):
+    from g4.serve.engine import load_cpu_engine
+    from g4.serve.server import create_app
+
     first = (nvfp4_copy / "verification.json").read_text()
-    with BackgroundServer(cpu_app("nvfp4")) as srv:
+    with BackgroundServer(cpu_app("nvfp4")) as other:  # serves the same weights, but from another directory
+        r = run("check", nvfp4_copy, "--against", "embedded", "--url", other.url)
+        assert r.exit_code == 2 and f"not {nvfp4_copy}" in r.output, r.output
+    with BackgroundServer(create_app(load_cpu_engine(nvfp4_copy), served_model_name="copy")) as srv:
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url + "/v1")
         assert r.exit_code == 0, r.output
         assert "backend external" in r.output
@@ -118,6 +124,12 @@ def test_check_fails_on_corrupted_weights(tmp_path):
 def test_check_user_errors(nvfp4_copy, tmp_path):
     r = run("check", nvfp4_copy, "--against", tmp_path / "missing")
     assert r.exit_code == 2 and r.output.startswith("error: --against")
+    r = run("check", nvfp4_copy, "--against", embedded_result("nvfp4"))  # a result is not a source
+    assert r.exit_code == 2 and "not the source checkpoint" in r.output
+    long_prompt = tmp_path / "long.txt"
+    long_prompt.write_text("word " * 3000 + "\n")
+    r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", long_prompt)
+    assert r.exit_code == 2 and "prompt 1" in r.output and "refused" in r.output, r.output
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", empty)

@@ -73,3 +73,13 @@ def test_act_quant_needs_input_scales(tmp_path):
     assert "weight-only arithmetic" in e.description
     with pytest.raises(CheckpointError, match="needs input_scale"):
         load_cpu_engine(w4a16, act_quant=True)
+
+
+def test_end_of_turn_is_a_stop_id_even_without_generation_config(tmp_path, caplog):
+    import shutil
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    (src / "generation_config.json").unlink()
+    with caplog.at_level("WARNING"):
+        e = load_cpu_engine(src, dtype="float32")
+    assert 106 in e.stop_ids and "lack <turn|>" in caplog.text
