@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import math
 import shutil
 from dataclasses import dataclass
@@ -301,5 +302,18 @@ def copy_side_files(src: Path, dst: Path, *, extra: tuple[str, ...] = ()) -> lis
         if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS + extra):
             shutil.copy2(f, Path(dst) / f.name)
             copied.append(f.name)
+    if not _has_chat_template(Path(dst)):  # P14: the result could not serve chat completions
+        logging.getLogger(__name__).warning(
+            "%s has no chat template (chat_template.jinja or tokenizer_config.json chat_template); "
+            "the result will not serve /v1/chat/completions until one is added", src)
     return copied
+
+
+def _has_chat_template(root: Path) -> bool:
+    if (root / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((root / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 

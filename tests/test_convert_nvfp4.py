@@ -320,3 +320,13 @@ def test_out_given_as_a_symlink_is_refused_and_left_alone(tiny_mm, tmp_path):
         convert_nvfp4(tiny_mm, link, weight_only=True, overwrite=True, progress=False)
     assert link.is_symlink() and (first / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "link"]
+
+
+def test_missing_chat_template_is_warned_at_conversion(tiny_mm, tmp_path, caplog):
+    """P14: a result without a chat template cannot serve chat; say so when converting."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    for name in ("chat_template.jinja",):
+        (src / name).unlink(missing_ok=True)
+    with caplog.at_level("WARNING"):
+        convert_nvfp4(src, tmp_path / "out", weight_only=True, progress=False)
+    assert "has no chat template" in caplog.text
