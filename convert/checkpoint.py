@@ -309,6 +309,15 @@ def copy_side_files(src: Path, dst: Path, *, extra: tuple[str, ...] = ()) -> lis
     return copied
 
 
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, streamed (``hashlib.file_digest``): source hashes in
+    manifests, the Hub's LFS oid, verification fingerprints."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _has_chat_template(root: Path) -> bool:
     if (root / "chat_template.jinja").is_file():
         return True

@@ -16,7 +16,6 @@ temporary directory and renamed into place when complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import int8
 from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
 
-from .checkpoint import Checkpoint, copy_side_files
+from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
 from .nvfp4 import peak_rss_bytes
 from .sources import checked_sources
@@ -72,14 +71,6 @@ class Int8Report:
         return (f"{self.out}: TP={self.tp}; per-rank weights {ranks} GB; host embedding "
                 f"{self.host_embed_bytes / 1e9:.3f} GB; source {self.bytes_in / 1e9:.3f} GB; {self.seconds:.1f} s; "
                 f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _layer_plan(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
@@ -214,7 +205,7 @@ def convert_int8_neuron(
                           "replicated": g.kv_heads[L] < tp,
                           "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
                          for L in range(g.num_layers)],
-            "source": {"files": {f: _sha256(ckpt.root / f) for f in source_files}, "prefix": ckpt.prefix},
+            "source": {"files": {f: file_sha256(ckpt.root / f) for f in source_files}, "prefix": ckpt.prefix},
             "memory_plan": plan.to_dict() if plan is not None else None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

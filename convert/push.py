@@ -81,11 +81,9 @@ class LocalFile:
     def sha256(self) -> str:
         """Hex sha256 of the content (what the Hub stores as the LFS oid)."""
         if self._sha256 is None:
-            h = hashlib.sha256()
-            with open(self.path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    h.update(chunk)
-            self._sha256 = h.hexdigest()
+            from g4.convert.checkpoint import file_sha256
+
+            self._sha256 = file_sha256(self.path)
         return self._sha256
 
     @property

@@ -258,18 +258,12 @@ def chat_checks(client, model: str, max_tokens: int) -> list[dict]:
 def weight_fingerprints(out: str | Path) -> dict[str, dict]:
     """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
     (sorted): which weights a verification is about, so that a model card never shows a
-    result for files changed since (read in 16 MiB chunks)."""
-    import hashlib
+    result for files changed since (streamed)."""
+    from g4.convert.checkpoint import file_sha256
 
     out = Path(out)
-    prints = {}
-    for path in sorted(out.rglob("*.safetensors")):
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        prints[path.relative_to(out).as_posix()] = {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
-    return prints
+    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in sorted(out.rglob("*.safetensors"))}
 
 
 def write_report(out: Path, report: dict) -> Path:

@@ -116,8 +116,9 @@ class NeuronEmulator(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Host-side lookup: unscaled bf16 rows times ``embed_scale`` rounded to the table dtype."""
-        rows = self.embed_table[input_ids]
-        return (rows * torch.tensor(self.embed_scale).to(rows.dtype)).to(self.dtype)
+        from g4.serve.neuron_model import host_embed
+
+        return host_embed(self.embed_table, input_ids, self.embed_scale, self.dtype)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from g4.serve.neuron_layout import Geometry, geometry
+from g4.serve.neuron_layout import Geometry, check_embed_scale, geometry
 
 
 class Comm(Protocol):
@@ -391,6 +391,7 @@ def _spmd_worker(rank: int, world: int, port: int, out_dir: str, ids_path: str, 
         model = load_rank_model(out_dir, comm)
         manifest = json.loads((Path(out_dir) / "manifest.json").read_text())
         table = load_file(Path(out_dir) / manifest["host_embedding"]["file"])["embed_tokens.weight"]
+        check_embed_scale(manifest, model.geom, Path(out_dir) / "manifest.json")
         ids = load_file(ids_path)["input_ids"]
         pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
