@@ -119,6 +119,10 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
+def _stopped_error() -> APIError:
+    return APIError(503, "the generation worker has stopped", type="server_error", code="worker_stopped")
+
+
 @dataclass
 class _Job:
     prompt_ids: list[int]
@@ -129,40 +133,87 @@ class _Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        """Hand ``(kind, payload)`` to the request's event loop (from any thread). Never raises:
+        when that loop has closed, its client is gone and the job is marked cancelled."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # "Event loop is closed": the request ended (client left, server stopped)
+            self.cancelled.set()
 
 
 class GenerationWorker:
-    """One thread that runs queued jobs through the engine, in order, one at a time."""
+    """One thread that runs queued jobs through the engine, in order, one at a time.
+
+    Every submitted job ends with exactly one ``"done"`` or ``"error"`` event (payload: a dict
+    with ``finish_reason`` and ``token_ids``, or an :class:`APIError`), unless its request
+    cancelled it first: a job whose generation raises gets a 500 and the worker goes on; a job
+    whose request's event loop has closed is cancelled, not fatal; jobs still queued when the
+    thread ends for any reason get a 503, so no request waits forever. :meth:`submit` after
+    :meth:`close` or the thread's end raises a 503 :class:`APIError`.
+    """
 
     def __init__(self, engine: Engine, max_queue: int = MAX_QUEUE):
         self.engine = engine
         self.control = ControlIds.from_tokenizer(engine.tokenizer)
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()  # orders submit() against the thread's exit
+        self._stopped = False
         self.thread = threading.Thread(target=self._run, name="g4serve-generate", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether submitted jobs will still be run."""
+        with self._lock:
+            return not self._stopped
+
     def submit(self, job: _Job) -> None:
-        if not self.thread.is_alive():
-            raise APIError(503, "the generation worker has stopped", type="server_error", code="worker_stopped")
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise APIError(503, f"server busy: {self.jobs.maxsize} requests already waiting", type="server_error",
-                           code="server_busy") from None
+        """Queue ``job``.
+
+        Raises:
+            APIError: 503 when the worker has stopped or ``max_queue`` jobs are already waiting.
+        """
+        with self._lock:
+            if self._stopped:
+                raise _stopped_error()
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise APIError(503, f"server busy: {self.jobs.maxsize} requests already waiting",
+                               type="server_error", code="server_busy") from None
 
     def close(self) -> None:
-        self.jobs.put(None)
+        """Stop after the jobs already queued; later submits get 503."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.jobs.put(None)  # blocks only while the queue is full; the thread is draining it
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
-                continue
-            try:
-                self._generate(job)
-            except Exception as e:  # report to the client; keep serving
-                log.exception("generation failed")
-                job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+        job = None
+        try:
+            while (job := self.jobs.get()) is not None:
+                if not job.cancelled.is_set():
+                    try:
+                        self._generate(job)
+                    except Exception as e:  # report to the client; keep serving
+                        log.exception("generation failed")
+                        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                                   type="server_error"))
+                job = None
+        finally:
+            with self._lock:
+                self._stopped = True
+            if job is not None:  # the thread is ending in the middle of this job
+                job.emit("error", _stopped_error())
+            while True:  # nothing can be queued any more (submit holds the lock and sees _stopped)
+                try:
+                    left = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not None:
+                    left.emit("error", _stopped_error())
 
     def _generate(self, job: _Job) -> None:
         engine = self.engine
@@ -301,7 +352,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                     if kind == "delta":
                         reply += payload
                     elif kind == "error":
-                        raise APIError(500, payload, type="server_error")
+                        raise payload
                     else:
                         break
             finally:
@@ -333,7 +384,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                             delta["content"] = payload.content
                         yield chunk(delta)
                     elif kind == "error":
-                        yield f"data: {json.dumps(APIError(500, payload, type='server_error').body())}\n\n"
+                        yield f"data: {json.dumps(payload.body())}\n\n"
                         break
                     else:
                         yield chunk({}, payload["finish_reason"])

@@ -180,6 +180,7 @@ def test_a_client_that_leaves_mid_stream_does_not_block_the_next(scripted):
                        json={"messages": FRANCE, "stream": True, "temperature": 0}) as r:
         next(r.iter_lines())
     assert chat(client).json()["choices"][0]["message"]["content"] == "Paris, 巴黎"
+    assert client.app.state.worker.alive  # the left job's late events did not end the worker
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "int8-neuron"])
