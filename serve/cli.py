@@ -131,9 +131,12 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     click.echo(f"engine: {engine.description}")
     click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
                f"(one request at a time; Ctrl-C stops)")
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, restores the handlers it found and re-raises
+    # the signal: with this handler both end here, with "stopped" and exit code 0.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning")).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C or SIGTERM
         pass
     click.echo("stopped")
 

@@ -7,13 +7,18 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
   and one KV cache); the HTTP side is asynchronous, so any number of clients may connect and
   wait in the queue (at most ``max_queue`` waiting; more get 503). A streaming client that
   disconnects cancels its generation at the next token.
-* Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for
-  malformed JSON, out-of-range or unsupported parameters (``temperature`` < 0 or > 2,
-  ``top_p`` outside (0, 1], ``max_tokens`` < 1 or beyond the context, ``n`` > 1), empty or
-  malformed ``messages`` and template errors; 404 for an unknown model or route; 413 for a
-  body over ``max_body_bytes`` (checked from ``Content-Length`` and while reading, before any
-  parsing); 503 when the queue is full; 500 if generation itself fails. The server keeps
-  serving after each.
+* Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``:
+
+  - 400: malformed or too deeply nested JSON; out-of-range or unsupported parameters
+    (``temperature`` < 0 or > 2, ``top_p`` outside (0, 1], ``max_tokens`` < 1 or beyond the
+    context, ``n`` > 1); a value of the wrong JSON type (types are strict: ``"12"`` is not 12,
+    and ``enable_thinking`` must be a boolean); features not served (``logprobs``, ``tools``, a
+    ``response_format`` other than text); empty or malformed ``messages``; template errors.
+  - 404: an unknown model or route. 413: a body over ``max_body_bytes`` (checked from
+    ``Content-Length`` and while reading, before any parsing).
+  - 503: the queue is full, or the generation worker has stopped. 500: generation failed.
+
+  The server keeps serving after each.
 * Non-standard fields: ``/v1/models`` ``data[0].g4_engine`` (the engine's arithmetic in words),
   ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
   ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
@@ -93,6 +98,17 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Read only to refuse them (see unsupported()): answering without would silently differ.
+    logprobs: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_is_bool(cls, v):
+        if v and "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
+            raise ValueError("enable_thinking must be true or false")  # "no" would be truthy in the template
+        return v
 
     @field_validator("n")
     @classmethod
@@ -107,6 +123,18 @@ class ChatRequest(BaseModel):
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop strings")
         return v
+
+
+def unsupported(req: ChatRequest) -> APIError | None:
+    """A 400 for a request feature this server cannot honour (rather than ignoring it)."""
+    if req.logprobs:
+        return APIError(400, "logprobs are not supported by this server", param="logprobs")
+    if req.tools:
+        return APIError(400, "tool calling is not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        return APIError(400, f"response_format {req.response_format.get('type')!r} is not supported; only 'text'",
+                        param="response_format")
+    return None
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -328,12 +356,16 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
-            req = ChatRequest.model_validate(data)
+            req = ChatRequest.model_validate(data, strict=True)  # JSON types as sent: "12" is not 12
         except ValidationError as e:
             raise _validation_error(e) from None
+        if (err := unsupported(req)) is not None:
+            raise err
         if req.model is not None and req.model != served_model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")

@@ -122,6 +122,16 @@ BAD_REQUESTS = [
      "messages", None),
     ({"messages": FRANCE, "chat_template_kwargs": {"tokenize": False}}, 400, "messages", None),
     ({"messages": [{"role": "user", "content": "x " * 3000}]}, 400, "messages", "context_length_exceeded"),
+    # strict JSON types: no silent coercion
+    ({"messages": FRANCE, "max_tokens": "12"}, 400, "max_tokens", None),
+    ({"messages": FRANCE, "max_tokens": 12.5}, 400, "max_tokens", None),
+    ({"messages": FRANCE, "stream": "yes"}, 400, "stream", None),
+    ({"messages": FRANCE, "chat_template_kwargs": {"enable_thinking": "no"}}, 400, "chat_template_kwargs", None),
+    # features this server does not have are refused, not ignored
+    ({"messages": FRANCE, "logprobs": True}, 400, "logprobs", None),
+    ({"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ({"messages": FRANCE, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("[" * 100_000 + "]" * 100_000, 400, None, "invalid_json"),
 ]
 
 
@@ -135,6 +145,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, bod
     assert err["type"] == "invalid_request_error"
     assert (err["param"], err["code"]) == (param, code) if code else err["param"] == param
     assert chat(client).json()["choices"][0]["message"]["content"] == "Paris"
+
+
+def test_the_refusable_fields_at_their_harmless_values_are_accepted(client):
+    r = chat(client, logprobs=False, tools=[], response_format={"type": "text"}, temperature=0, max_tokens=8,
+             chat_template_kwargs={"enable_thinking": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
 
 
 def test_oversize_bodies_are_refused_before_parsing(client):
