@@ -30,6 +30,17 @@ def _default_out(src: str, suffix: str) -> Path:
     return Path(f"{name}-{suffix}")
 
 
+def _check_size(ctx, param, value: str) -> str:
+    """click callback: a bad byte size is a usage error naming the option, before any work."""
+    from g4.exporters.safetensors_writer import parse_size  # imports torch: only when a command runs
+
+    try:
+        parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    return value
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt
 
@@ -110,7 +121,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="GB = 10**9 bytes, GiB = 2**30.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size,
+              help="GB = 10**9 bytes, GiB = 2**30.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
@@ -206,7 +218,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
               help="Decoder layers to write (the real model has 30); the last one is full attention.")
 @click.option("--no-vision", is_flag=True, help="Text-only layout (model.layers.*) without the vision tower.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size)
 @click.option("--overwrite", is_flag=True)
 @click.pass_context
 @exit_on_user_error

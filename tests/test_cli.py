@@ -32,7 +32,9 @@ def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
     r = run("nvfp4", str(tmp_path / "nowhere"), str(tmp_path / "o2"))
     assert r.exit_code == 2 and "nowhere: does not exist" in r.output
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o3"), "--max-shard-size", "lots")
-    assert r.exit_code == 2 and "cannot parse size 'lots'" in r.output
+    assert r.exit_code == 2 and "Invalid value for '--max-shard-size': cannot parse size 'lots'" in r.output
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o3"), "--max-shard-size", "0")
+    assert r.exit_code == 2 and "Invalid value for '--max-shard-size': size must be positive, got '0'" in r.output
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 
