@@ -54,6 +54,7 @@ class ControlIds:
     channel_close: int | None
     turn_end: int | None
     think: int | None
+    turn_open: int | None
     special: frozenset[int]
 
     @classmethod
@@ -66,7 +67,7 @@ class ControlIds:
         special |= set(tokenizer.all_special_ids)
         ids = {name: lookup(text) for name, text in
                (("channel_open", CHANNEL_OPEN), ("channel_close", CHANNEL_CLOSE), ("turn_end", TURN_END),
-                ("think", THINK))}
+                ("think", THINK), ("turn_open", TURN_OPEN))}
         special |= {i for i in ids.values() if i is not None}
         return cls(special=frozenset(special), **ids)
 
@@ -109,20 +110,24 @@ class ReplyParser:
     Args:
         tokenizer: the checkpoint's tokenizer (used for ``decode`` of ordinary tokens).
         control: its :class:`ControlIds` (``ControlIds.from_tokenizer(tokenizer)``).
-        prompt_ids: the rendered prompt; if it ends inside an open channel the reply starts in
-            the reasoning state.
+        prompt_ids: the rendered prompt; if its last turn (the model's, from the last ``<|turn>``)
+            ends inside an open channel the reply starts in the reasoning state. Earlier turns
+            do not count: a user who types ``<|channel>`` does not move the answer into
+            ``reasoning_content``.
     """
 
     def __init__(self, tokenizer, control: ControlIds, prompt_ids: list[int] | None = None):
         self.tokenizer, self.control = tokenizer, control
         self.state, self.segment = "content", _Segment("content")
         if prompt_ids and control.channel_open is not None:
-            opens = [i for i, t in enumerate(prompt_ids) if t == control.channel_open]
-            closes = [i for i, t in enumerate(prompt_ids) if t == control.channel_close]
+            starts = [i for i, t in enumerate(prompt_ids) if t == control.turn_open]
+            tail = list(prompt_ids[starts[-1]:] if starts else prompt_ids)
+            opens = [i for i, t in enumerate(tail) if t == control.channel_open]
+            closes = [i for i, t in enumerate(tail) if t == control.channel_close]
             if opens and (not closes or closes[-1] < opens[-1]):
                 # The template opened a channel for the model: replay its tail so that the
                 # reply continues in that channel; the prompt's own text is not part of the reply.
-                self.feed(prompt_ids[opens[-1]:])
+                self.feed(tail[opens[-1]:])
 
     def feed(self, ids) -> Delta:
         """Parse generated ``ids`` (an int or a list of ints); return the text they complete."""

@@ -71,7 +71,9 @@ def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the ids ranked above each one
-        sorted_probs[before >= p.top_p] = 0.0  # the top id always stays
+        drop = before >= p.top_p
+        drop[0] = False  # the top id always stays (a top_p below fp32's smallest value included)
+        sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 

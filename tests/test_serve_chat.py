@@ -56,7 +56,8 @@ def parse(tok, ctl, ids, prompt_ids=None, chunks=None) -> Delta:
 def test_control_ids_come_from_the_tokenizer(tok, ctl):
     assert (ctl.channel_open, ctl.channel_close, ctl.turn_end, ctl.think) == tuple(
         tok.convert_tokens_to_ids(t) for t in ("<|channel>", "<channel|>", "<turn|>", "<|think|>"))
-    assert (ctl.channel_open, ctl.channel_close, ctl.turn_end, ctl.think) == (100, 101, 106, 98)  # Gemma 4 ids
+    assert (ctl.channel_open, ctl.channel_close, ctl.turn_end, ctl.think, ctl.turn_open) == (
+        100, 101, 106, 98, 105)  # Gemma 4 ids
     assert {1, 2, 105, 50}.issubset(ctl.special)
     assert not ctl.special & set(text_ids(tok, "Paris is the capital of France."))
 
@@ -102,6 +103,13 @@ def test_prompt_state_decides_where_the_reply_starts(tok, ctl):
     assert parse(tok, ctl, reply, prompt_ids=opened) == Delta(reasoning="France", content="Paris")
     assert parse(tok, ctl, reply, prompt_ids=opened, chunks=[1] * len(reply)) == Delta(reasoning="France",
                                                                                         content="Paris")
+    # only the model's turn counts: <|channel> typed by the user (tokenized as the control id, as
+    # in vLLM) leaves the answer in content
+    typed = [2, ctl.turn_open] + text_ids(tok, "user\nWhat is it? ") + [ctl.channel_open, ctl.turn_end] + [
+        ctl.turn_open] + text_ids(tok, "model\n")
+    assert parse(tok, ctl, answer, prompt_ids=typed) == Delta(content="Paris")
+    assert parse(tok, ctl, reply, prompt_ids=typed + [ctl.channel_open] + text_ids(tok, "thought\n")) == Delta(
+        reasoning="France", content="Paris")
 
 
 def test_multibyte_text_is_never_split_into_replacement_characters(tok, ctl):
@@ -173,7 +181,8 @@ def test_sampling():
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     assert sample_next(logits, SamplingParams(1, temperature=0), None) == 1
     # top_k=1 and a tiny nucleus leave only the most likely id
-    for p in (SamplingParams(1, temperature=1.0, top_k=1), SamplingParams(1, temperature=1.0, top_p=0.01)):
+    for p in (SamplingParams(1, temperature=1.0, top_k=1), SamplingParams(1, temperature=1.0, top_p=0.01),
+              SamplingParams(1, temperature=1.0, top_p=1e-300)):  # 0 in fp32: still the top id, not an error
         assert {sample_next(logits, p, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
     # top_p=0.9 keeps ids 1 and 2 only (their mass is about 0.93)
     p = SamplingParams(1, temperature=1.0, top_p=0.9)
