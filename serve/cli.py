@@ -97,10 +97,14 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @_dtype_opt
 @click.option("--max-model-len", type=click.IntRange(min=1), help="vllm backend: --max-model-len.")
 @click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              metavar="SECONDS", help="On SIGTERM or Ctrl-C, in-flight requests get this long to finish; then "
+              "they are cancelled (a second Ctrl-C cancels at once). CPU and neuron backends.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
 @exit_on_user_error
-def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype, verbose):
-    """Serve OUT at http://HOST:PORT/v1 until Ctrl-C."""
+def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
+          shutdown_timeout, verbose):
+    """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     from .engine import choose_backend
     from .formats import detect_format
 
@@ -131,13 +135,20 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     click.echo(f"engine: {engine.description}")
     click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
                f"(one request at a time; Ctrl-C stops)")
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, restores the handlers it found and re-raises
-    # the signal: with this handler both end here, with "stopped" and exit code 0.
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (at most shutdown_timeout seconds; a second
+    # Ctrl-C at once), restores the handlers it found and re-raises the signal: with this handler
+    # both end here. Then the generation thread is stopped before the interpreter exits (a
+    # daemon thread inside a torch kernel at exit aborts the process).
     signal.signal(signal.SIGTERM, _terminate)
+    config = uvicorn.Config(app, log_level="info" if verbose else "warning",
+                            timeout_graceful_shutdown=shutdown_timeout)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning")).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C or SIGTERM
         pass
+    finally:
+        if not app.state.worker.stop(timeout_s=max(shutdown_timeout, 5.0)):
+            click.echo("warning: the generation thread did not stop in time", err=True)
     click.echo("stopped")
 
 

@@ -59,6 +59,15 @@ class SamplingParams:
     seed: int | None = None
 
 
+def weight_file_stats(root: Path) -> dict[str, dict[str, int]]:
+    """``{relative path: {"bytes", "mtime_ns"}}`` of every ``*.safetensors`` file under ``root``
+    (sorted), taken when an engine loads them: served by ``/v1/models`` as ``g4_weight_files``
+    so that ``g4serve check --url`` can tell a server that loaded other (or since rewritten)
+    files from one serving OUT as it is now, without hashing gigabytes."""
+    return {p.relative_to(root).as_posix(): {"bytes": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns}
+            for p in sorted(Path(root).rglob("*.safetensors"))}
+
+
 def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """Choose the next id from fp32 ``logits`` ``[V]`` under ``p``."""
     if p.temperature == 0:
@@ -96,7 +105,8 @@ class Engine:
     backend = "cpu"
 
     def __init__(self, path: Path, tokenizer, description: str):
-        self.path, self.tokenizer, self.description = Path(path), tokenizer, description
+        self.path, self.tokenizer, self.description = Path(path).resolve(), tokenizer, description
+        self.weight_files = weight_file_stats(self.path)
         gen = _read_json_if(self.path / "generation_config.json")
         config = _read_json_if(self.path / "config.json")
         text = config.get("text_config") or config

@@ -19,7 +19,10 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
   - 503: the queue is full, or the generation worker has stopped. 500: generation failed.
 
   The server keeps serving after each.
-* Non-standard fields: ``/v1/models`` ``data[0].g4_engine`` (the engine's arithmetic in words),
+* ``/v1/models`` ``data[0].root`` is the absolute path of the served directory. Non-standard
+  fields: ``data[0].g4_weight_files`` (size and mtime of each ``*.safetensors`` file under root
+  when the engine loaded it, see :func:`~g4.serve.engine.weight_file_stats`),
+  ``data[0].g4_engine`` (the engine's arithmetic in words),
   ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
   ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
 """
@@ -43,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
 from .engine import Engine, SamplingParams
@@ -82,7 +86,13 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions`` (fields this server does not use are ignored)."""
+    """The body of ``POST /v1/chat/completions``.
+
+    Types are strict (JSON as sent). Sampling and output fields that this server does not
+    implement are typed here only to be refused by :func:`unsupported` when set to anything
+    but their no-op value; other fields (``user``, ``metadata``, ``return_token_ids`` ...) are
+    ignored because they do not change the answer.
+    """
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -92,28 +102,45 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     chat_template_kwargs: dict[str, Any] | None = None
     # Read only to refuse them (see unsupported()): answering without would silently differ.
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    best_of: int | None = None
+    stop_token_ids: list[int] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _thinking_is_bool(cls, v):
-        if v and "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
+        if v and v.get("enable_thinking") is not None and not isinstance(v["enable_thinking"], bool):
             raise ValueError("enable_thinking must be true or false")  # "no" would be truthy in the template
+        if v:  # null means "not given", as elsewhere in the API
+            v = {k: x for k, x in v.items() if x is not None}
         return v
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
             raise ValueError("only n=1 is supported")
         return v
 
@@ -125,12 +152,22 @@ class ChatRequest(BaseModel):
         return v
 
 
+# field -> its values that change nothing (None, i.e. null or absent, always does)
+_NO_OP_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,),
+                 "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+                 "function_call": ("none", "auto"),
+                 "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+                 "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,),
+                 "best_of": (1,), "stop_token_ids": ([],)}
+
+
 def unsupported(req: ChatRequest) -> APIError | None:
-    """A 400 for a request feature this server cannot honour (rather than ignoring it)."""
-    if req.logprobs:
-        return APIError(400, "logprobs are not supported by this server", param="logprobs")
-    if req.tools:
-        return APIError(400, "tool calling is not supported by this server", param="tools")
+    """A 400 for a request feature this server cannot honour (rather than ignoring it): a
+    field of :data:`_NO_OP_VALUES` set to anything else, or a ``response_format`` other than text."""
+    for name, no_op in _NO_OP_VALUES.items():
+        value = getattr(req, name)
+        if value is not None and value not in no_op:
+            return APIError(400, f"{name} is not supported by this server", param=name)
     if req.response_format and req.response_format.get("type", "text") != "text":
         return APIError(400, f"response_format {req.response_format.get('type')!r} is not supported; only 'text'",
                         param="response_format")
@@ -184,8 +221,10 @@ class GenerationWorker:
         self.engine = engine
         self.control = ControlIds.from_tokenizer(engine.tokenizer)
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()  # orders submit() against the thread's exit
-        self._stopped = False
+        self._lock = threading.Lock()  # orders submit()/stop() against the thread
+        self._stopped = False  # no more submits
+        self._abort = False  # stop(): queued jobs are not run
+        self._current: _Job | None = None
         self.thread = threading.Thread(target=self._run, name="g4serve-generate", daemon=True)
         self.thread.start()
 
@@ -218,10 +257,35 @@ class GenerationWorker:
             self._stopped = True
         self.jobs.put(None)  # blocks only while the queue is full; the thread is draining it
 
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop now (server shutdown): the running job is cancelled at its next token and it and
+        every queued job get a 503; then wait up to ``timeout_s`` seconds for the thread.
+
+        Returns:
+            True when the thread has ended (torch is no longer running in it, so the process
+            may exit without tearing down a running kernel).
+        """
+        with self._lock:
+            self._stopped = self._abort = True
+            current = self._current
+        if current is not None:
+            current.emit("error", _stopped_error())
+            current.cancelled.set()
+        try:
+            self.jobs.put_nowait(None)  # wake an idle thread
+        except queue.Full:
+            pass  # the thread is busy; it drains the queue (answering 503) once the job stops
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
     def _run(self) -> None:
         job = None
         try:
             while (job := self.jobs.get()) is not None:
+                with self._lock:
+                    if self._abort:
+                        break  # the finally answers this job and the rest with 503
+                    self._current = job
                 if not job.cancelled.is_set():
                     try:
                         self._generate(job)
@@ -229,10 +293,13 @@ class GenerationWorker:
                         log.exception("generation failed")
                         job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
                                                    type="server_error"))
+                with self._lock:
+                    self._current = None
                 job = None
         finally:
             with self._lock:
                 self._stopped = True
+                self._current = None
             if job is not None:  # the thread is ending in the middle of this job
                 job.emit("error", _stopped_error())
             while True:  # nothing can be queued any more (submit holds the lock and sees _stopped)
@@ -256,6 +323,8 @@ class GenerationWorker:
                 job.emit("delta", out)
             if stopper.hit:
                 break
+        if job.cancelled.is_set():
+            return  # its client has gone, or stop() has answered it
         tail = parser.finish()
         out = Delta(reasoning="" if stopper.hit else tail.reasoning,
                     content=stopper.feed(tail.content) + stopper.finish())
@@ -296,6 +365,11 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
         err = APIError(400, f"invalid request: {exc.errors()[0].get('msg', '')}")
         return JSONResponse(err.body(), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, exc: ClientDisconnect):
+        # the client left while sending its body: nobody reads this answer, nothing to log
+        return JSONResponse(APIError(400, "client disconnected", code="client_disconnected").body(), 400)
+
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         log.exception("unhandled error")
@@ -311,7 +385,8 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": created,
             "owned_by": OWNED_BY.get(engine.backend, engine.backend), "root": str(engine.path),
-            "max_model_len": engine.max_context, "g4_engine": engine.description}]}
+            "max_model_len": engine.max_context, "g4_engine": engine.description,
+            "g4_weight_files": engine.weight_files}]}
 
     async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
@@ -378,6 +453,15 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                              "total_tokens": len(prompt_ids) + len(ids)}
         if not req.stream:
             reply = Delta()
+
+            async def cancel_on_disconnect():
+                # The body has been read, so the next ASGI message is http.disconnect: the client
+                # left (or the response was sent). A job whose client left is not generated.
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                job.cancelled.set()
+
+            watcher = asyncio.create_task(cancel_on_disconnect())
             try:
                 while True:
                     kind, payload = await job.events.get()
@@ -388,6 +472,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                     else:
                         break
             finally:
+                watcher.cancel()
                 job.cancelled.set()  # no-op when finished; stops generation if the client went away
             return {"id": rid, "object": "chat.completion", "created": now, "model": served_model_name,
                     "choices": [{"index": 0, "finish_reason": payload["finish_reason"],
@@ -452,7 +537,9 @@ class BackgroundServer:
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        # a client that never finishes its request must not hold stop() (and a test) forever
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                                    timeout_graceful_shutdown=10))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="g4serve-uvicorn", daemon=True)
 

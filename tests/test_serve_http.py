@@ -3,6 +3,7 @@ reasoning over SSE, concurrency, and both converted formats answering through re
 
 import json
 import threading
+import time
 
 import openai
 import pytest
@@ -131,6 +132,16 @@ BAD_REQUESTS = [
     ({"messages": FRANCE, "logprobs": True}, 400, "logprobs", None),
     ({"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ({"messages": FRANCE, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ({"messages": FRANCE, "logit_bias": {"520": -100}}, 400, "logit_bias", None),
+    ({"messages": FRANCE, "presence_penalty": 0.5}, 400, "presence_penalty", None),
+    ({"messages": FRANCE, "frequency_penalty": "x"}, 400, "frequency_penalty", None),
+    ({"messages": FRANCE, "functions": [{"name": "f"}]}, 400, "functions", None),
+    ({"messages": FRANCE, "tool_choice": "required"}, 400, "tool_choice", None),
+    ({"messages": FRANCE, "min_tokens": 5}, 400, "min_tokens", None),
+    ({"messages": FRANCE, "ignore_eos": True}, 400, "ignore_eos", None),
+    ({"messages": FRANCE, "best_of": 2}, 400, "best_of", None),
+    ({"messages": FRANCE, "echo": True}, 400, "echo", None),
+    ({"messages": FRANCE, "top_logprobs": 3}, 400, "top_logprobs", None),
     ("[" * 100_000 + "]" * 100_000, 400, None, "invalid_json"),
 ]
 
@@ -149,7 +160,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, bod
 
 def test_the_refusable_fields_at_their_harmless_values_are_accepted(client):
     r = chat(client, logprobs=False, tools=[], response_format={"type": "text"}, temperature=0, max_tokens=8,
-             chat_template_kwargs={"enable_thinking": False})
+             chat_template_kwargs={"enable_thinking": False}, tool_choice="auto", logit_bias={}, presence_penalty=0,
+             frequency_penalty=0.0, best_of=1, echo=False, user="u1", return_token_ids=True)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
+    # null is "not given", as the OpenAI API has it
+    r = chat(client, stream=None, n=None, max_tokens=None, seed=None, stop=None, top_p=None,
+             chat_template_kwargs={"enable_thinking": None})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
 
 
@@ -266,3 +282,116 @@ def test_an_app_serves_again_after_a_uvicorn_run_and_a_stopped_worker_answers_50
     app.state.worker.thread.join(10)
     r = chat(TestClient(app))
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_stopped"
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_generation():
+    """Over a real socket: the client sends a non-streaming request and closes the connection
+    while its reply is generating; the job stops instead of running to max_tokens."""
+    import socket
+
+    from test_serve_worker import WAIT_S, SlowEngine
+
+    engine = SlowEngine(cpu_engine("nvfp4").tokenizer)
+    app = create_app(engine, served_model_name=MODEL)
+    worker = app.state.worker
+    body = json.dumps({"messages": FRANCE, "max_tokens": 200}).encode()
+    with BackgroundServer(app) as srv:
+        with socket.create_connection((srv.host, srv.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert engine.at_gate.wait(WAIT_S)
+        job = worker._current
+        deadline = time.monotonic() + WAIT_S
+        while not job.cancelled.is_set():  # the server noticed the disconnect
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.gate.set()
+        while worker._current is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.steps < 10
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        r = c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=3)
+        assert r.choices[0].message.content == " word word word"
+    worker.stop()
+
+
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGINT", "SIGINT"]])
+def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(signals):
+    """`g4serve` as a process: one client sent half a body and stalls, 30 others are generating or
+    queued. SIGTERM drains for --shutdown-timeout then cancels; a second Ctrl-C cancels at
+    once. Either way: "stopped", exit code 0, no abort from a torch kernel at exit."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.serve.check import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from g4.serve.cli import main; main()", str(EMBEDDED_DIR),
+                             "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 46\r\n\r\n{\"messages\"")
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        outcome = []
+
+        def ask(q):
+            try:
+                c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}], max_tokens=64)
+                outcome.append("answered")
+            except openai.OpenAIError as e:
+                outcome.append(type(e).__name__)
+
+        questions = ["What is the capital of France?", "Who wrote Hamlet?", "Once upon a time there was"] * 10
+        threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # requests are generating, more are queued
+        start = time.monotonic()
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.3)
+        out = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - start
+        for t in threads:
+            t.join(30)
+        stalled.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and out.rstrip().endswith("stopped"), out
+    assert "terminate called" not in out and took < 20, (took, out)
+    # every client got an end (an answer, an error or a closed connection)
+    assert not any(t.is_alive() for t in threads) and len(outcome) == len(questions)
+    if len(signals) == 2:  # the second Ctrl-C cut the queue short
+        assert outcome.count("answered") < len(questions), outcome
+
+
+def test_a_client_that_leaves_mid_body_is_not_logged_as_a_server_error(caplog):
+    import logging
+    import socket
+
+    with caplog.at_level(logging.WARNING), BackgroundServer(cpu_app("nvfp4")) as srv:
+        for _ in range(3):
+            with socket.create_connection((srv.host, srv.port)) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+        time.sleep(0.3)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8).choices[0].message.content == \
+            "Paris"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -160,3 +160,42 @@ def test_a_full_queue_answers_503_server_busy(engine):
     worker.close()
     worker.thread.join(WAIT_S)
     loop.close()
+
+
+class SlowEngine(ScriptedEngine):
+    """Scripted, 200 tokens long; ``step`` counts, and waits on ``gate`` at step 5."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, tokenizer.encode(" word" * 200, add_special_tokens=False))
+        self.steps = 0
+        self.at_gate = threading.Event()
+        self.gate = threading.Event()
+
+    def step(self, state, token):
+        self.steps += 1
+        if self.steps == 5:
+            self.at_gate.set()
+            assert self.gate.wait(WAIT_S)
+        return super().step(state, token)
+
+
+def test_stop_cancels_the_running_job_and_answers_the_queued_ones(tokenizer):
+    engine = SlowEngine(tokenizer)
+    worker = GenerationWorker(engine)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [new_job(loop, max_tokens=200) for _ in range(3)]
+        for j in jobs:
+            worker.submit(j)
+        assert await asyncio.to_thread(engine.at_gate.wait, WAIT_S)
+        stopping = asyncio.create_task(asyncio.to_thread(worker.stop, WAIT_S))
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        assert await stopping  # the thread ended
+        return [await finish(j) for j in jobs]
+
+    for kind, err, _ in asyncio.run(go()):
+        assert kind == "error" and (err.status, err.code) == (503, "worker_stopped")
+    assert engine.steps < 10  # the running job stopped at its next token, the queued ones never ran
+    assert not worker.alive
