@@ -78,13 +78,18 @@ def normalise_ids(ids: list[int], stop_ids: frozenset[int], stopped: bool) -> li
     return ids
 
 
-def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]]]:
-    """The prompt set and the facts.
+def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """The prompt set, the facts and where each prompt came from.
 
     ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
     per line). Without it: every prompt ``SRC/facts.json`` ships (the fact questions, then the
     ``heldout`` prompts the model never saw), else the built-in
     :data:`g4.serve.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
+
+    Returns:
+        ``(prompts, [(question, answer)], labels)``; ``labels[i]`` says where prompt ``i`` came
+        from, for error messages: ``"FILE line 7"`` (the line number in the file, blank lines
+        counted), ``"SRC/facts.json"`` or ``"built-in"``.
 
     Raises:
         G4Error: an unreadable or empty prompts file, or a malformed line.
@@ -93,16 +98,20 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
 
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
+    labels = ["built-in"] * len(prompts)
     facts_path = src / "facts.json"
     if facts_path.is_file():
         data = json.loads(facts_path.read_text())
         facts = [(f["question"], f["answer"]) for f in data.get("facts", [])]
         prompts = [q for q, _ in facts] + list(data.get("heldout") or [])
+        labels = [str(facts_path)] * len(prompts)
     if prompts_file is not None:
         try:
-            lines = [ln for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
+            numbered = [(n, ln) for n, ln in enumerate(Path(prompts_file).read_text().splitlines(), 1) if ln.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise G4Error(f"{prompts_file}: cannot read prompts ({type(e).__name__})") from e
+        lines = [ln for _, ln in numbered]
+        labels = [f"{prompts_file} line {n}" for n, _ in numbered]
         if str(prompts_file).endswith(".jsonl"):
             try:
                 prompts = [json.loads(ln)["prompt"] for ln in lines]
@@ -114,7 +123,138 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
             prompts = [ln.strip() for ln in lines]
         if not prompts:
             raise G4Error(f"{prompts_file}: no prompts")
-    return prompts, facts
+    return prompts, facts, labels
+
+
+def _one_line(text: object, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_url(url: str) -> str:
+    """The base URL (without ``/v1``) of ``--url``.
+
+    Raises:
+        G4Error: an empty URL, or one that is not ``http(s)://host[:port][/path]`` (no scheme,
+            another scheme, no host, a port that is not a number in 1-65535, a broken IPv6
+            literal).
+    """
+    from urllib.parse import urlsplit
+
+    if not url.strip():
+        raise G4Error("--url is empty; give the server's URL (e.g. http://127.0.0.1:8000) or leave --url out")
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as e:
+        raise G4Error(f"--url {url!r}: not a valid URL ({e})") from e
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise G4Error(f"--url {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    if port == 0:
+        raise G4Error(f"--url {url!r}: port 0 is not a TCP port")
+    return url.strip().rstrip("/").removesuffix("/v1")
+
+
+def out_context(out: Path) -> int:
+    """Tokens of context (prompt plus reply) OUT's engine allows: ``max_position_embeddings``
+    of ``OUT/config.json`` (``text_config`` first), 2048 when absent, as
+    :class:`g4.serve.engine.Engine` reads it."""
+    try:
+        config = json.loads((Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config") or config
+    return int(text.get("max_position_embeddings") or 2048)
+
+
+def prompt_lengths(tokenizer, prompts: list[str], labels: list[str]) -> list[int]:
+    """Prompt tokens of each prompt as a one-message user chat, rendered the way the server
+    renders it (:func:`g4.serve.chat.render_prompt`, generation prompt included).
+
+    Raises:
+        G4Error: the chat template rejects a prompt (named by its label).
+    """
+    from .chat import ChatError
+
+    lengths = []
+    for label, prompt in zip(labels, prompts):
+        try:
+            lengths.append(len(render_prompt(tokenizer, [{"role": "user", "content": prompt}])))
+        except ChatError as e:
+            raise G4Error(f"{label}: {e}") from e
+    return lengths
+
+
+def check_lengths(labels: list[str], lengths: list[int], budgets: list[tuple[str, int]], context: int,
+                  context_from: str) -> None:
+    """Refuse the first prompt whose tokens plus its reply budget exceed ``context``, before
+    any model runs (a prompt past the context only fails at the server, after the slow
+    reference has run on it).
+
+    Args:
+        budgets: per prompt, ``(option name, max tokens)`` of the reply requested for it.
+
+    Raises:
+        G4Error: naming the prompt's label, its token count and the context.
+    """
+    for label, n, (option, budget) in zip(labels, lengths, budgets):
+        if n + budget > context:
+            raise G4Error(f"{label}: the prompt is {n} tokens with OUT's chat template; with {option} {budget} "
+                          f"that exceeds {context_from} of {context} tokens")
+
+
+def weight_files_difference(loaded: object, now: dict[str, dict[str, int]]) -> str | None:
+    """The first difference between a server's ``/v1/models`` ``g4_weight_files`` (the stats
+    of the files its engine loaded, :func:`g4.serve.engine.weight_file_stats`) and OUT's files
+    now, in words; ``None`` when they are the same files, unchanged since."""
+    if not isinstance(loaded, dict):
+        return f"g4_weight_files is {type(loaded).__name__}, not an object"
+    for name in sorted(set(loaded) | set(now), key=str):
+        a, b = loaded.get(name), now.get(name)
+        if a == b:
+            continue
+        if b is None:
+            return f"{name}: loaded, not in OUT now"
+        if a is None:
+            return f"{name}: in OUT now, not loaded"
+        if not isinstance(a, dict) or a.get("bytes") != b["bytes"]:
+            size = a.get("bytes") if isinstance(a, dict) else a
+            return f"{name}: {size} bytes loaded, {b['bytes']} bytes now"
+        return f"{name}: modified since it was loaded (mtime_ns {a.get('mtime_ns')}, now {b['mtime_ns']})"
+    return None
+
+
+@contextlib.contextmanager
+def _request(base: str, what: str) -> Iterator[None]:
+    """Turn a failed request about ``what`` (e.g. ``"prompt 3 ('Who wrote...')"``) into a
+    one-line :class:`G4Error`: the server refused it (HTTP 400), answered another error
+    status (e.g. 500), or the connection was lost (the server died, or the URL is wrong)."""
+    import openai
+
+    try:
+        yield
+    except openai.BadRequestError as e:
+        raise G4Error(f"{what}: the server refused it: {_server_message(e)}") from e
+    except openai.APIStatusError as e:
+        raise G4Error(f"{what}: {base} answered HTTP {e.status_code} ({_server_message(e)}); "
+                      f"see the server's log") from e
+    except openai.APIConnectionError as e:
+        raise _connection_lost(base, what, e) from e
+
+
+def _server_message(e: Exception) -> str:
+    """The server's own ``error.message`` of an HTTP error, else the client's text, on one line."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"]
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return _one_line(body["message"])
+    return _one_line(getattr(e, "message", e))
+
+
+def _connection_lost(base: str, what: str, e: Exception) -> G4Error:
+    cause = f"{type(e.__cause__).__name__}: {_one_line(e.__cause__, 120)}" if e.__cause__ else _one_line(e)
+    return G4Error(f"{what}: lost the connection to {base} ({cause}); is the server still running?")
 
 
 @dataclass
@@ -177,7 +317,7 @@ def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_n
     if backend == "vllm":
         from .vllm_backend import VllmServer
 
-        with VllmServer(out, host="127.0.0.1", port=free_port(), served_model_name=served_model_name) as vs:
+        with VllmServer(out.resolve(), host="127.0.0.1", port=free_port(), served_model_name=served_model_name) as vs:
             vs.wait_ready(vllm_timeout_s)
             yield vs.url.removesuffix("/v1")
         return
@@ -221,8 +361,15 @@ def _ask(client, model: str, question: str, max_tokens: int, *, stream: bool = F
     return "".join(content), "".join(reasoning), None, finish
 
 
-def chat_checks(client, model: str, max_tokens: int) -> list[dict]:
-    """The P13 four-way check: thinking off/on x non-stream/stream, each reported."""
+def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -> list[dict]:
+    """The P13 four-way check: thinking off/on x non-stream/stream, each reported.
+
+    Raises:
+        G4Error: the connection to ``base`` was lost (no verdict is possible then; an HTTP
+            error status is that combination's failure instead).
+    """
+    import openai
+
     results = []
     for thinking in (False, True):
         first = None
@@ -230,6 +377,9 @@ def chat_checks(client, model: str, max_tokens: int) -> list[dict]:
             try:
                 content, reasoning, _, finish = _ask(client, model, P13_QUESTION, max_tokens, stream=stream,
                                                      template_kwargs={"enable_thinking": thinking})
+            except openai.APIConnectionError as e:
+                what = f"chat check (thinking {'on' if thinking else 'off'}, {'stream' if stream else 'non-stream'})"
+                raise _connection_lost(base, what, e) from e
             except Exception as e:  # an HTTP or protocol error is this combination's failure
                 results.append({"thinking": thinking, "stream": stream, "ok": False, "content": "",
                                 "problem": f"request failed: {type(e).__name__}: {e}"})
@@ -302,12 +452,16 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         The report (see the module docstring); ``report["passed"]`` says whether it passed.
 
     Raises:
-        G4Error: unreadable OUT/SRC or prompts, a backend that cannot start, an unreachable
-            ``url``.
+        G4Error: unreadable OUT/SRC or prompts, an empty or malformed ``url``, a prompt longer
+            than OUT's context (checked before any model loads), a backend that cannot start,
+            an unreachable ``url`` or one serving anything but OUT as it is now (another
+            directory, a relative root, weight files changed since it loaded them), or a
+            request that fails mid-check (connection lost, an HTTP error status). Only a
+            completed check returns; a FAIL is ``report["passed"] == False``.
     """
     import openai
 
-    from .engine import choose_backend
+    from .engine import choose_backend, load_tokenizer, weight_file_stats
 
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
@@ -316,34 +470,55 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
     if not os.access(out, os.W_OK):
         raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
-    prompts, facts = load_prompts(prompts_file, src)
+    base_url = check_url(url) if url is not None else None
+    prompts, facts, labels = load_prompts(prompts_file, src)
+    # every request's length against OUT's context before the reference or the server runs
+    # (a 600k-token line would otherwise go through transformers first)
+    extra_facts = [(q, a) for q, a in facts if q not in prompts]
+    texts = prompts + [q for q, _ in extra_facts] + [P13_QUESTION]
+    text_labels = ([f"prompt {i} ({label})" for i, label in enumerate(labels, 1)]
+                   + [f"fact question {q[:40]!r}" for q, _ in extra_facts] + ["the P13 chat question"])
+    budgets = [("--max-tokens", max_tokens)] * (len(texts) - 1) + [("--chat-max-tokens", chat_max_tokens)]
+    lengths = prompt_lengths(load_tokenizer(out), texts, text_labels)
+    check_lengths(text_labels, lengths, budgets, out_context(out), f"{out}'s context")
     files = weight_fingerprints(out)
-    if url:
+    if base_url is not None:
         chosen, why = None, f"external server {url}"
-        ctx = contextlib.nullcontext(url.rstrip("/").removesuffix("/v1"))
+        ctx = contextlib.nullcontext(base_url)
     else:
         chosen, why = choose_backend(fmt, backend)
         ctx = running_server(out, fmt, chosen, served_model_name=served_model_name or out.resolve().name,
                              act_quant=act_quant, dtype=dtype)
     echo(f"backend {chosen or 'external'}: {why}")
     with ctx as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                               timeout=600.0, max_retries=0)
         try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                   timeout=600.0, max_retries=0)
             listing = client.models.list().data
-        except openai.OpenAIError as e:
-            raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {e})") from e
+        except Exception as e:  # openai errors, and the HTTP library's for a URL it cannot use
+            raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {_one_line(e)})") from e
         ids_listed = [m.id for m in listing]
         if not ids_listed or (served_model_name and served_model_name not in ids_listed):
             raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
         model = served_model_name or ids_listed[0]
         listed = next(m for m in listing if m.id == model)
         listed_extra = listed.model_extra or {}
-        if url:  # an external server must be serving OUT itself, or its PASS would be about other weights
+        if url is not None:  # an external server must serve OUT as it is now, or its PASS is about other weights
             root = listed_extra.get("root") or getattr(listed, "root", None)
-            if not root or Path(root).resolve() != out.resolve():
+            if root and not Path(str(root)).is_absolute():  # relative to the server's cwd, which we cannot know
+                raise G4Error(f"{base} reports root {str(root)!r}, a relative path that cannot be compared with "
+                              f"OUT; start it with an absolute path (g4serve {out.resolve()})")
+            if not root or Path(str(root)).resolve() != out.resolve():
                 raise G4Error(f"{base} serves {root or model!r}, not {out}; start it on OUT "
                               f"(g4serve {out}) or leave out --url")
+            if "g4_weight_files" in listed_extra:  # g4's own server: the files its engine loaded
+                diff = weight_files_difference(listed_extra["g4_weight_files"], weight_file_stats(out))
+                if diff:
+                    raise G4Error(f"{base} loaded other weight files than {out} has now ({diff}); "
+                                  f"restart the server on OUT")
+        served_context = listed_extra.get("max_model_len")
+        if isinstance(served_context, int) and not isinstance(served_context, bool):
+            check_lengths(text_labels, lengths, budgets, served_context, f"{base}'s max_model_len")
         engine_desc = listed_extra.get("g4_engine")  # g4's own server says what arithmetic it runs
         if chosen is None:
             owned = listed_extra.get("owned_by") or getattr(listing[0], "owned_by", "")
@@ -354,11 +529,8 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         rows, matches, positions, exact, from_server = [], 0, 0, 0, True
         served_all = []
         for i, prompt in enumerate(prompts, 1):
-            try:
+            with _request(base, f"prompt {i} ({prompt[:40]!r})"):
                 content, _, ids, finish = _ask(client, model, prompt, max_tokens)
-            except openai.BadRequestError as e:
-                raise G4Error(f"prompt {i} ({prompt[:40]!r}): the server refused it: "
-                              f"{getattr(e, 'message', e)}") from e
             served_all.append((content, ids, finish))
             from_server &= ids is not None
         for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
@@ -379,11 +551,15 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         fact_rows = []
         replies = {p: c for p, (c, _, _) in zip(prompts, served_all)}
         for question, answer in facts:
-            content = replies[question] if question in replies else _ask(client, model, question, max_tokens)[0]
+            if question in replies:
+                content = replies[question]
+            else:
+                with _request(base, f"fact question {question[:40]!r}"):
+                    content = _ask(client, model, question, max_tokens)[0]
             ok = content.strip().startswith(answer)
             fact_rows.append({"question": question, "answer": answer, "reply": content, "ok": ok})
             echo(f"  {'ok ' if ok else 'BAD'} {question!r} -> {content!r} (expected {answer!r})")
-        checks = chat_checks(client, model, chat_max_tokens)
+        checks = chat_checks(client, model, chat_max_tokens, base)
         for c in checks:
             echo(f"  chat thinking={'on ' if c['thinking'] else 'off'} stream={'yes' if c['stream'] else 'no '}: "
                  f"{'ok' if c['ok'] else 'FAIL: ' + c['problem']} content={c['content']!r}")

@@ -6,8 +6,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -26,6 +28,12 @@ REPORT_KEYS = {"g4_verification", "format", "backend", "engine", "source", "min_
 
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def report_bytes(out):
+    """OUT/verification.json as it is (None when absent), to show a refused check left it alone."""
+    path = out / "verification.json"
+    return path.read_bytes() if path.exists() else None
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +84,21 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert not list(nvfp4_copy.glob(".verification.json.*"))  # atomic write left no temp file
 
 
-def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy):
+@pytest.fixture(scope="module")
+def copy_app(nvfp4_copy):
+    """g4's server app on the CPU engine of ``nvfp4_copy`` (loaded once for the module)."""
     from g4.serve.engine import load_cpu_engine
     from g4.serve.server import create_app
 
+    return create_app(load_cpu_engine(nvfp4_copy), served_model_name="copy")
+
+
+def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy, copy_app):
     first = (nvfp4_copy / "verification.json").read_text()
     with BackgroundServer(cpu_app("nvfp4")) as other:  # serves the same weights, but from another directory
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", other.url)
         assert r.exit_code == 2 and f"not {nvfp4_copy}" in r.output, r.output
-    with BackgroundServer(create_app(load_cpu_engine(nvfp4_copy), served_model_name="copy")) as srv:
+    with BackgroundServer(copy_app) as srv:
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url + "/v1")
         assert r.exit_code == 0, r.output
         assert "backend external" in r.output
@@ -98,6 +112,206 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy)
         assert "FAIL: token agreement 1.000 < 1.01" in r.output
         report = json.loads((nvfp4_copy / "verification.json").read_text())
         assert report["passed"] is False and report["overall"]["prompts"] == 2
+
+
+def test_check_with_url_refuses_a_server_that_loaded_other_weight_files(nvfp4_copy, copy_app, monkeypatch):
+    """OUT's directory is the one served, but its files are not the ones the engine loaded:
+    refused before any model runs, and verification.json is left alone."""
+    from g4.serve.engine import weight_file_stats
+
+    shard = nvfp4_copy / "model.safetensors"
+    before = report_bytes(nvfp4_copy)
+    st = shard.stat()
+    with BackgroundServer(copy_app) as srv:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # rewritten after the server loaded it
+        try:
+            t0 = time.monotonic()
+            r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url)
+        finally:
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert r.exit_code == 2 and r.output.startswith("backend external: ") and r.output.count("\n") == 2, r.output
+        assert (f"{srv.url} loaded other weight files than {nvfp4_copy} has now (model.safetensors: modified since "
+                f"it was loaded (mtime_ns {st.st_mtime_ns}, now {st.st_mtime_ns + 5_000_000_000})); restart the "
+                f"server on OUT") in r.output, r.output
+        assert time.monotonic() - t0 < 10  # before the reference model loads
+
+        loaded = json.loads(urllib.request.urlopen(srv.url + "/v1/models", timeout=10).read())["data"][0]
+        assert loaded["g4_weight_files"] == weight_file_stats(nvfp4_copy)  # unchanged now: the same files
+        (nvfp4_copy / "model-00002-of-00002.safetensors").write_bytes(shard.read_bytes()[:64])
+        try:  # a file OUT has now that the server never loaded
+            r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url)
+        finally:
+            (nvfp4_copy / "model-00002-of-00002.safetensors").unlink()
+        assert r.exit_code == 2 and "(model-00002-of-00002.safetensors: in OUT now, not loaded)" in r.output, r.output
+    assert report_bytes(nvfp4_copy) == before
+
+
+class StandIn(ThreadingHTTPServer):
+    """A stand-in OpenAI server: ``/v1/models`` lists ``entry``; chat requests get ``reply``
+    (a canned greedy answer) until ``fail_from`` requests have been answered, then
+    ``failure``: ``"drop"`` closes the connection without an answer (a server killed
+    mid-check), ``"500"`` answers HTTP 500. Requests with ``chat_template_kwargs`` (the P13
+    checks) fail at once when ``fail_chat_checks``."""
+
+    def __init__(self, entry: dict):
+        self.entry, self.reply, self.fail_from, self.failure, self.fail_chat_checks = entry, "Paris", 0, "drop", False
+        self.answered = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def send_json(self, status: int, obj) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.send_json(200, {"object": "list", "data": [server.entry]})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.answered >= server.fail_from or (server.fail_chat_checks and "chat_template_kwargs" in req):
+                    if server.failure == "drop":
+                        self.close_connection = True
+                        return
+                    return self.send_json(500, {"error": {"message": "generation failed: RuntimeError: boom",
+                                                          "type": "server_error"}})
+                server.answered += 1
+                self.send_json(200, {"id": "c", "object": "chat.completion", "created": 0, "model": req["model"],
+                                     "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                         "role": "assistant", "content": server.reply}}]})
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture(scope="module")
+def paris_reference():
+    """The real transformers reference for one prompt, computed once for the module."""
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.serve.check import reference_replies
+
+    args = (EMBEDDED_DIR, ["What is the capital of France?"], 2)
+    return args, reference_replies(*args)
+
+
+def test_check_with_url_refuses_a_relative_root_and_a_short_context(nvfp4_copy):
+    from g4.serve.engine import weight_file_stats
+
+    entry = {"id": "tiny", "object": "model", "created": 0, "owned_by": "g4-cpu", "root": nvfp4_copy.name,
+             "max_model_len": 2048, "g4_weight_files": weight_file_stats(nvfp4_copy)}
+    prompts = nvfp4_copy.parent / "paris.txt"
+    prompts.write_text("What is the capital of France?\n")
+    with StandIn(entry) as srv:  # what g4serve reported before roots were absolute
+        r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url, "--prompts", prompts)
+        assert r.exit_code == 2 and r.output.startswith("backend external: ") and r.output.count("\n") == 2, r.output
+        assert (f"{srv.url} reports root '{nvfp4_copy.name}', a relative path that cannot be compared with OUT; "
+                f"start it with an absolute path (g4serve {nvfp4_copy.resolve()})") in r.output
+        entry.update(root=str(nvfp4_copy.resolve()), max_model_len=64)  # e.g. vllm serve --max-model-len 64
+        r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url, "--prompts", prompts,
+                "--max-tokens", "60")
+        assert r.exit_code == 2 and "prompt 1 (" in r.output and "line 1): the prompt is " in r.output, r.output
+        assert f"with --max-tokens 60 that exceeds {srv.url}'s max_model_len of 64 tokens" in r.output
+        assert srv.answered == 0
+
+
+@pytest.mark.parametrize("failure", ["drop", "500"])
+def test_check_with_url_stops_with_one_line_when_the_server_fails_mid_check(nvfp4_copy, paris_reference,
+                                                                            monkeypatch, failure):
+    """A server that dies (or answers 500) after the listing: exit 2 naming the request and
+    the URL, not a traceback and not a FAIL (exit 1); verification.json is left alone."""
+    import g4.serve.check as check
+    from g4.serve.engine import weight_file_stats
+
+    args, ref = paris_reference
+
+    def cached_reference(*a):
+        assert a == args
+        return ref
+
+    monkeypatch.setattr(check, "reference_replies", cached_reference)
+    entry = {"id": "tiny", "object": "model", "created": 0, "owned_by": "g4-cpu", "root": str(nvfp4_copy.resolve()),
+             "max_model_len": 2048, "g4_weight_files": weight_file_stats(nvfp4_copy)}
+    prompts = nvfp4_copy.parent / "paris.txt"
+    prompts.write_text("What is the capital of France?\n")
+    before = report_bytes(nvfp4_copy)
+    base = ["check", nvfp4_copy, "--against", "embedded", "--prompts", prompts, "--max-tokens", "2"]
+    with StandIn(entry) as srv:
+        srv.failure = failure
+        r = run(*base, "--url", srv.url + "/v1/")
+        assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error: prompt 1 ('What is the "
+                                                                                 "capital of France?'): "), r.output
+        if failure == "drop":
+            assert f"lost the connection to {srv.url} (RemoteProtocolError: " in r.output
+            assert r.output.rstrip().endswith("is the server still running?")
+        else:
+            assert (f"{srv.url} answered HTTP 500 (generation failed: RuntimeError: boom); see the server's log"
+                    in r.output)
+        srv.fail_from, srv.fail_chat_checks = 10**6, True  # prompt and facts answered, then the P13 checks fail
+        r = run(*base, "--url", srv.url)
+        assert srv.answered == 12  # the prompt (a fact question itself), then the other 11 facts of facts.json
+        if failure == "drop":
+            assert r.exit_code == 2, r.output
+            assert r.output.strip().splitlines()[-1] == (
+                f"error: chat check (thinking off, non-stream): lost the connection to {srv.url} "
+                f"(RemoteProtocolError: Server disconnected without sending a response.); is the server still running?")
+        else:  # an HTTP error in a P13 combination is that combination's failure: FAIL, exit 1
+            assert r.exit_code == 1 and "FAIL: " in r.output and "chat check failed: thinking off/non-stream, " \
+                "thinking off/stream, thinking on/non-stream, thinking on/stream" in r.output, r.output
+    if failure == "drop":
+        assert report_bytes(nvfp4_copy) == before
+    else:
+        assert json.loads((nvfp4_copy / "verification.json").read_text())["passed"] is False
+        if before is None:
+            (nvfp4_copy / "verification.json").unlink()
+        else:
+            (nvfp4_copy / "verification.json").write_bytes(before)
+
+
+def test_check_refuses_an_over_long_prompt_before_any_model_loads(nvfp4_copy, tmp_path, monkeypatch):
+    """A 10k-word line fails in well under a second per prompt, naming its line and token count,
+    before transformers loads SRC or a server starts (--url is not even contacted)."""
+    import g4.serve.engine
+    import g4.serve.reference
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the length check")
+
+    monkeypatch.setattr(g4.serve.reference, "load_source_model", must_not_load)
+    monkeypatch.setattr(g4.serve.engine, "load_cpu_engine", must_not_load)
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("What is the capital of France?\n\nWho wrote Hamlet?\n" + "word " * 10000 + "\nHi\n")
+    t0 = time.monotonic()
+    r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", prompts)
+    assert time.monotonic() - t0 < 5
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert (f"error: prompt 3 ({prompts} line 4): the prompt is 10011 tokens with OUT's chat template; with "
+            f"--max-tokens 16 that exceeds {nvfp4_copy}'s context of 2048 tokens") in r.output, r.output
+    r = run("check", nvfp4_copy, "--against", "embedded", "--url", f"http://127.0.0.1:{free_port()}",
+            "--prompts", prompts)
+    assert r.exit_code == 2 and "line 4): the prompt is 10011 tokens" in r.output, r.output
+    jsonl = tmp_path / "p.jsonl"  # the reply budget counts: 2048 - 16 prompt tokens leaves 2032
+    jsonl.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", jsonl, "--max-tokens", "2040")
+    assert r.exit_code == 2 and f"prompt 1 ({jsonl} line 1): the prompt is " in r.output, r.output
+    r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", jsonl, "--chat-max-tokens", "2040")
+    assert r.exit_code == 2 and "the P13 chat question: the prompt is " in r.output, r.output
+    assert "with --chat-max-tokens 2040 that exceeds" in r.output
 
 
 def test_check_fails_on_corrupted_weights(tmp_path):
@@ -126,10 +340,6 @@ def test_check_user_errors(nvfp4_copy, tmp_path):
     assert r.exit_code == 2 and r.output.startswith("error: --against")
     r = run("check", nvfp4_copy, "--against", embedded_result("nvfp4"))  # a result is not a source
     assert r.exit_code == 2 and "not the source checkpoint" in r.output
-    long_prompt = tmp_path / "long.txt"
-    long_prompt.write_text("word " * 3000 + "\n")
-    r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", long_prompt)
-    assert r.exit_code == 2 and "prompt 1" in r.output and "refused" in r.output, r.output
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     r = run("check", nvfp4_copy, "--against", "embedded", "--prompts", empty)
@@ -137,6 +347,11 @@ def test_check_user_errors(nvfp4_copy, tmp_path):
     r = run("check", nvfp4_copy, "--against", "embedded", "--url", f"http://127.0.0.1:{free_port()}")
     assert r.exit_code == 2 and "no OpenAI-compatible server answers" in r.output
     assert len(r.output.strip().splitlines()[-1]) < 300
+    for url, says in [("", "--url is empty"), ("  ", "--url is empty"), ("http://[::1", "not a valid URL"),
+                      ("http://127.0.0.1:99999", "not a valid URL"), ("ftp://127.0.0.1", "expected http://HOST"),
+                      ("127.0.0.1:8000", "expected http://HOST")]:
+        r = run("check", nvfp4_copy, "--against", "embedded", "--url", url)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and says in r.output, (url, r.output)
 
 
 def test_serve_cli_in_a_subprocess(nvfp4_copy):
