@@ -114,7 +114,8 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     click.echo(f"backend {chosen}: {why}")
     name = served_model_name or out.resolve().name
     if chosen == "vllm":
-        _serve_vllm(out, host, port, name, max_model_len, kv_cache_dtype)
+        # absolute: vLLM reports it as /v1/models root, which check --url compares with OUT
+        _serve_vllm(out.resolve(), host, port, name, max_model_len, kv_cache_dtype)
         return
     if max_model_len or kv_cache_dtype:
         raise G4Error("--max-model-len and --kv-cache-dtype are vllm backend options")

@@ -378,8 +378,6 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
     assert "terminate called" not in out and took < 20, (took, out)
     # every client got an end (an answer, an error or a closed connection)
     assert not any(t.is_alive() for t in threads) and len(outcome) == len(questions)
-    if len(signals) == 2:  # the second Ctrl-C cut the queue short
-        assert outcome.count("answered") < len(questions), outcome
 
 
 def test_a_client_that_leaves_mid_body_is_not_logged_as_a_server_error(caplog):
