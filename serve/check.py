@@ -203,12 +203,12 @@ def check_lengths(labels: list[str], lengths: list[int], budgets: list[tuple[str
                           f"that exceeds {context_from} of {context} tokens")
 
 
-def weight_files_difference(loaded: object, now: dict[str, dict[str, int]]) -> str | None:
-    """The first difference between a server's ``/v1/models`` ``g4_weight_files`` (the stats
-    of the files its engine loaded, :func:`g4.serve.engine.weight_file_stats`) and OUT's files
+def served_files_difference(loaded: object, now: dict[str, dict[str, int]]) -> str | None:
+    """The first difference between a server's ``/v1/models`` ``g4_served_files`` (the stats
+    of the files its engine loaded, :func:`g4.serve.engine.served_file_stats`) and OUT's files
     now, in words; ``None`` when they are the same files, unchanged since."""
     if not isinstance(loaded, dict):
-        return f"g4_weight_files is {type(loaded).__name__}, not an object"
+        return f"g4_served_files is {type(loaded).__name__}, not an object"
     for name in sorted(set(loaded) | set(now), key=str):
         a, b = loaded.get(name), now.get(name)
         if a == b:
@@ -461,7 +461,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     """
     import openai
 
-    from .engine import choose_backend, load_tokenizer, weight_file_stats
+    from .engine import choose_backend, load_tokenizer, served_file_stats
 
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
@@ -511,10 +511,10 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
             if not root or Path(str(root)).resolve() != out.resolve():
                 raise G4Error(f"{base} serves {root or model!r}, not {out}; start it on OUT "
                               f"(g4serve {out}) or leave out --url")
-            if "g4_weight_files" in listed_extra:  # g4's own server: the files its engine loaded
-                diff = weight_files_difference(listed_extra["g4_weight_files"], weight_file_stats(out))
+            if "g4_served_files" in listed_extra:  # g4's own server: the files its engine loaded
+                diff = served_files_difference(listed_extra["g4_served_files"], served_file_stats(out))
                 if diff:
-                    raise G4Error(f"{base} loaded other weight files than {out} has now ({diff}); "
+                    raise G4Error(f"{base} loaded other files than {out} has now ({diff}); "
                                   f"restart the server on OUT")
         served_context = listed_extra.get("max_model_len")
         if isinstance(served_context, int) and not isinstance(served_context, bool):

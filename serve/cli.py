@@ -19,6 +19,7 @@ from g4.convert.errors import G4Error, exit_on_user_error
 
 EMBEDDED = "embedded"
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
+         "            [--shutdown-timeout 30]\n"
          "       g4serve check OUT --against SRC [--prompts FILE] [--min-agreement 0.9] [--url URL] "
          "[--max-tokens N]")
 
@@ -97,9 +98,9 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @_dtype_opt
 @click.option("--max-model-len", type=click.IntRange(min=1), help="vllm backend: --max-model-len.")
 @click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              metavar="SECONDS", help="On SIGTERM or Ctrl-C, in-flight requests get this long to finish; then "
-              "they are cancelled (a second Ctrl-C cancels at once). CPU and neuron backends.")
+@click.option("--shutdown-timeout", type=click.IntRange(min=0, max=86400), default=30, show_default=True,
+              metavar="SECONDS", help="On SIGTERM or Ctrl-C, requests in flight get this long to finish; then "
+              "they are answered 503 (a second Ctrl-C: at once). CPU and neuron backends.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
 @exit_on_user_error
 def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
@@ -128,28 +129,19 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
         from .engine import load_cpu_engine
 
         engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
-    import uvicorn
-
-    from .server import create_app
+    from .server import create_app, run_server
 
     app = create_app(engine, served_model_name=name)
     click.echo(f"engine: {engine.description}")
     click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
                f"(one request at a time; Ctrl-C stops)")
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM (at most shutdown_timeout seconds; a second
-    # Ctrl-C at once), restores the handlers it found and re-raises the signal: with this handler
-    # both end here. Then the generation thread is stopped before the interpreter exits (a
-    # daemon thread inside a torch kernel at exit aborts the process).
+    # uvicorn re-raises SIGINT/SIGTERM after its shutdown (restoring the handlers it found): with
+    # this handler both end in the except below, with "stopped" and exit code 0.
     signal.signal(signal.SIGTERM, _terminate)
-    config = uvicorn.Config(app, log_level="info" if verbose else "warning",
-                            timeout_graceful_shutdown=shutdown_timeout)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C or SIGTERM
+        run_server(app, sock, drain_s=shutdown_timeout, log_level="info" if verbose else "warning")
+    except KeyboardInterrupt:
         pass
-    finally:
-        if not app.state.worker.stop(timeout_s=max(shutdown_timeout, 5.0)):
-            click.echo("warning: the generation thread did not stop in time", err=True)
     click.echo("stopped")
 
 

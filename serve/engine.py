@@ -59,13 +59,25 @@ class SamplingParams:
     seed: int | None = None
 
 
-def weight_file_stats(root: Path) -> dict[str, dict[str, int]]:
-    """``{relative path: {"bytes", "mtime_ns"}}`` of every ``*.safetensors`` file under ``root``
-    (sorted), taken when an engine loads them: served by ``/v1/models`` as ``g4_weight_files``
-    so that ``g4serve check --url`` can tell a server that loaded other (or since rewritten)
-    files from one serving OUT as it is now, without hashing gigabytes."""
-    return {p.relative_to(root).as_posix(): {"bytes": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns}
-            for p in sorted(Path(root).rglob("*.safetensors"))}
+# Files under a served directory that do not change what it serves (written by check and push).
+NOT_SERVED = frozenset({"verification.json", "README.md"})
+
+
+def served_file_stats(root: Path) -> dict[str, dict[str, int]]:
+    """``{relative path: {"bytes", "mtime_ns"}}`` of every file under ``root`` that can change
+    what is served (weights, config, generation config, tokenizer, chat template, manifest:
+    all but :data:`NOT_SERVED` and hidden files), sorted, taken when an engine loads them.
+    ``/v1/models`` serves it as ``g4_served_files`` so that ``g4serve check --url`` can tell a
+    server that loaded other (or since rewritten) files from one serving OUT as it is now,
+    without hashing gigabytes."""
+    root = Path(root)
+    stats = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in NOT_SERVED and not any(part.startswith(".") for part in rel.split("/")):
+            st = p.stat()
+            stats[rel] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return stats
 
 
 def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
@@ -106,7 +118,7 @@ class Engine:
 
     def __init__(self, path: Path, tokenizer, description: str):
         self.path, self.tokenizer, self.description = Path(path).resolve(), tokenizer, description
-        self.weight_files = weight_file_stats(self.path)
+        self.served_files = served_file_stats(self.path)
         gen = _read_json_if(self.path / "generation_config.json")
         config = _read_json_if(self.path / "config.json")
         text = config.get("text_config") or config

@@ -20,8 +20,8 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
 
   The server keeps serving after each.
 * ``/v1/models`` ``data[0].root`` is the absolute path of the served directory. Non-standard
-  fields: ``data[0].g4_weight_files`` (size and mtime of each ``*.safetensors`` file under root
-  when the engine loaded it, see :func:`~g4.serve.engine.weight_file_stats`),
+  fields: ``data[0].g4_served_files`` (size and mtime of each file under root that can change
+  what is served, when the engine loaded it, see :func:`~g4.serve.engine.served_file_stats`),
   ``data[0].g4_engine`` (the engine's arithmetic in words),
   ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
   ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
@@ -32,10 +32,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,11 +90,11 @@ class ChatRequest(BaseModel):
 
     Types are strict (JSON as sent). Sampling and output fields that this server does not
     implement are typed here only to be refused by :func:`unsupported` when set to anything
-    but their no-op value; other fields (``user``, ``metadata``, ``return_token_ids`` ...) are
-    ignored because they do not change the answer.
+    but their no-op value; of the other fields only :data:`IGNORED_FIELDS` (which do not change
+    the answer) are accepted, anything else is refused (as OpenAI's API does).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -161,9 +161,19 @@ _NO_OP_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": 
                  "best_of": (1,), "stop_token_ids": ([],)}
 
 
+# Request fields accepted and ignored: they do not change what is generated. ``return_token_ids``
+# (vLLM) is answered anyway (``choices[0].token_ids``).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id",
+                            "priority", "return_token_ids"})
+
+
 def unsupported(req: ChatRequest) -> APIError | None:
     """A 400 for a request feature this server cannot honour (rather than ignoring it): a
-    field of :data:`_NO_OP_VALUES` set to anything else, or a ``response_format`` other than text."""
+    field of :data:`_NO_OP_VALUES` set to anything else, a ``response_format`` other than text,
+    or a field this server does not know (vLLM's ``bad_words``, ``guided_json``, OpenAI's
+    ``reasoning_effort`` ...) and that is not in :data:`IGNORED_FIELDS`."""
+    for name in sorted(set(req.model_extra or {}) - IGNORED_FIELDS):
+        return APIError(400, f"{name} is not supported by this server", param=name)
     for name, no_op in _NO_OP_VALUES.items():
         value = getattr(req, name)
         if value is not None and value not in no_op:
@@ -211,19 +221,21 @@ class GenerationWorker:
 
     Every submitted job ends with exactly one ``"done"`` or ``"error"`` event (payload: a dict
     with ``finish_reason`` and ``token_ids``, or an :class:`APIError`), unless its request
-    cancelled it first: a job whose generation raises gets a 500 and the worker goes on; a job
-    whose request's event loop has closed is cancelled, not fatal; jobs still queued when the
-    thread ends for any reason get a 503, so no request waits forever. :meth:`submit` after
-    :meth:`close` or the thread's end raises a 503 :class:`APIError`.
+    cancelled it first (its client left; the request has ended on its own): a job whose
+    generation raises gets a 500 and the worker goes on; a job whose request's event loop has
+    closed is cancelled, not fatal; jobs still queued when the thread ends for any reason get a
+    503, so no request waits forever. Cancelled jobs do not count against ``max_queue``.
+    :meth:`submit` after :meth:`close`, :meth:`abort` or the thread's end raises a 503.
     """
 
     def __init__(self, engine: Engine, max_queue: int = MAX_QUEUE):
         self.engine = engine
         self.control = ControlIds.from_tokenizer(engine.tokenizer)
-        self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()  # orders submit()/stop() against the thread
-        self._stopped = False  # no more submits
-        self._abort = False  # stop(): queued jobs are not run
+        self.max_queue = max_queue
+        self._cond = threading.Condition()  # guards everything below
+        self._queue: deque[_Job] = deque()
+        self._stopped = False  # no more submits; the thread ends once the queue is empty
+        self._abort = False  # abort(): queued jobs are answered 503, not run
         self._current: _Job | None = None
         self.thread = threading.Thread(target=self._run, name="g4serve-generate", daemon=True)
         self.thread.start()
@@ -231,8 +243,14 @@ class GenerationWorker:
     @property
     def alive(self) -> bool:
         """Whether submitted jobs will still be run."""
-        with self._lock:
+        with self._cond:
             return not self._stopped
+
+    @property
+    def waiting(self) -> int:
+        """Queued jobs that will still be run (cancelled ones excluded)."""
+        with self._cond:
+            return sum(not j.cancelled.is_set() for j in self._queue)
 
     def submit(self, job: _Job) -> None:
         """Queue ``job``.
@@ -240,75 +258,78 @@ class GenerationWorker:
         Raises:
             APIError: 503 when the worker has stopped or ``max_queue`` jobs are already waiting.
         """
-        with self._lock:
+        with self._cond:
             if self._stopped:
                 raise _stopped_error()
-            try:
-                self.jobs.put_nowait(job)
-            except queue.Full:
-                raise APIError(503, f"server busy: {self.jobs.maxsize} requests already waiting",
-                               type="server_error", code="server_busy") from None
+            if len(self._queue) >= self.max_queue:  # drop the jobs whose clients have left
+                self._queue = deque(j for j in self._queue if not j.cancelled.is_set())
+            if len(self._queue) >= self.max_queue:
+                raise APIError(503, f"server busy: {self.max_queue} requests already waiting",
+                               type="server_error", code="server_busy")
+            self._queue.append(job)
+            self._cond.notify()
 
     def close(self) -> None:
         """Stop after the jobs already queued; later submits get 503."""
-        with self._lock:
-            if self._stopped:
-                return
+        with self._cond:
             self._stopped = True
-        self.jobs.put(None)  # blocks only while the queue is full; the thread is draining it
+            self._cond.notify()
+
+    def abort(self) -> None:
+        """Stop now, without waiting (server shutdown; safe from the event loop's thread): the
+        running job is cancelled at its next token, and it and every queued job get a 503."""
+        with self._cond:
+            self._stopped = self._abort = True
+            current = self._current
+            self._cond.notify()
+        if current is not None:
+            current.emit("error", _stopped_error())
+            current.cancelled.set()
 
     def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stop now (server shutdown): the running job is cancelled at its next token and it and
-        every queued job get a 503; then wait up to ``timeout_s`` seconds for the thread.
+        """:meth:`abort`, then wait up to ``timeout_s`` seconds for the thread.
 
         Returns:
             True when the thread has ended (torch is no longer running in it, so the process
             may exit without tearing down a running kernel).
         """
-        with self._lock:
-            self._stopped = self._abort = True
-            current = self._current
-        if current is not None:
-            current.emit("error", _stopped_error())
-            current.cancelled.set()
-        try:
-            self.jobs.put_nowait(None)  # wake an idle thread
-        except queue.Full:
-            pass  # the thread is busy; it drains the queue (answering 503) once the job stops
+        self.abort()
         self.thread.join(timeout_s)
         return not self.thread.is_alive()
 
+    def _next(self) -> _Job | None:
+        with self._cond:
+            while True:
+                if self._abort:
+                    return None
+                while self._queue:
+                    job = self._queue.popleft()
+                    if not job.cancelled.is_set():
+                        self._current = job
+                        return job
+                if self._stopped:
+                    return None
+                self._cond.wait()
+
     def _run(self) -> None:
-        job = None
         try:
-            while (job := self.jobs.get()) is not None:
-                with self._lock:
-                    if self._abort:
-                        break  # the finally answers this job and the rest with 503
-                    self._current = job
-                if not job.cancelled.is_set():
-                    try:
-                        self._generate(job)
-                    except Exception as e:  # report to the client; keep serving
-                        log.exception("generation failed")
-                        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
-                                                   type="server_error"))
-                with self._lock:
-                    self._current = None
-                job = None
-        finally:
-            with self._lock:
-                self._stopped = True
-                self._current = None
-            if job is not None:  # the thread is ending in the middle of this job
-                job.emit("error", _stopped_error())
-            while True:  # nothing can be queued any more (submit holds the lock and sees _stopped)
+            while (job := self._next()) is not None:
                 try:
-                    left = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if left is not None:
-                    left.emit("error", _stopped_error())
+                    self._generate(job)
+                except Exception as e:  # report to the client; keep serving
+                    log.exception("generation failed")
+                    job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                               type="server_error"))
+                with self._cond:
+                    self._current = None
+        finally:
+            with self._cond:
+                self._stopped = True
+                left = [j for j in (self._current, *self._queue) if j is not None]
+                self._queue.clear()
+                self._current = None
+            for job in left:  # the thread is ending in the middle of a job, or with jobs queued
+                job.emit("error", _stopped_error())
 
     def _generate(self, job: _Job) -> None:
         engine = self.engine
@@ -386,7 +407,7 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
             "id": served_model_name, "object": "model", "created": created,
             "owned_by": OWNED_BY.get(engine.backend, engine.backend), "root": str(engine.path),
             "max_model_len": engine.max_context, "g4_engine": engine.description,
-            "g4_weight_files": engine.weight_files}]}
+            "g4_served_files": engine.served_files}]}
 
     async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
@@ -459,7 +480,8 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                 # left (or the response was sent). A job whose client left is not generated.
                 while (await request.receive())["type"] != "http.disconnect":
                     pass
-                job.cancelled.set()
+                job.cancelled.set()  # the worker skips it, or stops it at the next token
+                job.events.put_nowait(("gone", None))  # and this request ends now, queued or not
 
             watcher = asyncio.create_task(cancel_on_disconnect())
             try:
@@ -469,6 +491,8 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                         reply += payload
                     elif kind == "error":
                         raise payload
+                    elif kind == "gone":
+                        raise ClientDisconnect()  # answered quietly; nobody reads it
                     else:
                         break
             finally:
@@ -518,6 +542,56 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+class _QuietCancellation(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" records whose exception is a
+    cancellation: at a shutdown past its timeout uvicorn cancels the requests still open and
+    says so in one line; a traceback per request adds nothing (and floods the log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+def run_server(app, sock, *, drain_s: float = 30.0, log_level: str = "warning") -> None:
+    """Serve ``app`` on the bound socket ``sock`` until SIGINT/SIGTERM (uvicorn, in this thread).
+
+    Shutdown: new connections are refused at once; requests in flight get ``drain_s`` seconds
+    (a second Ctrl-C: none). Then the generation worker is aborted, so every request still
+    generating or queued is answered with a 503 (an OpenAI error object, or an SSE error event
+    and ``[DONE]``); 2 s later uvicorn cancels whatever is still open (clients stalled mid-request).
+    Returns after the worker thread has ended; uvicorn re-raises the signal on return (see
+    ``uvicorn.Server.capture_signals``).
+    """
+    import uvicorn
+
+    worker: GenerationWorker = app.state.worker
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            async def drain_then_abort():
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + drain_s
+                while loop.time() < deadline and not self.force_exit:
+                    await asyncio.sleep(0.05)
+                worker.abort()
+
+            aborter = asyncio.create_task(drain_then_abort())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                aborter.cancel()
+                worker.abort()
+
+    # lifespan off: the app has no startup/shutdown hooks, and a forced quit would otherwise log
+    # the cancelled lifespan task's traceback
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=drain_s + 2.0)
+    logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
+    try:
+        _Server(config).run(sockets=[sock])
+    finally:
+        if not worker.stop(timeout_s=max(drain_s, 10.0)):
+            log.warning("the generation thread did not stop within %.0f s", max(drain_s, 10.0))
 
 
 class BackgroundServer:

@@ -114,10 +114,10 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy,
         assert report["passed"] is False and report["overall"]["prompts"] == 2
 
 
-def test_check_with_url_refuses_a_server_that_loaded_other_weight_files(nvfp4_copy, copy_app, monkeypatch):
+def test_check_with_url_refuses_a_server_that_loaded_other_files(nvfp4_copy, copy_app, monkeypatch):
     """OUT's directory is the one served, but its files are not the ones the engine loaded:
     refused before any model runs, and verification.json is left alone."""
-    from g4.serve.engine import weight_file_stats
+    from g4.serve.engine import served_file_stats
 
     shard = nvfp4_copy / "model.safetensors"
     before = report_bytes(nvfp4_copy)
@@ -130,19 +130,27 @@ def test_check_with_url_refuses_a_server_that_loaded_other_weight_files(nvfp4_co
         finally:
             os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert r.exit_code == 2 and r.output.startswith("backend external: ") and r.output.count("\n") == 2, r.output
-        assert (f"{srv.url} loaded other weight files than {nvfp4_copy} has now (model.safetensors: modified since "
+        assert (f"{srv.url} loaded other files than {nvfp4_copy} has now (model.safetensors: modified since "
                 f"it was loaded (mtime_ns {st.st_mtime_ns}, now {st.st_mtime_ns + 5_000_000_000})); restart the "
                 f"server on OUT") in r.output, r.output
         assert time.monotonic() - t0 < 10  # before the reference model loads
 
         loaded = json.loads(urllib.request.urlopen(srv.url + "/v1/models", timeout=10).read())["data"][0]
-        assert loaded["g4_weight_files"] == weight_file_stats(nvfp4_copy)  # unchanged now: the same files
+        assert loaded["g4_served_files"] == served_file_stats(nvfp4_copy)  # unchanged now: the same files
         (nvfp4_copy / "model-00002-of-00002.safetensors").write_bytes(shard.read_bytes()[:64])
         try:  # a file OUT has now that the server never loaded
             r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url)
         finally:
             (nvfp4_copy / "model-00002-of-00002.safetensors").unlink()
         assert r.exit_code == 2 and "(model-00002-of-00002.safetensors: in OUT now, not loaded)" in r.output, r.output
+        gen = nvfp4_copy / "generation_config.json"  # not a weight, but it changes the answers (stop ids)
+        gst = gen.stat()
+        os.utime(gen, ns=(gst.st_atime_ns, gst.st_mtime_ns + 1))
+        try:
+            r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url)
+        finally:
+            os.utime(gen, ns=(gst.st_atime_ns, gst.st_mtime_ns))
+        assert r.exit_code == 2 and "(generation_config.json: modified since it was loaded" in r.output, r.output
     assert report_bytes(nvfp4_copy) == before
 
 
@@ -211,10 +219,10 @@ def paris_reference():
 
 
 def test_check_with_url_refuses_a_relative_root_and_a_short_context(nvfp4_copy):
-    from g4.serve.engine import weight_file_stats
+    from g4.serve.engine import served_file_stats
 
     entry = {"id": "tiny", "object": "model", "created": 0, "owned_by": "g4-cpu", "root": nvfp4_copy.name,
-             "max_model_len": 2048, "g4_weight_files": weight_file_stats(nvfp4_copy)}
+             "max_model_len": 2048, "g4_served_files": served_file_stats(nvfp4_copy)}
     prompts = nvfp4_copy.parent / "paris.txt"
     prompts.write_text("What is the capital of France?\n")
     with StandIn(entry) as srv:  # what g4serve reported before roots were absolute
@@ -236,7 +244,7 @@ def test_check_with_url_stops_with_one_line_when_the_server_fails_mid_check(nvfp
     """A server that dies (or answers 500) after the listing: exit 2 naming the request and
     the URL, not a traceback and not a FAIL (exit 1); verification.json is left alone."""
     import g4.serve.check as check
-    from g4.serve.engine import weight_file_stats
+    from g4.serve.engine import served_file_stats
 
     args, ref = paris_reference
 
@@ -246,7 +254,7 @@ def test_check_with_url_stops_with_one_line_when_the_server_fails_mid_check(nvfp
 
     monkeypatch.setattr(check, "reference_replies", cached_reference)
     entry = {"id": "tiny", "object": "model", "created": 0, "owned_by": "g4-cpu", "root": str(nvfp4_copy.resolve()),
-             "max_model_len": 2048, "g4_weight_files": weight_file_stats(nvfp4_copy)}
+             "max_model_len": 2048, "g4_served_files": served_file_stats(nvfp4_copy)}
     prompts = nvfp4_copy.parent / "paris.txt"
     prompts.write_text("What is the capital of France?\n")
     before = report_bytes(nvfp4_copy)

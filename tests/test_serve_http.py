@@ -142,6 +142,11 @@ BAD_REQUESTS = [
     ({"messages": FRANCE, "best_of": 2}, 400, "best_of", None),
     ({"messages": FRANCE, "echo": True}, 400, "echo", None),
     ({"messages": FRANCE, "top_logprobs": 3}, 400, "top_logprobs", None),
+    # fields this server does not know are refused, as OpenAI's API does (vLLM's, OpenAI's newer ones)
+    ({"messages": FRANCE, "bad_words": ["Paris"]}, 400, "bad_words", None),
+    ({"messages": FRANCE, "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    ({"messages": FRANCE, "add_generation_prompt": False}, 400, "add_generation_prompt", None),
+    ({"messages": FRANCE, "reasoning_effort": "low"}, 400, "reasoning_effort", None),
     ("[" * 100_000 + "]" * 100_000, 400, None, "invalid_json"),
 ]
 
@@ -161,7 +166,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, bod
 def test_the_refusable_fields_at_their_harmless_values_are_accepted(client):
     r = chat(client, logprobs=False, tools=[], response_format={"type": "text"}, temperature=0, max_tokens=8,
              chat_template_kwargs={"enable_thinking": False}, tool_choice="auto", logit_bias={}, presence_penalty=0,
-             frequency_penalty=0.0, best_of=1, echo=False, user="u1", return_token_ids=True)
+             frequency_penalty=0.0, best_of=1, echo=False, user="u1", metadata={"k": "v"}, store=False,
+             return_token_ids=True)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
     # null is "not given", as the OpenAI API has it
     r = chat(client, stream=None, n=None, max_tokens=None, seed=None, stop=None, top_p=None,
@@ -316,11 +322,46 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation():
     worker.stop()
 
 
-@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGINT", "SIGINT"]])
-def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(signals):
+def test_a_non_streaming_client_that_leaves_while_queued_ends_its_request():
+    """Its job is skipped, and its request handler ends too (it used to wait forever for events
+    of a job that never ran: a task and its memory per such client, until shutdown)."""
+    import socket
+
+    from test_serve_worker import WAIT_S, SlowEngine
+
+    engine = SlowEngine(cpu_engine("nvfp4").tokenizer)
+    app = create_app(engine, served_model_name=MODEL)
+    worker = app.state.worker
+    body = json.dumps({"messages": FRANCE, "max_tokens": 200}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with BackgroundServer(app) as srv:
+        running = socket.create_connection((srv.host, srv.port))
+        running.sendall(request)
+        assert engine.at_gate.wait(WAIT_S)  # the first request is generating
+        for _ in range(5):  # five more queue behind it, then leave
+            with socket.create_connection((srv.host, srv.port)) as s:
+                s.sendall(request)
+                deadline = time.monotonic() + WAIT_S
+                while worker.waiting == 0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+        tasks = srv.server.server_state.tasks  # uvicorn's open request tasks
+        deadline = time.monotonic() + WAIT_S
+        while worker.waiting or len(tasks) > 1:  # only the running request is left
+            assert time.monotonic() < deadline, (worker.waiting, len(tasks))
+            time.sleep(0.01)
+        running.close()
+        engine.gate.set()
+    worker.stop()
+
+
+@pytest.mark.parametrize("signals, drain_s", [(["SIGTERM"], 0), (["SIGINT", "SIGINT"], 5)])
+def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(signals, drain_s):
     """`g4serve` as a process: one client sent half a body and stalls, 30 others are generating or
-    queued. SIGTERM drains for --shutdown-timeout then cancels; a second Ctrl-C cancels at
-    once. Either way: "stopped", exit code 0, no abort from a torch kernel at exit."""
+    queued. SIGTERM drains for --shutdown-timeout (0 here), then answers what is left with an
+    OpenAI-style 503; a second Ctrl-C cuts short at once. Either way: "stopped", exit code 0,
+    no abort from a torch kernel at exit, no traceback per cancelled request in the log."""
     import signal
     import socket
     import subprocess
@@ -332,7 +373,7 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", "from g4.serve.cli import main; main()", str(EMBEDDED_DIR),
-                             "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", "2"],
+                             "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", str(drain_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -353,6 +394,8 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
             try:
                 c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}], max_tokens=64)
                 outcome.append("answered")
+            except openai.APIStatusError as e:
+                outcome.append((e.status_code, (e.body or {}).get("code") if isinstance(e.body, dict) else e.body))
             except openai.OpenAIError as e:
                 outcome.append(type(e).__name__)
 
@@ -378,6 +421,9 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
     assert "terminate called" not in out and took < 20, (took, out)
     # every client got an end (an answer, an error or a closed connection)
     assert not any(t.is_alive() for t in threads) and len(outcome) == len(questions)
+    assert "Traceback" not in out, out
+    if signals == ["SIGTERM"]:  # an orderly end: an answer, or a 503 worker_stopped, never a cut connection
+        assert set(outcome) <= {"answered", (503, "worker_stopped")} and (503, "worker_stopped") in outcome, outcome
 
 
 def test_a_client_that_leaves_mid_body_is_not_logged_as_a_server_error(caplog):

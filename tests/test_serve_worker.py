@@ -199,3 +199,24 @@ def test_stop_cancels_the_running_job_and_answers_the_queued_ones(tokenizer):
         assert kind == "error" and (err.status, err.code) == (503, "worker_stopped")
     assert engine.steps < 10  # the running job stopped at its next token, the queued ones never ran
     assert not worker.alive
+
+
+def test_jobs_whose_clients_left_do_not_hold_queue_slots(engine):
+    worker = GenerationWorker(engine, max_queue=2)
+    engine.gate.clear()
+    loop = asyncio.new_event_loop()
+    worker.submit(new_job(loop))
+    assert engine.started.wait(WAIT_S)
+    left = [new_job(loop), new_job(loop)]
+    for j in left:
+        worker.submit(j)
+    for j in left:
+        j.cancelled.set()  # their clients disconnected while queued
+    assert worker.waiting == 0
+    worker.submit(new_job(loop))  # accepted: the two cancelled jobs gave their slots back
+    assert worker.waiting == 1
+    engine.gate.set()
+    worker.close()
+    worker.thread.join(WAIT_S)
+    assert not worker.thread.is_alive()
+    loop.close()
