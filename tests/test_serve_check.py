@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from test_serve_fixtures import cpu_app, embedded_result
+from test_serve_fixtures import cpu_app, embedded_result, start_g4serve
 
 from g4.serve.check import STOP, agreement, free_port, normalise_ids
 from g4.serve.cli import main
@@ -365,22 +365,9 @@ def test_check_user_errors(nvfp4_copy, tmp_path):
 def test_serve_cli_in_a_subprocess(nvfp4_copy):
     """`g4serve OUT --port P` as a user runs it: says which backend and why, answers Paris,
     stops cleanly on SIGTERM; a port in use is a one-line error."""
-    port = free_port()
     exe = [sys.executable, "-c", "from g4.serve.cli import main; main()"]
-    proc = subprocess.Popen(exe + [str(nvfp4_copy), "--port", str(port), "--served-model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = start_g4serve(str(nvfp4_copy), "--served-model-name", "tiny")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is the capital "
                                                                "of France?"}], temperature=0)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import atexit
 import functools
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -79,3 +83,24 @@ class ScriptedEngine(Engine):
 
     def step(self, state, token):
         return state + 1, self._logits(state + 1)
+
+
+def start_g4serve(*args: str, timeout_s: float = 120) -> tuple[subprocess.Popen, int]:
+    """``g4serve <args> --port P`` as a user runs it (a separate process, stdout and stderr
+    merged into ``proc.stdout``), once ``/health`` answers; returns ``(proc, P)``."""
+    from g4.serve.check import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from g4.serve.cli import main; main()", *args,
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return proc, port
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"g4serve {' '.join(args)} did not answer /health in {timeout_s} s") from None
+            time.sleep(0.2)

@@ -364,27 +364,13 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
     no abort from a torch kernel at exit, no traceback per cancelled request in the log."""
     import signal
     import socket
-    import subprocess
-    import sys
-    import urllib.request
+
+    from test_serve_fixtures import start_g4serve
 
     from g4.convert.embedded_model import EMBEDDED_DIR
-    from g4.serve.check import free_port
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from g4.serve.cli import main; main()", str(EMBEDDED_DIR),
-                             "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", str(drain_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port = start_g4serve(str(EMBEDDED_DIR), "--served-model-name", "tiny", "--shutdown-timeout", str(drain_s))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
         stalled = socket.create_connection(("127.0.0.1", port))
         stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 46\r\n\r\n{\"messages\"")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
