@@ -172,8 +172,9 @@ def unsupported(req: ChatRequest) -> APIError | None:
     field of :data:`_NO_OP_VALUES` set to anything else, a ``response_format`` other than text,
     or a field this server does not know (vLLM's ``bad_words``, ``guided_json``, OpenAI's
     ``reasoning_effort`` ...) and that is not in :data:`IGNORED_FIELDS`."""
-    for name in sorted(set(req.model_extra or {}) - IGNORED_FIELDS):
-        return APIError(400, f"{name} is not supported by this server", param=name)
+    unknown = sorted(set(req.model_extra or {}) - IGNORED_FIELDS)
+    if unknown:
+        return APIError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
     for name, no_op in _NO_OP_VALUES.items():
         value = getattr(req, name)
         if value is not None and value not in no_op:
