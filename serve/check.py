@@ -156,15 +156,15 @@ def check_url(url: str) -> str:
 
 
 def out_context(out: Path) -> int:
-    """Tokens of context (prompt plus reply) OUT's engine allows: ``max_position_embeddings``
-    of ``OUT/config.json`` (``text_config`` first), 2048 when absent, as
-    :class:`g4.serve.engine.Engine` reads it."""
+    """Tokens of context (prompt plus reply) OUT's engine allows, read as
+    :class:`g4.serve.engine.Engine` reads it (:func:`g4.serve.engine.max_context`)."""
+    from .engine import max_context
+
     try:
         config = json.loads((Path(out) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    text = config.get("text_config") or config
-    return int(text.get("max_position_embeddings") or 2048)
+    return max_context(config)
 
 
 def prompt_lengths(tokenizer, prompts: list[str], labels: list[str]) -> list[int]:

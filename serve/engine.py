@@ -132,7 +132,7 @@ class Engine:
                         "or incomplete)", self.path, eos, end_of_turn)
             eos = [*eos, end_of_turn]
         self.stop_ids = frozenset(int(i) for i in eos)
-        self.max_context = int(text.get("max_position_embeddings") or 2048)
+        self.max_context = max_context(config)
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
 
     def start(self, prompt_ids: list[int]):
@@ -200,6 +200,13 @@ class EmulatorEngine(Engine):
 
 def _read_json_if(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def max_context(config: dict) -> int:
+    """Tokens of context (prompt plus reply) of a checkpoint's parsed ``config.json``:
+    ``max_position_embeddings`` (``text_config`` first), 2048 when absent."""
+    text = config.get("text_config") or config
+    return int(text.get("max_position_embeddings") or 2048)
 
 
 def load_tokenizer(path: Path):
