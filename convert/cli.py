@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .errors import G4Error, exit_on_user_error
+from .errors import G4Error, exit_on_user_error, raise_terminated
 from .plan import plan
 
 EMBEDDED = "embedded"
@@ -39,10 +39,6 @@ def _check_size(ctx, param, value: str) -> str:
     except ValueError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
     return value
-
-
-def _terminate(signum, frame):
-    raise KeyboardInterrupt
 
 
 # --- Hub publishing on the conversion commands (convert/push.py) ---
@@ -98,7 +94,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
-    signal.signal(signal.SIGTERM, _terminate)  # clean up partial outputs on kill as on Ctrl-C
+    signal.signal(signal.SIGTERM, raise_terminated)  # clean up partial outputs on kill as on Ctrl-C (exit 143)
     if quiet:  # read by transformers / huggingface_hub when they are first imported
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

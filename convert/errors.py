@@ -4,6 +4,7 @@ The CLI prints ``error: <message>`` and exits with status 2 for any :class:`G4Er
 """
 
 import functools
+import signal
 import sys
 
 
@@ -26,10 +27,25 @@ class ExportError(G4Error, ValueError):
     """The output would be invalid (non-finite scales, inconsistent metadata) or cannot be placed."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by :func:`raise_terminated`; a KeyboardInterrupt so that everything
+    that cleans up after Ctrl-C cleans up after it too."""
+
+
+def raise_terminated(signum, frame):
+    """Signal handler for SIGTERM (``signal.signal(signal.SIGTERM, raise_terminated)``).
+
+    Raises:
+        Terminated: always, in the main thread.
+    """
+    raise Terminated
+
+
 def exit_on_user_error(fn):
     """Decorator for CLI commands: a :class:`G4Error` prints ``error: <message>`` (one line)
-    on stderr and exits with status 2; Ctrl-C exits with 130 (outputs are only ever
-    renamed into place when complete, so nothing partial is left)."""
+    on stderr and exits with status 2; Ctrl-C exits with 130 and SIGTERM (with
+    :func:`raise_terminated` installed) with 143, 128 + the signal number as shells report
+    it (outputs are only ever renamed into place when complete, so nothing partial is left)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -44,8 +60,10 @@ def exit_on_user_error(fn):
             where = f"{e.filename}: " if getattr(e, "filename", None) else ""
             click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted; nothing was written to OUT", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+            click.echo(f"{'terminated' if sig == signal.SIGTERM else 'interrupted'}; nothing was written to OUT",
+                       err=True)
+            sys.exit(128 + sig)
 
     return wrapper

@@ -1,7 +1,10 @@
 """The g4convert command line: exit codes and one-line errors."""
 
+import os
 import shutil
+import signal
 
+import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -52,3 +55,18 @@ def test_disk_space_is_checked_before_writing(tiny_mm, tmp_path, monkeypatch):
 def test_weight_only_rejects_calibration_options(tiny_mm, tmp_path):
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--calib-samples", "4")
     assert r.exit_code == 2 and "--weight-only does not calibrate" in r.output
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_exits_130_sigterm_143_and_nothing_is_left(tiny_mm, tmp_path, monkeypatch, sig, code):
+    from g4.convert import nvfp4
+
+    monkeypatch.setattr(nvfp4, "copy_side_files", lambda *a: os.kill(os.getpid(), sig))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert r.exit_code == code and "nothing was written to OUT" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
