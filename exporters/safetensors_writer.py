@@ -12,13 +12,21 @@ little-endian data). Index format: transformers' ``model.safetensors.index.json`
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import json
+import logging
 import math
 import os
 import re
+import secrets
 import shutil
+import signal
+import sys
+import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +34,8 @@ import torch
 
 from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SINGLE_NAME
 from g4.convert.errors import ExportError
+
+log = logging.getLogger(__name__)
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -194,22 +204,213 @@ def _is_g4_output(path: Path) -> bool:
     return False
 
 
-def _pid_alive(pid: int) -> bool:
+def _replaceable(path: Path) -> bool:
+    """What --overwrite may replace: a real directory that is empty or a g4 result."""
+    return not path.is_symlink() and path.is_dir() and (not any(path.iterdir()) or _is_g4_output(path))
+
+
+# --- renames that never replace what they did not check (Linux renameat2(2)) ---
+_AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28, musl >= 1.2.3
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()  # None where missing: the callers below fall back
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2(src, dst, flags); False where libc, kernel or file system lack it.
+
+    Raises:
+        OSError: the rename failed (FileExistsError: ``dst`` exists, with RENAME_NOREPLACE).
+    """
+    if _renameat2 is None:
         return False
-    except PermissionError:
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
         return True
-    return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # no such call, or the file system lacks the flag
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
 
 
-def _remove_stale_partials(out: Path) -> None:
-    """Remove ``.OUT.partial-<pid>`` dirs left by runs that were killed (SIGKILL, power loss)."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename directory ``src`` to ``dst`` unless something is at ``dst`` (that is never touched).
+
+    Atomic with renameat2(RENAME_NOREPLACE). Without it, ``dst`` is first claimed with mkdir
+    (which fails when anything is there) and ``src`` renamed onto that empty directory of ours:
+    a plain rename would silently replace an empty directory someone else had just made.
+
+    Raises:
+        FileExistsError: something is at ``dst``.
+        OSError: any other reason the rename failed.
+    """
+    if _rename2(src, dst, _RENAME_NOREPLACE):
+        return
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        with suppress(OSError):
+            os.rmdir(dst)  # ours and empty; rmdir never removes what someone has put in it meanwhile
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(errno.EEXIST, "appeared meanwhile", str(dst)) from e
+        raise
+
+
+def _lock(path: Path) -> int | None:
+    """Open directory ``path`` and take an exclusive flock on it without waiting.
+
+    A run holds the lock on its partial directory (and, with --overwrite, on the OUT it will
+    replace) while it lives; the kernel drops it when the process dies, however it dies. So a
+    lock that can be taken means no live run owns the directory, whatever its name's pid says
+    (pids are reused, and differ between containers sharing a file system).
+
+    Returns:
+        the open descriptor (close it to release), or None when a live process holds the lock.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while directories are swapped (they arrive right after), so a
+    signal never lands between two renames and leaves OUT missing."""
+    if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread only
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _new_partial(out: Path) -> tuple[Path, int]:
+    """Create and lock ``.OUT.partial-<pid>-<random>`` beside ``out``: (path, lock descriptor)."""
+    for _ in range(10):
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            fd = _lock(tmp)
+        except (FileExistsError, FileNotFoundError):
+            continue
+        if fd is None:  # another run's clean-up took it for stale in the instant before our lock: try again
+            continue
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise ExportError(f"{out.parent}: cannot create a temporary directory for OUT")
+
+
+def _clean_up_after_killed_runs(out: Path) -> None:
+    """Deal with what runs killed outright (SIGKILL, power loss) left beside ``out``, logging a
+    line (warning) for each: ``.OUT.partial-*`` (an unfinished result) is removed;
+    ``.OUT.old-*`` (a g4 result that an --overwrite run without renameat2 had moved aside for
+    the moment of the swap) is put back at ``out`` when ``out`` is missing, else removed if it
+    is still empty or a g4 result, else left alone. Directories a live run holds locked
+    (:func:`_lock`) are skipped."""
+    for p in [*sorted(out.parent.glob(f".{out.name}.partial-*")), *sorted(out.parent.glob(f".{out.name}.old-*"))]:
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = _lock(p)
+        except OSError:
+            continue
+        if fd is None:
+            continue
+        try:
+            if p.name.startswith(f".{out.name}.partial-"):
+                shutil.rmtree(p, ignore_errors=True)
+                log.warning("removed %s: the unfinished output of a g4 run that was killed", p)
+            elif not os.path.lexists(out):
+                _rename_noreplace(p, out)
+                log.warning("restored %s from %s, where a killed g4 --overwrite run had moved it", out, p)
+            elif _replaceable(p):
+                shutil.rmtree(p, ignore_errors=True)
+                log.warning("removed %s: the result a killed g4 --overwrite run had replaced", p)
+        except OSError as e:
+            log.warning("%s: left as it is (%s)", p, e.strerror or e)
+        finally:
+            os.close(fd)
+
+
+def _keep_beside(tmp: Path, out: Path) -> Path:
+    """Move the finished result from its hidden temporary name to ``OUT.new-<pid>`` (or
+    ``OUT.new-<pid>-<n>``), which no clean-up ever removes; returns where it is."""
+    for n in range(100):
+        kept = out.with_name(f"{out.name}.new-{os.getpid()}" + (f"-{n}" if n else ""))
+        try:
+            _rename_noreplace(tmp, kept)
+            return kept
+        except FileExistsError:
+            continue
+    return tmp
+
+
+def _place(tmp: Path, out: Path, held: int | None) -> str | None:
+    """Rename the finished ``tmp`` to ``out``. ``held``: the locked descriptor of the directory
+    that was at ``out`` at the start (validated then, --overwrite), else None.
+
+    That directory is replaced only if it is still the one found at the start (same inode),
+    still empty or a g4 result, checked on what was actually moved out of the way; anything else
+    at ``out`` is left untouched. Returns None when placed, else what is wrong (``tmp`` is then
+    still the finished result).
+    """
+    appeared = "appeared while this run was converting (another run, a user or a script made it)"
+    if held is None or not os.path.lexists(out):
+        try:
+            _rename_noreplace(tmp, out)
+        except FileExistsError:
+            return appeared
+        return None
+    found = os.fstat(held)
+
+    def still_ours(p: Path) -> bool:
+        try:
+            return os.path.samestat(os.stat(p, follow_symlinks=False), found) and _replaceable(p)
+        except OSError:
+            return False
+
+    changed = "was replaced or changed while this run was converting and is not the g4 result --overwrite was given"
+    if not still_ours(out):
+        return changed
+    if _rename2(tmp, out, _RENAME_EXCHANGE):  # atomic swap: out is never missing
+        if still_ours(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
+        _rename2(tmp, out, _RENAME_EXCHANGE)  # swap back: never delete what was not checked
+        return changed
+    aside = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(out, aside)
+    if not still_ours(aside):
+        _rename_noreplace(aside, out)
+        return changed
+    try:
+        _rename_noreplace(tmp, out)
+    except FileExistsError:
+        return f"{appeared}; the previous result is in {aside}"
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
 
 
 @contextmanager
@@ -218,20 +419,26 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and an existing ``out`` is
-    untouched. With ``overwrite``, an existing ``out`` is replaced only after the new
-    result is complete (moved aside, new one renamed in, old one deleted), and only if it
-    is empty or a previous g4 result.
+    untouched. The final rename never replaces anything that was not checked: a directory
+    that appears at ``out`` while the body runs (another run, a user) is left alone and the
+    finished result is kept beside it as ``OUT.new-<pid>`` (named in the ExportError). With
+    ``overwrite``, an existing ``out`` is replaced only after the new result is complete, only
+    if it is empty or a previous g4 result, and only if it is still that same directory at the
+    end (atomic swap, then the old one is deleted). Partial and set-aside directories of
+    killed runs are cleaned up first (:func:`_clean_up_after_killed_runs`, one log line each).
 
     Args:
-        sources: input directories; ``out`` may be neither one of them nor contain one.
+        sources: input directories; ``out`` may be neither one of them, nor inside one, nor
+            contain one.
         need_bytes: bytes the result will take; refused up front if the file system of
             ``out`` has less free space (the old ``out`` is kept until the end, so it
             does not count as free).
 
     Raises:
-        ExportError: ``out`` exists without ``overwrite``; ``out`` is or contains a source
-            or the working directory; ``out`` exists, is not empty and is not a g4 result;
-            its parent is missing; not enough free disk space.
+        ExportError: ``out`` exists without ``overwrite``; ``out`` is, is inside or contains a
+            source, or is or contains the working directory; ``out`` exists, is not empty and is
+            not a g4 result; another run is replacing it; its parent is missing; not enough free
+            disk space; at the end, ``out`` appeared or changed meanwhile (result kept beside).
     """
     out = Path(out).absolute()
     resolved = out.resolve()
@@ -239,35 +446,46 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     for what, path in [*guarded, ("the working directory", Path.cwd().resolve())]:
         if path == resolved or resolved in path.parents:
             raise ExportError(f"{out}: OUT would replace {what}; choose another OUT")
+    for what, path in guarded:
+        if path in resolved.parents:
+            raise ExportError(f"{out}: OUT is inside {what} and would be written into it; choose an OUT outside it")
     if out.is_symlink():
         raise ExportError(f"{out}: is a symbolic link (to {out.resolve()}); give the real path as OUT")
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_g4_output(out))):
-        raise ExportError(f"{out}: exists and is not a g4 result; --overwrite only replaces g4 results "
-                          "(remove it yourself if you mean it)")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: parent directory of OUT does not exist")
-    _remove_stale_partials(out)
+    _clean_up_after_killed_runs(out)
+    if os.path.lexists(out) and not overwrite:
+        raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
+    if os.path.lexists(out) and not _replaceable(out):
+        raise ExportError(f"{out}: exists and is not a g4 result; --overwrite only replaces g4 results "
+                          "(remove it yourself if you mean it)")
     free = shutil.disk_usage(out.parent).free
     if need_bytes > free:
         raise ExportError(f"{out.parent}: {free / 1e9:.2f} GB free, the result needs {need_bytes / 1e9:.2f} GB")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    held = _lock(out) if os.path.lexists(out) else None
+    if os.path.lexists(out) and held is None:
+        raise ExportError(f"{out}: another g4 run is replacing it; wait for that run to finish")
     try:
-        yield tmp
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"{out}: cannot write the result: {e.strerror or e}") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+        tmp, tmp_lock = _new_partial(out)
+        try:
+            try:
+                yield tmp
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ExportError(f"{out}: cannot write the result: {e.strerror or e}") from e
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            with _signals_held():
+                try:
+                    problem = _place(tmp, out, held)
+                except OSError as e:
+                    problem = f"cannot be replaced ({e.strerror or e})"
+                kept = _keep_beside(tmp, out) if problem else None
+        finally:
+            os.close(tmp_lock)
+    finally:
+        if held is not None:
+            os.close(held)
+    if problem:
+        raise ExportError(f"{out}: {problem}; it was left untouched and the finished result is in {kept}")

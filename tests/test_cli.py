@@ -3,6 +3,7 @@
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -57,6 +58,28 @@ def test_weight_only_rejects_calibration_options(tiny_mm, tmp_path):
     assert r.exit_code == 2 and "--weight-only does not calibrate" in r.output
 
 
+def test_out_appearing_during_a_conversion_is_kept_and_the_result_named(tiny_mm, tmp_path, monkeypatch):
+    """Someone makes OUT while g4convert works: exit 2, one error line, their file intact, the
+    finished result beside OUT under the name the message gives."""
+    from g4.convert import nvfp4
+
+    out = tmp_path / "o"
+    copy_side_files = nvfp4.copy_side_files
+
+    def meanwhile(*args):
+        out.mkdir()
+        (out / "mine.txt").write_text("user's")
+        copy_side_files(*args)
+
+    monkeypatch.setattr(nvfp4, "copy_side_files", meanwhile)
+    r = run("nvfp4", str(tiny_mm), str(out), "--weight-only")
+    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "user's"
+    kept = r.output.strip().rsplit(" ", 1)[-1]
+    assert "appeared while this run was converting" in r.output and (Path(kept) / "hf_quant_config.json").is_file()
+    assert not list(tmp_path.glob(".o.*"))
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_exits_130_sigterm_143_and_nothing_is_left(tiny_mm, tmp_path, monkeypatch, sig, code):
     from g4.convert import nvfp4
@@ -70,3 +93,18 @@ def test_ctrl_c_exits_130_sigterm_143_and_nothing_is_left(tiny_mm, tmp_path, mon
     assert r.exit_code == code and "nothing was written to OUT" in r.output, r.output
     assert list(tmp_path.iterdir()) == []
 
+
+def test_out_inside_src_is_refused(tiny_mm, tmp_path, monkeypatch):
+    """OUT inside SRC would write into the source directory: refused for every converter, also
+    when it comes from the default OUT name with SRC as the working directory."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    before = sorted(p.name for p in src.iterdir())
+    for args in (["nvfp4", str(src), str(src / "sub" / ".." / "o"), "--weight-only"],
+                 ["int8-neuron", str(src), str(src / "o"), "--tp", "1"]):
+        r = run(*args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert f"OUT is inside SRC {src}" in r.output
+    monkeypatch.chdir(src)
+    r = run("nvfp4", ".", "--weight-only")
+    assert r.exit_code == 2 and "OUT is inside SRC" in r.output, r.output
+    assert sorted(p.name for p in src.iterdir()) == before

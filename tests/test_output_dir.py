@@ -1,0 +1,137 @@
+"""atomic_output_dir: the result is renamed into place only over what was checked; a user's
+files are never deleted, whatever appears at OUT while a run works."""
+
+import fcntl
+import json
+import logging
+import os
+import re
+
+import pytest
+
+from g4.convert.errors import ExportError
+from g4.exporters import safetensors_writer
+from g4.exporters.safetensors_writer import atomic_output_dir
+
+
+@pytest.fixture(params=["renameat2", "fallback"])
+def renames(request, monkeypatch):
+    """Each test runs with Linux renameat2 and with the fallback for systems without it."""
+    if request.param == "fallback":
+        monkeypatch.setattr(safetensors_writer, "_renameat2", None)
+    return request.param
+
+
+def g4_result(path, tag):
+    path.mkdir()
+    (path / "hf_quant_config.json").write_text(json.dumps({"converter": {"name": "g4"}, "tag": tag}))
+    return path
+
+
+def kept_path(message):
+    return re.search(r"the finished result is in (\S+)$", message).group(1)
+
+
+def leftovers(out):
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+@pytest.mark.parametrize("user_file", [True, False])
+def test_out_appearing_during_the_run_is_kept_and_the_result_kept_beside(tmp_path, renames, user_file):
+    """Without --overwrite, a directory made at OUT meanwhile (even an empty one, which a plain
+    rename would silently replace) stays as it is; the result is kept beside it, named."""
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="appeared while this run was converting") as e:
+        with atomic_output_dir(out) as tmp:
+            (tmp / "model.safetensors").write_text("new")
+            out.mkdir()
+            if user_file:
+                (out / "mine.txt").write_text("user's")
+    assert [p.name for p in out.iterdir()] == (["mine.txt"] if user_file else [])
+    kept = kept_path(str(e.value))
+    assert kept == str(tmp_path / f"out.new-{os.getpid()}")
+    assert (tmp_path / kept / "model.safetensors").read_text() == "new"
+    assert leftovers(out) == []
+
+
+def test_two_runs_to_one_out_the_second_to_finish_is_refused(tmp_path, renames):
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="appeared") as e:
+        with atomic_output_dir(out) as first:
+            (first / "model.safetensors").write_text("first")
+            with atomic_output_dir(out) as second:
+                (second / "model.safetensors").write_text("second")
+    assert (out / "model.safetensors").read_text() == "second"
+    assert (tmp_path / kept_path(str(e.value)) / "model.safetensors").read_text() == "first"
+    assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("change", ["user dir", "another g4 result", "markers removed"])
+def test_overwrite_replaces_only_the_g4_result_found_at_the_start(tmp_path, renames, change):
+    out = g4_result(tmp_path / "out", "old")
+    with pytest.raises(ExportError, match="was replaced or changed while this run was converting") as e:
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_text("new")
+            if change == "markers removed":
+                (out / "hf_quant_config.json").unlink()
+                (out / "mine.txt").write_text("user's")
+            else:
+                os.rename(out, tmp_path / "moved")
+                g4_result(out, "other") if change == "another g4 result" else out.mkdir()
+                (out / "mine.txt").write_text("user's")
+    assert (out / "mine.txt").read_text() == "user's"
+    assert (tmp_path / kept_path(str(e.value)) / "model.safetensors").read_text() == "new"
+    assert leftovers(out) == []
+
+
+def test_overwrite_swaps_in_the_new_result(tmp_path, renames):
+    out = g4_result(tmp_path / "out", "old")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "model.safetensors").write_text("new")
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert leftovers(out) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_second_overwrite_run_is_refused_while_the_first_works(tmp_path):
+    out = g4_result(tmp_path / "out", "old")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "model.safetensors").write_text("first")
+        with pytest.raises(ExportError, match="another g4 run is replacing it"):
+            with atomic_output_dir(out, overwrite=True):
+                pass
+    assert (out / "model.safetensors").read_text() == "first"
+
+
+def test_leftovers_of_killed_runs_go_by_their_lock_not_their_pid(tmp_path, caplog):
+    """A partial dir nobody holds is removed with a log line even when its pid now belongs to a
+    live process (pid reuse); one a live run holds locked stays even when its pid looks dead."""
+    out = tmp_path / "out"
+    reused = tmp_path / f".out.partial-{os.getppid()}"  # an old run's pid, taken since by a live process
+    reused.mkdir()
+    (reused / "model.safetensors").write_text("half")
+    live = tmp_path / ".out.partial-999999999-abcd"  # e.g. a run in another pid namespace
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+            with atomic_output_dir(out) as tmp:
+                (tmp / "model.safetensors").write_text("new")
+    finally:
+        os.close(fd)
+    assert not reused.exists() and live.is_dir()
+    assert f"removed {reused}: the unfinished output of a g4 run that was killed" in caplog.text
+    assert str(live) not in caplog.text
+
+
+def test_result_set_aside_by_a_killed_overwrite_run_is_restored(tmp_path, caplog):
+    """Killed between moving OUT aside and renaming the new result in (only possible without
+    renameat2, and only by SIGKILL): the next run puts the old result back, then refuses as usual."""
+    out = tmp_path / "out"
+    aside = g4_result(tmp_path / ".out.old-999999999-abcd", "old")
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+        with pytest.raises(ExportError, match="already exists"):
+            with atomic_output_dir(out):
+                pass
+    assert json.loads((out / "hf_quant_config.json").read_text())["tag"] == "old" and not aside.exists()
+    assert f"restored {out} from {aside}" in caplog.text
