@@ -268,16 +268,31 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
         raise
 
 
-def _lock(path: Path) -> int | None:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock(path: Path, *, owner: int | None = None) -> int | None:
     """Open directory ``path`` and take an exclusive flock on it without waiting.
 
     A run holds the lock on its partial directory (and, with --overwrite, on the OUT it will
     replace) while it lives; the kernel drops it when the process dies, however it dies. So a
     lock that can be taken means no live run owns the directory, whatever its name's pid says
-    (pids are reused, and differ between containers sharing a file system).
+    (pids are reused, and differ between containers sharing a file system). On a file system
+    without locks (some network mounts) the descriptor comes back unlocked, unless ``owner``
+    (the pid in the directory's name) is a live process: then, as if locked, None.
 
     Returns:
         the open descriptor (close it to release), or None when a live process holds the lock.
+
+    Raises:
+        OSError: ``path`` cannot be opened.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -285,6 +300,13 @@ def _lock(path: Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) or (
+                owner is not None and _pid_alive(owner)):
+            os.close(fd)
+            if owner is None:
+                raise
+            return None
     return fd
 
 
@@ -332,8 +354,9 @@ def _clean_up_after_killed_runs(out: Path) -> None:
     for p in [*sorted(out.parent.glob(f".{out.name}.partial-*")), *sorted(out.parent.glob(f".{out.name}.old-*"))]:
         if p.is_symlink() or not p.is_dir():
             continue
+        pid = p.name[len(out.name) + 2:].split("-")[1]  # .OUT.partial-<pid>-... / .OUT.old-<pid>-...
         try:
-            fd = _lock(p)
+            fd = _lock(p, owner=int(pid) if pid.isdigit() else None)
         except OSError:
             continue
         if fd is None:

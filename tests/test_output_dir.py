@@ -1,11 +1,13 @@
 """atomic_output_dir: the result is renamed into place only over what was checked; a user's
 files are never deleted, whatever appears at OUT while a run works."""
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,3 +137,20 @@ def test_result_set_aside_by_a_killed_overwrite_run_is_restored(tmp_path, caplog
                 pass
     assert json.loads((out / "hf_quant_config.json").read_text())["tag"] == "old" and not aside.exists()
     assert f"restored {out} from {aside}" in caplog.text
+
+
+def test_without_file_locks_the_pid_in_the_name_decides(tmp_path, monkeypatch, caplog):
+    """On a file system without flock (some network mounts) a run still works, and a leftover
+    is removed only when the pid in its name is not a live process."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(safetensors_writer, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
+    out = tmp_path / "out"
+    dead, live = tmp_path / ".out.partial-999999999-abcd", tmp_path / f".out.partial-{os.getppid()}-abcd"
+    dead.mkdir(), live.mkdir()
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+        with atomic_output_dir(out) as tmp:
+            (tmp / "model.safetensors").write_text("new")
+    assert (out / "model.safetensors").read_text() == "new"
+    assert not dead.exists() and live.is_dir() and f"removed {dead}" in caplog.text
