@@ -43,6 +43,11 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 DTYPE_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+# The one list of dtypes g4 reads as real source values (weights, norms, scalars). Anything else
+# in a source (float8, int8/uint8 codes, int4 packs in integer containers, bool, float64) is
+# refused: a real Gemma 4 checkpoint stores every tensor, buffers included, in BF16.
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,28 @@ def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]
     raise CheckpointError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
 
 
+def quantized_reason(root: str | Path, config: dict) -> str | None:
+    """Why the checkpoint at ``root`` (with ``config.json`` contents ``config``) is already
+    quantized, or None: a ``quantization_config`` at the top level or in ``text_config``
+    (its ``quant_method`` named), or an ``hf_quant_config.json`` beside it (its ``quant_algo``)."""
+    root = Path(root)
+    text = config.get("text_config")
+    for where, cfg in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
+        qc = cfg.get("quantization_config")
+        if qc:
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            named = f" (quant_method {method!r})" if method else ""
+            return f"{root / 'config.json'}: {where}quantization_config{named}"
+    hf_quant = root / HF_QUANT_CONFIG
+    if hf_quant.exists():
+        try:
+            algo = (json.loads(hf_quant.read_text()).get("quantization") or {}).get("quant_algo")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            algo = None
+        return f"{hf_quant}: present" + (f" (quant_algo {algo!r})" if algo else "")
+    return None
+
+
 class Checkpoint:
     """A Gemma 4 checkpoint directory opened lazily and validated up front.
 
@@ -195,21 +222,36 @@ class Checkpoint:
         shards: ``{shard name as written: resolved file}`` (:func:`read_index`); every
             read, hash and size of a shard goes through these paths.
 
+    Args (constructor):
+        root: the checkpoint directory.
+        source: open it as a conversion source (SRC of ``g4convert nvfp4``/``int8-neuron``/
+            ``plan``, ``--against`` of ``verify``/``g4serve check``): refuse an already
+            quantized checkpoint (:func:`quantized_reason`) and any tensor whose dtype is
+            not in :data:`SOURCE_DTYPES`. Results (OUT) are opened with ``source=False``.
+
     Raises (from the constructor):
         CheckpointError: missing/invalid config or not Gemma 4, no safetensors, an index
             that names a missing file or tensor or a shard outside ``root`` (absolute,
             ``..``), a shard tensor absent from the index, a duplicate tensor, or a
-            corrupt/truncated shard.
+            corrupt/truncated shard; with ``source``: an already quantized checkpoint, or
+            ``<shard>: tensor <name> is stored as <dtype>`` for a dtype g4 cannot read as values.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, source: bool = False):
         self.root = Path(root)
         if not self.root.is_dir():
             why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
             raise CheckpointError(f"{self.root}: {why} (SRC is a local Hugging Face checkpoint directory or 'embedded')")
         self.config = self._read_config()
+        if source:
+            why = quantized_reason(self.root, self.config)
+            if why:
+                raise CheckpointError(f"{why}: the checkpoint is already quantized; g4 converts unquantized "
+                                      "BF16/F16/F32 Gemma 4 checkpoints (use the original release weights)")
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
+        if source:
+            self._check_source_dtypes()
         self.prefix = self._detect_prefix()
         self._handles: dict[Path, object] = {}
 
@@ -254,6 +296,14 @@ class Checkpoint:
                 if name not in tensors:
                     raise CheckpointError(f"{index_path}: tensor {name} is indexed in {file} but that file does not hold it")
         return tensors
+
+    def _check_source_dtypes(self) -> None:
+        for name, info in self.tensors.items():
+            if info.dtype not in SOURCE_DTYPES:
+                ok = "/".join(DTYPE_TO_ST[d] for d in SOURCE_DTYPES)
+                raise CheckpointError(
+                    f"{self.root / info.file}: tensor {name} is stored as {DTYPE_TO_ST[info.dtype]}; g4 reads source "
+                    f"tensors as {ok} values only (quantized or integer-coded weights cannot be converted)")
 
     def _detect_prefix(self) -> str:
         if any(n.startswith("model.language_model.") for n in self.tensors):

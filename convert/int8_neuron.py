@@ -129,7 +129,7 @@ def convert_int8_neuron(
     from .plan import plan_memory
 
     t0 = time.perf_counter()
-    ckpt = Checkpoint(src)
+    ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
     plan = None
     if target is not None:

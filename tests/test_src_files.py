@@ -1,5 +1,5 @@
-"""g4 reads only what SRC holds: shard names inside SRC (checked = hashed = read), Hub-cache
-symlinks followed."""
+"""g4 reads only what SRC holds, as real values: shard names inside SRC (checked = hashed =
+read), Hub-cache symlinks followed, quantized or integer-coded sources refused up front."""
 
 import hashlib
 import json
@@ -12,8 +12,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from g4.convert.cli import main as g4convert
+from g4.serve.cli import main as g4serve
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+FP8_TENSOR = "model.language_model.layers.0.experts.down_proj"
+INT8_TENSOR = "model.language_model.layers.1.mlp.down_proj.weight"
 
 
 def run(*args):
@@ -139,3 +142,70 @@ def test_hub_cache_snapshot_of_symlinks_to_blobs_converts(two_shards, two_shards
     assert manifest["source"]["files"] == {f: sha256(two_shards / f) for f in SHARDS}
     assert_same_ranks(out, two_shards_int8)
     assert run("plan", src, "--format", "nvfp4").exit_code == 0
+
+
+# --------------------------------------------------------------------------- item 3: dtypes, quantized sources
+
+
+def retyped(tiny_mm, dst, name, dtype):
+    src = shutil.copytree(tiny_mm, dst)
+    sd = load_file(src / "model.safetensors")
+    t = sd[name].float()
+    sd[name] = (t / t.abs().max() * 127).round().to(dtype) if dtype in (torch.int8, torch.uint8) else t.to(dtype)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("name,dtype,st", [(FP8_TENSOR, torch.float8_e4m3fn, "F8_E4M3"),
+                                           (FP8_TENSOR, torch.float8_e5m2, "F8_E5M2"),
+                                           (INT8_TENSOR, torch.int8, "I8"),
+                                           (INT8_TENSOR, torch.uint8, "U8")])
+def test_source_tensor_of_a_non_value_dtype_is_refused(tiny_mm, tmp_path, name, dtype, st):
+    src = retyped(tiny_mm, tmp_path / "src", name, dtype)
+    says = f"{src / 'model.safetensors'}: tensor {name} is stored as {st}"
+    for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"],
+                 ["int8-neuron", src, tmp_path / "o2", "--tp", "2"],
+                 ["plan", src, "--format", "int8-neuron", "--tp", "2"]):
+        one_error_line(run(*args), says, "BF16/F16/F32")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("where", ["config", "text_config", "hf_quant_config"])
+def test_already_quantized_source_is_refused(tiny_mm, tmp_path, where):
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    if where == "config":
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        says = [f"{src / 'config.json'}: quantization_config (quant_method 'fp8')"]
+    elif where == "text_config":
+        config["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors"}
+        says = [f"{src / 'config.json'}: text_config.quantization_config (quant_method 'compressed-tensors')"]
+    else:
+        (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+        says = [f"{src / 'hf_quant_config.json'}: present (quant_algo 'FP8')"]
+    (src / "config.json").write_text(json.dumps(config))
+    for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"],
+                 ["int8-neuron", src, tmp_path / "o2", "--tp", "2"],
+                 ["plan", src, "--format", "int8-neuron", "--tp", "2"]):
+        one_error_line(run(*args), *says, "already quantized")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a16(tmp_path_factory, tiny_mm):
+    out = tmp_path_factory.mktemp("w4a16") / "out"
+    assert run("nvfp4", tiny_mm, out, "--weight-only").exit_code == 0
+    return out
+
+
+def test_verify_and_check_refuse_the_same_sources(tiny_mm, tiny_w4a16, tmp_path):
+    src = retyped(tiny_mm, tmp_path / "src", FP8_TENSOR, torch.float8_e4m3fn)
+    says = f"{src / 'model.safetensors'}: tensor {FP8_TENSOR} is stored as F8_E4M3"
+    one_error_line(run("verify", tiny_w4a16, "--against", src), says)
+    r = CliRunner().invoke(g4serve, ["check", str(tiny_w4a16), "--against", str(src)])
+    one_error_line(r, says)
+    assert not (tiny_w4a16 / "verification.json").exists()
+    quant = shutil.copytree(tiny_mm, tmp_path / "quant")
+    (quant / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    r = CliRunner().invoke(g4serve, ["check", str(tiny_w4a16), "--against", str(quant)])
+    one_error_line(r, f"{quant / 'hf_quant_config.json'}: present (quant_algo 'FP8')", "already quantized")
