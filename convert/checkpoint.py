@@ -15,7 +15,7 @@ import logging
 import math
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import safe_open
@@ -43,26 +43,43 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 DTYPE_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+# The one list of dtypes g4 reads as real source values (weights, norms, scalars). Anything else
+# in a source (float8, int8/uint8 codes, int4 packs in integer containers, bool, float64) is
+# refused: a real Gemma 4 checkpoint stores every tensor, buffers included, in BF16.
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Header facts of one stored tensor: file, dtype, shape and size in bytes."""
+    """Header facts of one stored tensor.
+
+    Attributes:
+        file: the shard's name as written in the index (relative to the checkpoint
+            directory), or ``model.safetensors``; for messages and manifests.
+        dtype, shape: as stored.
+        path: the shard file itself, symlinks resolved once: the file whose header was
+            checked, which is hashed and from which the tensor is read.
+    """
 
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    path: Path
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+def read_safetensors_header(path: Path, *, file: str | None = None, shown: Path | str | None = None
+                            ) -> dict[str, TensorInfo]:
     """Parse one safetensors file's header and check that its data section is complete.
 
     Args:
-        path: a ``.safetensors`` file.
+        path: a ``.safetensors`` file (read, and kept as ``TensorInfo.path``).
+        file: the name recorded as ``TensorInfo.file`` (default ``path.name``).
+        shown: how the file is named in error messages (default ``path``).
 
     Returns:
         ``{tensor name: TensorInfo}`` (no tensor data is read).
@@ -71,20 +88,21 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         CheckpointError: unreadable header, unknown dtype, or a data section that is
             truncated, overlapping or not fully covered (a corrupt or partial download).
     """
+    label, path = path if shown is None else shown, Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+                raise CheckpointError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
             n = int.from_bytes(head, "little")
             if n <= 0 or n > size - 8:
-                raise CheckpointError(f"{path}: corrupt safetensors header (length {n} for a {size}-byte file)")
+                raise CheckpointError(f"{label}: corrupt safetensors header (length {n} for a {size}-byte file)")
             header = json.loads(f.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+        raise CheckpointError(f"{label}: cannot read safetensors header: {e}") from e
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+        raise CheckpointError(f"{label}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     infos: dict[str, TensorInfo] = {}
     spans = []
@@ -94,13 +112,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             shape = tuple(int(d) for d in entry["shape"])
             start, end = (int(x) for x in entry["data_offsets"])
         except (TypeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {name} has a malformed header entry ({type(e).__name__}: {e})") from e
+            raise CheckpointError(f"{label}: tensor {name} has a malformed header entry ({type(e).__name__}: {e})") from e
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-        info = TensorInfo(path.name, dtype, shape)
+            raise CheckpointError(f"{label}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+        info = TensorInfo(file or path.name, dtype, shape, path)
         if end - start != info.nbytes:
             raise CheckpointError(
-                f"{path}: tensor {name} spans {end - start} bytes but {info.dtype} {list(info.shape)} needs {info.nbytes}"
+                f"{label}: tensor {name} spans {end - start} bytes but {info.dtype} {list(info.shape)} needs {info.nbytes}"
             )
         spans.append((start, end, name))
         infos[name] = info
@@ -108,13 +126,86 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     pos = 0
     for start, end, name in spans:
         if start != pos:
-            raise CheckpointError(f"{path}: tensor {name} starts at byte {start}, expected {pos} (corrupt header)")
+            raise CheckpointError(f"{label}: tensor {name} starts at byte {start}, expected {pos} (corrupt header)")
         pos = end
     if 8 + n + pos != size:
         raise CheckpointError(
-            f"{path}: file is {size} bytes but its header describes {8 + n + pos} (truncated or corrupt download)"
+            f"{label}: file is {size} bytes but its header describes {8 + n + pos} (truncated or corrupt download)"
         )
     return infos
+
+
+def _shard_path(root: Path, index_path: Path, file: str) -> Path:
+    """The file an index entry names, as every reader must use it (see :func:`read_index`)."""
+    posix, windows = PurePosixPath(file), PureWindowsPath(file)
+    if posix.is_absolute() or windows.drive or windows.root:
+        raise CheckpointError(f"{index_path}: names shard {file}, an absolute path; shard names must be relative "
+                              f"to the checkpoint directory {root}")
+    if ".." in windows.parts:  # PureWindowsPath splits on both / and \\
+        raise CheckpointError(f"{index_path}: names shard {file}, which has a '..' component; shard names must "
+                              f"stay inside the checkpoint directory {root}")
+    joined = root / file
+    if not joined.is_file():
+        raise CheckpointError(f"{index_path}: names shard {file}, which does not exist")
+    return joined.resolve(strict=True)
+
+
+def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]]:
+    """Which files hold a checkpoint's tensors: the one shard-name check every reader uses.
+
+    A shard is named in ``model.safetensors.index.json`` relative to ``root``, as Hugging
+    Face loaders join it: a plain relative name, subfolders allowed (``sub/x.safetensors``),
+    never an absolute path or a ``..`` component. The file itself may be a symlink to
+    anywhere (the Hub cache links every snapshot file to ``../../blobs/<sha256>``); it is
+    resolved here once, and that resolved path is the file whose header is checked, which
+    is hashed into manifests and which tensors are read from.
+
+    Returns:
+        (``weight_map`` of the index, or None for a single ``model.safetensors``;
+        ``{shard name as written: resolved path}``, sorted by name).
+
+    Raises:
+        CheckpointError: unreadable index, a shard name that is not a non-empty string, is
+            absolute or has a ``..`` component (naming the index and the shard), a missing
+            shard, or no safetensors weights at all.
+    """
+    root = Path(root)
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+        return weight_map, {file: _shard_path(root, index_path, file) for file in sorted(set(weight_map.values()))}
+    if (root / SINGLE_NAME).is_file():
+        return None, {SINGLE_NAME: (root / SINGLE_NAME).resolve(strict=True)}
+    pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+    hint = f" (found {pickles[0]}: pickle checkpoints are never loaded; convert them to safetensors)" if pickles else ""
+    raise CheckpointError(f"{root}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
+
+
+def quantized_reason(root: str | Path, config: dict) -> str | None:
+    """Why the checkpoint at ``root`` (with ``config.json`` contents ``config``) is already
+    quantized, or None: a ``quantization_config`` at the top level or in ``text_config``
+    (its ``quant_method`` named), or an ``hf_quant_config.json`` beside it (its ``quant_algo``)."""
+    root = Path(root)
+    text = config.get("text_config")
+    for where, cfg in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
+        qc = cfg.get("quantization_config")
+        if qc:
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            named = f" (quant_method {method!r})" if method else ""
+            return f"{root / 'config.json'}: {where}quantization_config{named}"
+    hf_quant = root / HF_QUANT_CONFIG
+    if hf_quant.exists():
+        try:
+            algo = (json.loads(hf_quant.read_text()).get("quantization") or {}).get("quant_algo")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            algo = None
+        return f"{hf_quant}: present" + (f" (quant_algo {algo!r})" if algo else "")
+    return None
 
 
 class Checkpoint:
@@ -128,23 +219,41 @@ class Checkpoint:
             multimodal layout (``Gemma4ForConditionalGeneration``) or ``"model."`` for the
             text-only one (``Gemma4ForCausalLM``).
         tensors: ``{name: TensorInfo}`` for every stored tensor.
+        shards: ``{shard name as written: resolved file}`` (:func:`read_index`); every
+            read, hash and size of a shard goes through these paths.
+
+    Args (constructor):
+        root: the checkpoint directory.
+        source: open it as a conversion source (SRC of ``g4convert nvfp4``/``int8-neuron``/
+            ``plan``, ``--against`` of ``verify``/``g4serve check``): refuse an already
+            quantized checkpoint (:func:`quantized_reason`) and any tensor whose dtype is
+            not in :data:`SOURCE_DTYPES`. Results (OUT) are opened with ``source=False``.
 
     Raises (from the constructor):
         CheckpointError: missing/invalid config or not Gemma 4, no safetensors, an index
-            that names a missing file or tensor, a shard tensor absent from the index,
-            a duplicate tensor, or a corrupt/truncated shard.
+            that names a missing file or tensor or a shard outside ``root`` (absolute,
+            ``..``), a shard tensor absent from the index, a duplicate tensor, or a
+            corrupt/truncated shard; with ``source``: an already quantized checkpoint, or
+            ``<shard>: tensor <name> is stored as <dtype>`` for a dtype g4 cannot read as values.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, source: bool = False):
         self.root = Path(root)
         if not self.root.is_dir():
             why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
             raise CheckpointError(f"{self.root}: {why} (SRC is a local Hugging Face checkpoint directory or 'embedded')")
         self.config = self._read_config()
+        if source:
+            why = quantized_reason(self.root, self.config)
+            if why:
+                raise CheckpointError(f"{why}: the checkpoint is already quantized; g4 converts unquantized "
+                                      "BF16/F16/F32 Gemma 4 checkpoints (use the original release weights)")
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
+        if source:
+            self._check_source_dtypes()
         self.prefix = self._detect_prefix()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[Path, object] = {}
 
     def _read_config(self) -> dict:
         path = self.root / "config.json"
@@ -170,38 +279,31 @@ class Checkpoint:
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
         index_path = self.root / INDEX_NAME
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
-            files = sorted(set(weight_map.values()))
-            for file in files:
-                if not (self.root / file).is_file():
-                    raise CheckpointError(f"{index_path}: names shard {file}, which does not exist")
-        elif (self.root / SINGLE_NAME).is_file():
-            weight_map, files = None, [SINGLE_NAME]
-        else:
-            pickles = sorted(p.name for p in self.root.glob("*.bin")) + sorted(p.name for p in self.root.glob("*.pt"))
-            hint = f" (found {pickles[0]}: pickle checkpoints are never loaded; convert them to safetensors)" if pickles else ""
-            raise CheckpointError(f"{self.root}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
+        weight_map, self.shards = read_index(self.root)
         tensors: dict[str, TensorInfo] = {}
-        for file in files:
-            for name, info in read_safetensors_header(self.root / file).items():
+        for file, path in self.shards.items():
+            shown = self.root / file
+            for name, info in read_safetensors_header(path, file=file, shown=shown).items():
                 if name in tensors:
-                    raise CheckpointError(f"{self.root / file}: tensor {name} also stored in {tensors[name].file}")
+                    raise CheckpointError(f"{shown}: tensor {name} also stored in {tensors[name].file}")
                 if weight_map is not None and weight_map.get(name) != file:
                     where = weight_map.get(name)
                     why = "is not in the index" if where is None else f"is indexed in {where}"
-                    raise CheckpointError(f"{self.root / file}: tensor {name} {why}")
+                    raise CheckpointError(f"{shown}: tensor {name} {why}")
                 tensors[name] = info
         if weight_map is not None:
             for name, file in weight_map.items():
                 if name not in tensors:
                     raise CheckpointError(f"{index_path}: tensor {name} is indexed in {file} but that file does not hold it")
         return tensors
+
+    def _check_source_dtypes(self) -> None:
+        for name, info in self.tensors.items():
+            if info.dtype not in SOURCE_DTYPES:
+                ok = "/".join(DTYPE_TO_ST[d] for d in SOURCE_DTYPES)
+                raise CheckpointError(
+                    f"{self.root / info.file}: tensor {name} is stored as {DTYPE_TO_ST[info.dtype]}; g4 reads source "
+                    f"tensors as {ok} values only (quantized or integer-coded weights cannot be converted)")
 
     def _detect_prefix(self) -> str:
         if any(n.startswith("model.language_model.") for n in self.tensors):
@@ -228,7 +330,7 @@ class Checkpoint:
         if info is None:
             raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
         try:
-            return self._handle(info.file).get_tensor(name)
+            return self._handle(info).get_tensor(name)
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
 
@@ -251,16 +353,16 @@ class Checkpoint:
             ``[..., H]`` tensor of the stored dtype.
         """
         info = self.tensors[name]
-        sl = self._handle(info.file).get_slice(name)
+        sl = self._handle(info).get_slice(name)
         unique, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
         table = torch.stack([sl[int(r) : int(r) + 1][0] for r in unique])
         return table[inverse].reshape(*rows.shape, info.shape[-1])
 
-    def _handle(self, file: str):
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = safe_open(str(self.root / file), framework="pt")
-            self._handles[file] = handle
+    def _handle(self, info: TensorInfo):
+        handle = self._handles.get(info.path)
+        if handle is None:  # the resolved shard whose header was checked, never a re-joined name
+            handle = safe_open(str(info.path), framework="pt")
+            self._handles[info.path] = handle
         return handle
 
     def close(self) -> None:

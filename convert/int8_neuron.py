@@ -129,7 +129,7 @@ def convert_int8_neuron(
     from .plan import plan_memory
 
     t0 = time.perf_counter()
-    ckpt = Checkpoint(src)
+    ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
     plan = None
     if target is not None:
@@ -147,7 +147,6 @@ def convert_int8_neuron(
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, embed_name)
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
-    source_files = sorted({i.file for i in ckpt.tensors.values()})
 
     need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
@@ -205,7 +204,7 @@ def convert_int8_neuron(
                           "replicated": g.kv_heads[L] < tp,
                           "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
                          for L in range(g.num_layers)],
-            "source": {"files": {f: file_sha256(ckpt.root / f) for f in source_files}, "prefix": ckpt.prefix},
+            "source": {"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
             "memory_plan": plan.to_dict() if plan is not None else None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

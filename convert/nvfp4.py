@@ -275,7 +275,7 @@ def convert_nvfp4(
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     parts = PRESETS[preset]
     max_shard_bytes = parse_size(max_shard_size)
-    ckpt = Checkpoint(src)
+    ckpt = Checkpoint(src, source=True)
     plans, model_keep, lm_head = plan_layers(ckpt, parts)
     specs = output_specs(ckpt, plans, model_keep, lm_head, with_input_scale=not weight_only)
     towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})

@@ -327,6 +327,10 @@ def _vision_params_meta(config_json: str) -> int:
     return sum(math.prod(t.shape) for m in modules for t in m.state_dict().values())
 
 
+def _has_weights(root: Path) -> bool:
+    return (root / "model.safetensors").is_file() or (root / "model.safetensors.index.json").is_file()
+
+
 def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int, str]:
     """Parameters of the vision tower plus ``embed_vision`` and where the count came from.
 
@@ -340,10 +344,10 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
         return 0, "no vision_config"
     if src_dir is not None:
         root = Path(src_dir)
-        if (root / "model.safetensors").is_file() or (root / "model.safetensors.index.json").is_file():
+        if _has_weights(root):
             from .checkpoint import Checkpoint
 
-            ckpt = Checkpoint(root)
+            ckpt = Checkpoint(root, source=True)
             n = sum(math.prod(info.shape) for name, info in ckpt.tensors.items()
                     if name.startswith(("model.vision_tower.", "model.embed_vision.")))
             return n, f"safetensors headers of {root}"
@@ -687,10 +691,14 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
 
     ``src`` is a checkpoint directory (its ``config.json``), a ``config.json`` path, a
     known model name (``gemma-4-26B-A4B``: the release config in ``convert/synth.py``; an
-    existing path of that name wins) or ``embedded`` (the package's tiny model).
+    existing path of that name wins) or ``embedded`` (the package's tiny model). A
+    directory holding weights is opened as a conversion source first (headers only), so
+    ``plan`` refuses what ``nvfp4`` and ``int8-neuron`` refuse.
 
     Raises:
         G4Error: none of those, or unreadable JSON.
+        CheckpointError: a directory with weights that the converters would refuse (shard
+            named outside it, already quantized, a tensor not BF16/F16/F32, corrupt shards).
     """
     if src in KNOWN_MODELS and not Path(src).exists():
         from .synth import PRESETS
@@ -707,6 +715,10 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
     if not file.is_file():
         raise G4Error(f"{src}: not a checkpoint directory, a config.json file or a known model "
                       f"({', '.join(KNOWN_MODELS)}, {EMBEDDED})")
+    if directory and _has_weights(directory):
+        from .checkpoint import Checkpoint
+
+        Checkpoint(directory, source=True)
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -119,12 +119,13 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
     Raises:
         CardError: unreadable source README front matter.
     """
+    from g4.convert.checkpoint import read_index
     from g4.convert.embedded_model import EMBEDDED_DIR
 
     tmp, src = Path(tmp), Path(src)
     config = json.loads((src / "config.json").read_text())
     embedded = src.resolve() == EMBEDDED_DIR.resolve()
-    files = _weight_files(src)
+    _, shards = read_index(src)  # the files the conversion read, as it resolved them
     text = config.get("text_config") or {}
     opts = {}
     for k, v in sorted(options.items()):
@@ -140,8 +141,8 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
         "source": {
             "name": "embedded" if embedded else src.resolve().name,
             "repo_id": None if embedded else source_repo_id(src, config),
-            "weight_files": files,
-            "weight_bytes": sum((src / f).stat().st_size for f in files),
+            "weight_files": list(shards),
+            "weight_bytes": sum(path.stat().st_size for path in shards.values()),
             "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
             "card": source_card_data(src),
         },

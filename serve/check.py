@@ -452,7 +452,8 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         The report (see the module docstring); ``report["passed"]`` says whether it passed.
 
     Raises:
-        G4Error: unreadable OUT/SRC or prompts, an empty or malformed ``url``, a prompt longer
+        G4Error: unreadable OUT/SRC or prompts, a SRC g4convert would refuse (already quantized, a
+            tensor not BF16/F16/F32, a shard named outside it), an empty or malformed ``url``, a prompt longer
             than OUT's context (checked before any model loads), a backend that cannot start,
             an unreachable ``url`` or one serving anything but OUT as it is now (another
             directory, a relative root, weight files changed since it loaded them), or a
@@ -461,13 +462,20 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     """
     import openai
 
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.errors import CheckpointError
+
     from .engine import choose_backend, load_tokenizer, served_file_stats
 
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
-    src_fmt = detect_format(src)
-    if src_fmt.format != "bf16":
+    try:  # a g4 result passed as the source: say so
+        src_fmt = detect_format(src)
+    except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
+        src_fmt = None
+    if src_fmt is not None and src_fmt.format != "bf16":
         raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
+    Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
     if not os.access(out, os.W_OK):
         raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
     base_url = check_url(url) if url is not None else None

@@ -144,7 +144,7 @@ def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
         CheckpointError: transformers would leave weights uninitialised (e.g. the
             pre-release ``moe.*`` expert names, which only g4's converter maps).
     """
-    cls = _model_class(Checkpoint(src).config)
+    cls = _model_class(Checkpoint(src, source=True).config)
     model, info = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager", output_loading_info=True)
     missing = [k for k in info.get("missing_keys", []) if k != "lm_head.weight"]
     if missing:
@@ -162,7 +162,7 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
-    model = _model_class(Checkpoint(src).config)(config).to(dtype).eval()
+    model = _model_class(Checkpoint(src, source=True).config)(config).to(dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
@@ -194,7 +194,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool) -> None:
     qc = out_cfg.get("quantization_config") or {}
     if qc.get("quant_method") != "modelopt" or qc.get("quant_algo") != "NVFP4":
         raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
-    src_cfg = Checkpoint(src).config
+    src_cfg = Checkpoint(src, source=True).config
     if {k: v for k, v in out_cfg.items() if k != "quantization_config"} != src_cfg:
         raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it converted from another "
                               "checkpoint? pass --against SRC")

@@ -270,16 +270,17 @@ def test_out_may_not_replace_src(tiny_mm, tmp_path):
     assert Checkpoint(src).tensors
 
 
-def test_only_side_files_travel_and_stale_metadata_is_not_copied(tiny_mm, tmp_path):
+def test_only_side_files_travel(tiny_mm, tmp_path):
+    # a source with an hf_quant_config.json is refused as already quantized (test_src_files.py)
     src = shutil.copytree(tiny_mm, tmp_path / "src")
-    stale = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "group_size": 128}}
-    (src / "hf_quant_config.json").write_text(json.dumps(stale))
+    (src / "trainer_state.json").write_text("{}")  # not on the allow-list
     (src / "model.gguf").write_bytes(b"GGUF")
     (src / "README.md").write_text("source card")
     out = tmp_path / "out"
     convert_nvfp4(src, out, weight_only=True, progress=False)
     assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
-    assert not (out / "model.gguf").exists() and "source card" not in (out / "README.md").read_text()  # our card, not theirs
+    assert not (out / "model.gguf").exists() and not (out / "trainer_state.json").exists()
+    assert "source card" not in (out / "README.md").read_text()  # our card, not theirs
 
 
 def test_tied_model_with_a_physical_lm_head_is_refused(tiny_mm, tmp_path):
