@@ -114,12 +114,15 @@ class ReplyParser:
             ends inside an open channel the reply starts in the reasoning state. Earlier turns
             do not count: a user who types ``<|channel>`` does not move the answer into
             ``reasoning_content``.
+        channels: False for plain text (text completions, no chat template): channel tokens are
+            dropped like every other control token and all text is ``content``.
     """
 
-    def __init__(self, tokenizer, control: ControlIds, prompt_ids: list[int] | None = None):
-        self.tokenizer, self.control = tokenizer, control
+    def __init__(self, tokenizer, control: ControlIds, prompt_ids: list[int] | None = None, *,
+                 channels: bool = True):
+        self.tokenizer, self.control, self.channels = tokenizer, control, channels
         self.state, self.segment = "content", _Segment("content")
-        if prompt_ids and control.channel_open is not None:
+        if channels and prompt_ids and control.channel_open is not None:
             starts = [i for i, t in enumerate(prompt_ids) if t == control.turn_open]
             tail = list(prompt_ids[starts[-1]:] if starts else prompt_ids)
             opens = [i for i, t in enumerate(tail) if t == control.channel_open]
@@ -151,7 +154,9 @@ class ReplyParser:
         c = self.control
         if t in c.special:
             out = self._flush(final=True)
-            if t == c.channel_open:
+            if not self.channels:
+                self.segment = _Segment("content")
+            elif t == c.channel_open:
                 self.state, self.segment = "header", _Segment("header")
             elif t == c.channel_close:
                 self.state, self.segment = "content", _Segment("content")

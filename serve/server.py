@@ -1,19 +1,25 @@
 """OpenAI-compatible HTTP front (FastAPI + uvicorn) for a g4 :class:`~g4.serve.engine.Engine`.
 
-Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
+Endpoints: ``POST /v1/chat/completions`` (the checkpoint's chat template, reasoning channel to
+``reasoning_content``) and ``POST /v1/completions`` (a text or token-id prompt, no template,
+plain text out), both as JSON or, with ``"stream": true``, SSE ending in ``data: [DONE]``
+(``stream_options.include_usage``: ``"usage": null`` on every chunk, then a chunk with empty
+``choices`` and the usage); ``GET /v1/models``, ``GET /health``. Both generation endpoints share
+the request checks, limits, stop handling, queue and disconnect handling below.
 
 * Requests are generated one at a time by a single worker thread (the engine holds one model
   and one KV cache); the HTTP side is asynchronous, so any number of clients may connect and
-  wait in the queue (at most ``max_queue`` waiting; more get 503). A streaming client that
-  disconnects cancels its generation at the next token.
+  wait in the queue (at most ``max_queue`` waiting; more get 503). A client that disconnects
+  (streaming or not) cancels its generation at the next token, or its queued job.
 * Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``:
 
   - 400: malformed or too deeply nested JSON; out-of-range or unsupported parameters
     (``temperature`` < 0 or > 2, ``top_p`` outside (0, 1], ``max_tokens`` < 1 or beyond the
-    context, ``n`` > 1); a value of the wrong JSON type (types are strict: ``"12"`` is not 12,
-    and ``enable_thinking`` must be a boolean); features not served (``logprobs``, ``tools``, a
-    ``response_format`` other than text); empty or malformed ``messages``; template errors.
+    context, ``n`` > 1, more than one prompt); a value of the wrong JSON type (types are
+    strict: ``"12"`` is not 12, and ``enable_thinking`` must be a boolean); features not served
+    (``logprobs``, ``tools``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
+    ``continuous_usage_stats``); ``stream_options`` without ``stream``; unknown fields; empty or
+    malformed ``messages``; template errors; token ids outside the vocabulary.
   - 404: an unknown model or route. 413: a body over ``max_body_bytes`` (checked from
     ``Content-Length`` and while reading, before any parsing).
   - 503: the queue is full, or the generation worker has stopped. 500: generation failed.
@@ -23,8 +29,9 @@ Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true`` e
   fields: ``data[0].g4_served_files`` (size and mtime of each file under root that can change
   what is served, when the engine loaded it, see :func:`~g4.serve.engine.served_file_stats`),
   ``data[0].g4_engine`` (the engine's arithmetic in words),
-  ``choices[0].token_ids`` (the generated ids, stop id included, as vLLM's
-  ``return_token_ids`` gives them) and ``choices[0].message.reasoning_content``.
+  ``choices[0].message.reasoning_content``, and with vLLM's ``return_token_ids`` the generated
+  ids ``token_ids`` (stop id included; streamed: each chunk's own) and ``prompt_token_ids``
+  where vLLM puts them.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,42 +89,51 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """``stream_options`` of a streamed request (any other key is refused).
+
+    ``include_usage``: every chunk carries ``"usage": null`` and a last chunk before ``[DONE]``
+    has empty ``choices`` and the usage (OpenAI's contract). vLLM's ``continuous_usage_stats``
+    (usage in every chunk) is not served: only ``false`` is accepted.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v):
+        if v:
+            raise ValueError("continuous_usage_stats is not supported by this server")
+        return v
 
 
-class ChatRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions``.
+class GenerationRequest(BaseModel):
+    """Fields and checks shared by ``/v1/chat/completions`` and ``/v1/completions``.
 
     Types are strict (JSON as sent). Sampling and output fields that this server does not
     implement are typed here only to be refused by :func:`unsupported` when set to anything
-    but their no-op value; of the other fields only :data:`IGNORED_FIELDS` (which do not change
-    the answer) are accepted, anything else is refused (as OpenAI's API does).
+    but their no-op value (:attr:`NO_OP`); of the other fields only :data:`IGNORED_FIELDS`
+    (which do not change the answer) are accepted, anything else is refused (as OpenAI's API
+    does). ``return_token_ids`` (vLLM's): the reply carries the generated ids (``token_ids``)
+    and the prompt's (``prompt_token_ids``), streamed per chunk.
     """
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
     # Read only to refuse them (see unsupported()): answering without would silently differ.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -128,14 +144,11 @@ class ChatRequest(BaseModel):
     best_of: int | None = None
     stop_token_ids: list[int] | None = None
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _thinking_is_bool(cls, v):
-        if v and v.get("enable_thinking") is not None and not isinstance(v["enable_thinking"], bool):
-            raise ValueError("enable_thinking must be true or false")  # "no" would be truthy in the template
-        if v:  # null means "not given", as elsewhere in the API
-            v = {k: x for k, x in v.items() if x is not None}
-        return v
+    # field -> its values that change nothing (None, i.e. null or absent, always does)
+    NO_OP: ClassVar[dict[str, tuple]] = {
+        "prompt_logprobs": (), "echo": (False,), "logit_bias": ({},), "presence_penalty": (0,),
+        "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+        "ignore_eos": (False,), "best_of": (1,), "stop_token_ids": ([],)}
 
     @field_validator("n")
     @classmethod
@@ -151,36 +164,98 @@ class ChatRequest(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-
-# field -> its values that change nothing (None, i.e. null or absent, always does)
-_NO_OP_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,),
-                 "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-                 "function_call": ("none", "auto"),
-                 "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-                 "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,),
-                 "best_of": (1,), "stop_token_ids": ([],)}
+    def requested_max_tokens(self) -> int | None:
+        """The request's limit on generated tokens (``None``: up to the context)."""
+        return self.max_tokens
 
 
-# Request fields accepted and ignored: they do not change what is generated. ``return_token_ids``
-# (vLLM) is answered anyway (``choices[0].token_ids``).
+class ChatRequest(GenerationRequest):
+    """The body of ``POST /v1/chat/completions`` (see :class:`GenerationRequest`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {
+        "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+        "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_is_bool(cls, v):
+        if v and v.get("enable_thinking") is not None and not isinstance(v["enable_thinking"], bool):
+            raise ValueError("enable_thinking must be true or false")  # "no" would be truthy in the template
+        if v:  # null means "not given", as elsewhere in the API
+            v = {k: x for k, x in v.items() if x is not None}
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    """The body of ``POST /v1/completions`` (see :class:`GenerationRequest`).
+
+    ``prompt``: a string (tokenized with the tokenizer's special tokens, ``<bos>`` for Gemma,
+    as vLLM does), or token ids used as they are; a list of one such prompt is that prompt
+    (``n=1``: more than one prompt is refused). No chat template is applied.
+    """
+
+    prompt: Any = Field(...)  # checked by _one_prompt (a union type would name its members in errors)
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {"logprobs": (), "suffix": ("",)}
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a list of one prompt
+        elif isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            raise ValueError("one prompt per request is supported")
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not all(type(x) is int for x in v):  # strict: true is not 1
+            raise ValueError("the prompt must be a string or a list of token ids")
+        if not v:
+            raise ValueError("the prompt has no tokens")
+        if min(v) < 0:
+            raise ValueError("token ids are not negative")
+        return v
+
+
+# Request fields accepted and ignored: they do not change what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id",
-                            "priority", "return_token_ids"})
+                            "priority"})
 
 
-def unsupported(req: ChatRequest) -> APIError | None:
+def unsupported(req: GenerationRequest) -> APIError | None:
     """A 400 for a request feature this server cannot honour (rather than ignoring it): a
-    field of :data:`_NO_OP_VALUES` set to anything else, a ``response_format`` other than text,
-    or a field this server does not know (vLLM's ``bad_words``, ``guided_json``, OpenAI's
-    ``reasoning_effort`` ...) and that is not in :data:`IGNORED_FIELDS`."""
+    field of the request's ``NO_OP`` set to anything else, ``stream_options`` without
+    streaming, a ``response_format`` other than text, or a field this server does not know
+    (vLLM's ``bad_words``, ``guided_json``, OpenAI's ``reasoning_effort`` ...) and that is not in
+    :data:`IGNORED_FIELDS`."""
     unknown = sorted(set(req.model_extra or {}) - IGNORED_FIELDS)
     if unknown:
         return APIError(400, f"{unknown[0]} is not supported by this server", param=unknown[0])
-    for name, no_op in _NO_OP_VALUES.items():
+    for name, no_op in req.NO_OP.items():
         value = getattr(req, name)
         if value is not None and value not in no_op:
             return APIError(400, f"{name} is not supported by this server", param=name)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        return APIError(400, f"response_format {req.response_format.get('type')!r} is not supported; only 'text'",
+    if req.stream_options is not None and not req.stream:
+        return APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    response_format = getattr(req, "response_format", None)
+    if response_format and response_format.get("type", "text") != "text":
+        return APIError(400, f"response_format {response_format.get('type')!r} is not supported; only 'text'",
                         param="response_format")
     return None
 
@@ -201,11 +276,15 @@ def _stopped_error() -> APIError:
 
 @dataclass
 class _Job:
+    """One request for the worker. ``chat``: the reply's reasoning channel goes to
+    ``reasoning_content`` (chat completions); otherwise it is plain text (text completions)."""
+
     prompt_ids: list[int]
     params: SamplingParams
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    chat: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -220,8 +299,10 @@ class _Job:
 class GenerationWorker:
     """One thread that runs queued jobs through the engine, in order, one at a time.
 
-    Every submitted job ends with exactly one ``"done"`` or ``"error"`` event (payload: a dict
-    with ``finish_reason`` and ``token_ids``, or an :class:`APIError`), unless its request
+    A job's events: ``"delta"`` (payload: the new text as a :class:`Delta` and the ids generated
+    since the previous delta), then exactly one ``"done"`` (a dict with ``finish_reason``,
+    ``token_ids``, all of them, and ``tail_ids``, those no delta carried) or ``"error"`` (an
+    :class:`APIError`), unless its request
     cancelled it first (its client left; the request has ended on its own): a job whose
     generation raises gets a 500 and the worker goes on; a job whose request's event loop has
     closed is cancelled, not fatal; jobs still queued when the thread ends for any reason get a
@@ -334,15 +415,17 @@ class GenerationWorker:
 
     def _generate(self, job: _Job) -> None:
         engine = self.engine
-        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids)
+        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat)
         stopper = StopMatcher(job.stops)
         ids: list[int] = []
+        sent = 0  # ids[:sent] went out with a delta
         for token in engine.generate(job.prompt_ids, job.params, job.cancelled.is_set):
             ids.append(token)
             d = parser.feed(token)
             out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content))
             if out:
-                job.emit("delta", out)
+                job.emit("delta", (out, ids[sent:]))
+                sent = len(ids)
             if stopper.hit:
                 break
         if job.cancelled.is_set():
@@ -351,27 +434,15 @@ class GenerationWorker:
         out = Delta(reasoning="" if stopper.hit else tail.reasoning,
                     content=stopper.feed(tail.content) + stopper.finish())
         if out:
-            job.emit("delta", out)
+            job.emit("delta", (out, ids[sent:]))
+            sent = len(ids)
         stopped = stopper.hit or bool(ids and ids[-1] in engine.stop_ids)
-        job.emit("done", {"finish_reason": "stop" if stopped else "length", "token_ids": ids})
+        job.emit("done", {"finish_reason": "stop" if stopped else "length", "token_ids": ids,
+                          "tail_ids": ids[sent:]})
 
 
-def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-               max_queue: int = MAX_QUEUE):
-    """The FastAPI application serving ``engine`` as model ``served_model_name``.
-
-    ``app.state.worker`` is the :class:`GenerationWorker` (a daemon thread that lives as long as
-    the process, or until ``app.state.worker.close()``).
-    """
-    worker = GenerationWorker(engine, max_queue=max_queue)
-    created = int(time.time())
-
-    # The worker outlives any one uvicorn run: an app may be served several times (tests, the
-    # benchmark, `g4serve check --url` against an in-process server); it is an idle daemon thread.
-    app = FastAPI(title="g4serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
-    app.state.engine = engine
-    app.state.served_model_name = served_model_name
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style error object (see the module docstring)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -398,6 +469,229 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
         err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
+
+async def _read_request(request: Request, kind: type[GenerationRequest], max_body_bytes: int,
+                        served_model_name: str) -> GenerationRequest:
+    """The body of ``request`` as a validated ``kind``.
+
+    Raises:
+        APIError: 413 over ``max_body_bytes``; 400 malformed JSON, invalid or unsupported
+            fields; 404 a model other than ``served_model_name``.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+        raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = kind.model_validate(data, strict=True)  # JSON types as sent: "12" is not 12
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if (err := unsupported(req)) is not None:
+        raise err
+    if req.model is not None and req.model != served_model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
+                       param="model", code="model_not_found")
+    return req
+
+
+def prepare(engine: Engine, req: GenerationRequest) -> tuple[list[int], SamplingParams, list[str]]:
+    """``(prompt ids, sampling params, stop strings)`` of a request: a chat rendered with the
+    checkpoint's template, a text prompt tokenized (or its token ids checked); limits checked
+    against the context, unset sampling fields taken from the checkpoint's defaults.
+
+    Raises:
+        APIError: 400 for a prompt that cannot be rendered, ids outside the vocabulary, or a
+            prompt (plus ``max_tokens``) over the context.
+    """
+    if isinstance(req, ChatRequest):
+        param = "messages"
+        try:
+            prompt_ids = render_prompt(engine.tokenizer, [m.model_dump() for m in req.messages],
+                                       req.chat_template_kwargs)
+        except ChatError as e:
+            raise APIError(400, str(e), param=param) from e
+    else:
+        param = "prompt"
+        if isinstance(req.prompt, str):
+            prompt_ids = [int(i) for i in engine.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]]
+        else:
+            prompt_ids = req.prompt
+            vocab = len(engine.tokenizer)
+            if max(prompt_ids) >= vocab:
+                raise APIError(400, f"token id {max(prompt_ids)} is outside the vocabulary of {vocab} ids",
+                               param=param)
+    room = engine.max_context - len(prompt_ids)
+    if room < 1:
+        raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                            f"{engine.max_context} tokens", param=param, code="context_length_exceeded")
+    max_tokens = req.requested_max_tokens()
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"max_tokens {max_tokens} plus the {len(prompt_ids)} prompt tokens exceeds the "
+                            f"model's context of {engine.max_context} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    d = engine.defaults
+    top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
+    params = SamplingParams(
+        max_tokens=max_tokens or room,
+        temperature=req.temperature if req.temperature is not None else float(d.get("temperature", 1.0)),
+        top_p=req.top_p if req.top_p is not None else float(d.get("top_p", 1.0)),
+        top_k=max(int(top_k), 0), seed=None if req.seed is None else req.seed % (1 << 64))
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return prompt_ids, params, stops
+
+
+class _Reply:
+    """The response bodies of one request: a chat completion (``chat.completion`` and its
+    chunks) or a text completion (``text_completion``), as OpenAI shapes them, with vLLM's
+    ``token_ids`` / ``prompt_token_ids`` when ``return_token_ids`` is set (vLLM's places: for
+    chat the prompt ids at the top level, for text completions in the choice)."""
+
+    def __init__(self, req: GenerationRequest, prompt_ids: list[int], model: str):
+        self.chat, self.prompt_ids = isinstance(req, ChatRequest), prompt_ids
+        self.ids = bool(req.return_token_ids)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                     "object": "chat.completion" if self.chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self.chunk_head = self.head | {"object": "chat.completion.chunk" if self.chat else "text_completion"}
+        self.first = True  # no chunk sent yet
+
+    def usage(self, ids: list[int]) -> dict:
+        """OpenAI's ``usage`` for ``ids`` generated."""
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(ids),
+                "total_tokens": len(self.prompt_ids) + len(ids)}
+
+    def _choice(self, text: Delta, finish_reason, ids: list[int], stream: bool) -> tuple[dict, dict]:
+        """``(choice, top-level extras)``."""
+        choice: dict = {"index": 0}
+        top: dict = {}
+        if not self.chat:
+            choice["text"] = text.content
+        elif stream:
+            choice["delta"] = {k: v for k, v in (("reasoning_content", text.reasoning), ("content", text.content))
+                               if v}
+        else:
+            choice["message"] = {"role": "assistant", "content": text.content,
+                                 "reasoning_content": text.reasoning or None}
+        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        if self.ids:
+            choice["token_ids"] = ids
+            if not stream or self.first:
+                (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+        return choice, top
+
+    def body(self, text: Delta, done: dict) -> dict:
+        """The non-streamed response."""
+        choice, top = self._choice(text, done["finish_reason"], done["token_ids"], stream=False)
+        return self.head | top | {"choices": [choice], "usage": self.usage(done["token_ids"])}
+
+    def chunk(self, text: Delta, ids: list[int], finish_reason=None, role: bool = False) -> str:
+        """One SSE event with new text (``role``: the chat's opening chunk)."""
+        choice, top = self._choice(text, finish_reason, ids, stream=True)
+        if role:
+            choice["delta"] = {"role": "assistant", "content": ""}
+        self.first = False
+        body = self.chunk_head | top | {"choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    def usage_chunk(self, ids: list[int]) -> str:
+        """The last event before ``[DONE]`` with ``include_usage``: no choices, the usage."""
+        return f"data: {json.dumps(self.chunk_head | {'choices': [], 'usage': self.usage(ids)})}\n\n"
+
+
+async def _respond(request: Request, worker: GenerationWorker, req: GenerationRequest, engine: Engine,
+                   model: str):
+    """Queue the request's job and answer it: JSON, or SSE ending in ``data: [DONE]``. A client
+    that leaves cancels its job (queued or generating)."""
+    prompt_ids, params, stops = await run_in_threadpool(prepare, engine, req)
+    job = _Job(prompt_ids, params, stops, asyncio.get_running_loop(), asyncio.Queue(),
+               chat=isinstance(req, ChatRequest))
+    worker.submit(job)
+    reply = _Reply(req, prompt_ids, model)
+    if not req.stream:
+        text = Delta()
+
+        async def cancel_on_disconnect():
+            # The body has been read, so the next ASGI message is http.disconnect: the client
+            # left (or the response was sent). A job whose client left is not generated.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancelled.set()  # the worker skips it, or stops it at the next token
+            job.events.put_nowait(("gone", None))  # and this request ends now, queued or not
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "delta":
+                    text += payload[0]
+                elif kind == "error":
+                    raise payload
+                elif kind == "gone":
+                    raise ClientDisconnect()  # answered quietly; nobody reads it
+                else:
+                    break
+        finally:
+            watcher.cancel()
+            job.cancelled.set()  # no-op when finished; stops generation if the client went away
+        return reply.body(text, payload)
+
+    async def events():
+        try:
+            if reply.chat:
+                yield reply.chunk(Delta(), [], role=True)
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "delta":
+                    yield reply.chunk(*payload)
+                elif kind == "error":
+                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    break
+                else:
+                    yield reply.chunk(Delta(), payload["tail_ids"], payload["finish_reason"])
+                    if reply.include_usage:
+                        yield reply.usage_chunk(payload["token_ids"])
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+               max_queue: int = MAX_QUEUE):
+    """The FastAPI application serving ``engine`` as model ``served_model_name``.
+
+    ``app.state.worker`` is the :class:`GenerationWorker` (a daemon thread that lives as long as
+    the process, or until ``app.state.worker.close()``).
+    """
+    worker = GenerationWorker(engine, max_queue=max_queue)
+    created = int(time.time())
+
+    # The worker outlives any one uvicorn run: an app may be served several times (tests, the
+    # benchmark, `g4serve check --url` against an in-process server); it is an idle daemon thread.
+    app = FastAPI(title="g4serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.engine = engine
+    app.state.served_model_name = served_model_name
+    _install_error_handlers(app)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -410,137 +704,15 @@ def create_app(engine: Engine, *, served_model_name: str, max_body_bytes: int = 
             "max_model_len": engine.max_context, "g4_engine": engine.description,
             "g4_served_files": engine.served_files}]}
 
-    async def read_body(request: Request) -> bytes:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                raise APIError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
-        return bytes(body)
-
-    def prepare(req: ChatRequest) -> tuple[list[int], SamplingParams, list[str]]:
-        try:
-            prompt_ids = render_prompt(engine.tokenizer, [m.model_dump() for m in req.messages],
-                                       req.chat_template_kwargs)
-        except ChatError as e:
-            raise APIError(400, str(e), param="messages") from e
-        room = engine.max_context - len(prompt_ids)
-        if room < 1:
-            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                                f"{engine.max_context} tokens", param="messages", code="context_length_exceeded")
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens {max_tokens} plus the {len(prompt_ids)} prompt tokens exceeds the "
-                                f"model's context of {engine.max_context} tokens", param="max_tokens",
-                           code="context_length_exceeded")
-        d = engine.defaults
-        top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
-        params = SamplingParams(
-            max_tokens=max_tokens or room,
-            temperature=req.temperature if req.temperature is not None else float(d.get("temperature", 1.0)),
-            top_p=req.top_p if req.top_p is not None else float(d.get("top_p", 1.0)),
-            top_k=max(int(top_k), 0), seed=None if req.seed is None else req.seed % (1 << 64))
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return prompt_ids, params, stops
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            req = ChatRequest.model_validate(data, strict=True)  # JSON types as sent: "12" is not 12
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        if (err := unsupported(req)) is not None:
-            raise err
-        if req.model is not None and req.model != served_model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
-                           param="model", code="model_not_found")
-        prompt_ids, params, stops = await run_in_threadpool(prepare, req)
-        loop = asyncio.get_running_loop()
-        job = _Job(prompt_ids, params, stops, loop, asyncio.Queue())
-        worker.submit(job)
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = lambda ids: {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),  # noqa: E731
-                             "total_tokens": len(prompt_ids) + len(ids)}
-        if not req.stream:
-            reply = Delta()
+        req = await _read_request(request, ChatRequest, max_body_bytes, served_model_name)
+        return await _respond(request, worker, req, engine, served_model_name)
 
-            async def cancel_on_disconnect():
-                # The body has been read, so the next ASGI message is http.disconnect: the client
-                # left (or the response was sent). A job whose client left is not generated.
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                job.cancelled.set()  # the worker skips it, or stops it at the next token
-                job.events.put_nowait(("gone", None))  # and this request ends now, queued or not
-
-            watcher = asyncio.create_task(cancel_on_disconnect())
-            try:
-                while True:
-                    kind, payload = await job.events.get()
-                    if kind == "delta":
-                        reply += payload
-                    elif kind == "error":
-                        raise payload
-                    elif kind == "gone":
-                        raise ClientDisconnect()  # answered quietly; nobody reads it
-                    else:
-                        break
-            finally:
-                watcher.cancel()
-                job.cancelled.set()  # no-op when finished; stops generation if the client went away
-            return {"id": rid, "object": "chat.completion", "created": now, "model": served_model_name,
-                    "choices": [{"index": 0, "finish_reason": payload["finish_reason"],
-                                 "message": {"role": "assistant", "content": reply.content,
-                                             "reasoning_content": reply.reasoning or None},
-                                 "token_ids": payload["token_ids"], "logprobs": None}],
-                    "usage": usage(payload["token_ids"])}
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(delta: dict, finish_reason=None) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-            return f"data: {json.dumps(body)}\n\n"
-
-        async def events():
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                while True:
-                    kind, payload = await job.events.get()
-                    if kind == "delta":
-                        delta = {}
-                        if payload.reasoning:
-                            delta["reasoning_content"] = payload.reasoning
-                        if payload.content:
-                            delta["content"] = payload.content
-                        yield chunk(delta)
-                    elif kind == "error":
-                        yield f"data: {json.dumps(payload.body())}\n\n"
-                        break
-                    else:
-                        yield chunk({}, payload["finish_reason"])
-                        if include_usage:
-                            final = {"id": rid, "object": "chat.completion.chunk", "created": now,
-                                     "model": served_model_name, "choices": [], "usage": usage(payload["token_ids"])}
-                            yield f"data: {json.dumps(final)}\n\n"
-                        break
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancelled.set()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _read_request(request, CompletionRequest, max_body_bytes, served_model_name)
+        return await _respond(request, worker, req, engine, served_model_name)
 
     return app
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_serve_fixtures import ScriptedEngine, cpu_app, cpu_engine, embedded_result
 
-from g4.serve.chat import control_text_in
+from g4.serve.chat import control_text_in, render_prompt
 from g4.serve.server import BackgroundServer, create_app
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -57,7 +57,7 @@ def test_models_and_health(client):
 
 
 def test_paris_and_usage(client):
-    r = chat(client)
+    r = chat(client, return_token_ids=True)
     assert r.status_code == 200
     body = r.json()
     choice = body["choices"][0]
@@ -92,13 +92,37 @@ def test_streaming_equals_non_streaming(client, messages, max_tokens):
     assert not control_text_in(content)
 
 
+def test_stream_options_include_usage_puts_null_usage_on_every_chunk_but_the_last(client):
+    """OpenAI's contract (P16): strict clients read ``usage`` on every chunk."""
+    _, _, _, chunks = streamed(client, stream_options={"include_usage": True})
+    *text, last = chunks
+    assert text and all("usage" in c and c["usage"] is None for c in text)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    _, _, _, chunks = streamed(client)  # not asked: no usage anywhere
+    assert all("usage" not in c for c in chunks)
+
+
+def test_token_ids_only_when_asked_and_streamed_per_chunk(client):
+    plain = chat(client).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    asked = chat(client, return_token_ids=True).json()
+    ids = asked["choices"][0]["token_ids"]
+    assert asked["prompt_token_ids"] == render_prompt(cpu_engine("nvfp4").tokenizer, FRANCE)
+    assert ids[-1] == 106 and len(ids) == asked["usage"]["completion_tokens"]
+    _, _, _, chunks = streamed(client, return_token_ids=True)
+    assert chunks[0]["prompt_token_ids"] == asked["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == ids
+    assert all("token_ids" not in c["choices"][0] for c in streamed(client)[3])
+
+
 def test_stop_string_and_seeded_sampling(client):
     r = chat(client, stop=["ri"]).json()["choices"][0]
     assert (r["message"]["content"], r["finish_reason"]) == ("Pa", "stop")
     content, _, finish, _ = streamed(client, stop="ri")
     assert (content, finish) == ("Pa", "stop")
-    a = chat(client, temperature=1.5, seed=7, max_tokens=8).json()["choices"][0]["token_ids"]
-    b = chat(client, temperature=1.5, seed=7, max_tokens=8).json()["choices"][0]["token_ids"]
+    a = chat(client, temperature=1.5, seed=7, max_tokens=8, return_token_ids=True).json()["choices"][0]["token_ids"]
+    b = chat(client, temperature=1.5, seed=7, max_tokens=8, return_token_ids=True).json()["choices"][0]["token_ids"]
     assert a == b
 
 
@@ -148,6 +172,16 @@ BAD_REQUESTS = [
     ({"messages": FRANCE, "add_generation_prompt": False}, 400, "add_generation_prompt", None),
     ({"messages": FRANCE, "reasoning_effort": "low"}, 400, "reasoning_effort", None),
     ("[" * 100_000 + "]" * 100_000, 400, None, "invalid_json"),
+    # stream_options (P16): only with streaming, only the keys it has; vLLM's continuous usage is not served
+    ({"messages": FRANCE, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ({"messages": FRANCE, "stream": False, "stream_options": {}}, 400, "stream_options", None),
+    ({"messages": FRANCE, "stream": True, "stream_options": {"include_usage": True, "chunk_size": 4}}, 400,
+     "stream_options.chunk_size", None),
+    ({"messages": FRANCE, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats", None),
+    ({"messages": FRANCE, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage", None),
+    ({"messages": FRANCE, "return_token_ids": "yes"}, 400, "return_token_ids", None),
 ]
 
 
@@ -167,7 +201,7 @@ def test_the_refusable_fields_at_their_harmless_values_are_accepted(client):
     r = chat(client, logprobs=False, tools=[], response_format={"type": "text"}, temperature=0, max_tokens=8,
              chat_template_kwargs={"enable_thinking": False}, tool_choice="auto", logit_bias={}, presence_penalty=0,
              frequency_penalty=0.0, best_of=1, echo=False, user="u1", metadata={"k": "v"}, store=False,
-             return_token_ids=True)
+             return_token_ids=False, stream_options=None)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
     # null is "not given", as the OpenAI API has it
     r = chat(client, stream=None, n=None, max_tokens=None, seed=None, stop=None, top_p=None,
@@ -199,7 +233,7 @@ def scripted():
 
 def test_reasoning_is_separated_streamed_and_not(scripted):
     client, script = scripted
-    r = chat(client).json()["choices"][0]
+    r = chat(client, return_token_ids=True).json()["choices"][0]
     assert r["message"]["reasoning_content"] == "France → capital is Paris"
     assert r["message"]["content"] == "Paris, 巴黎"
     assert r["token_ids"] == script and r["finish_reason"] == "stop"
@@ -212,10 +246,15 @@ def test_reasoning_is_separated_streamed_and_not(scripted):
     assert streamed(client, max_tokens=8)[:3] == ("", r["message"]["reasoning_content"], "length")
 
 
-def test_a_client_that_leaves_mid_stream_does_not_block_the_next(scripted):
+# each generation endpoint with a body that asks for a reply
+ENDPOINTS = [("/v1/chat/completions", {"messages": FRANCE}), ("/v1/completions", {"prompt": "France"})]
+
+
+@pytest.mark.parametrize("path, prompt", ENDPOINTS)
+def test_a_client_that_leaves_mid_stream_does_not_block_the_next(scripted, path, prompt):
     client, _ = scripted
-    with client.stream("POST", "/v1/chat/completions",
-                       json={"messages": FRANCE, "stream": True, "temperature": 0}) as r:
+    with client.stream("POST", path, json=prompt | {"stream": True, "temperature": 0}) as r:
+        assert r.status_code == 200
         next(r.iter_lines())
     assert chat(client).json()["choices"][0]["message"]["content"] == "Paris, 巴黎"
     assert client.app.state.worker.alive  # the left job's late events did not end the worker
@@ -290,7 +329,8 @@ def test_an_app_serves_again_after_a_uvicorn_run_and_a_stopped_worker_answers_50
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_stopped"
 
 
-def test_a_non_streaming_client_that_leaves_cancels_its_generation():
+@pytest.mark.parametrize("path, prompt", ENDPOINTS)
+def test_a_non_streaming_client_that_leaves_cancels_its_generation(path, prompt):
     """Over a real socket: the client sends a non-streaming request and closes the connection
     while its reply is generating; the job stops instead of running to max_tokens."""
     import socket
@@ -300,11 +340,11 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation():
     engine = SlowEngine(cpu_engine("nvfp4").tokenizer)
     app = create_app(engine, served_model_name=MODEL)
     worker = app.state.worker
-    body = json.dumps({"messages": FRANCE, "max_tokens": 200}).encode()
+    body = json.dumps(prompt | {"max_tokens": 200}).encode()
     with BackgroundServer(app) as srv:
         with socket.create_connection((srv.host, srv.port)) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
             assert engine.at_gate.wait(WAIT_S)
         job = worker._current
         deadline = time.monotonic() + WAIT_S
@@ -428,3 +468,113 @@ def test_a_client_that_leaves_mid_body_is_not_logged_as_a_server_error(caplog):
         assert c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8).choices[0].message.content == \
             "Paris"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# ---- /v1/completions: the same engine, worker, limits and checks; a prompt in, text out ----
+
+def complete(client, **body):
+    return client.post("/v1/completions", json={"model": MODEL, "temperature": 0} | body)
+
+
+def france_ids() -> list[int]:
+    return render_prompt(cpu_engine("nvfp4").tokenizer, FRANCE)
+
+
+@pytest.mark.parametrize("messages, max_tokens", [(FRANCE, 8), ([{"role": "user", "content": "Once upon a time"}], 12)])
+def test_completions_text_is_what_the_chat_path_generates_for_the_same_ids(client, messages, max_tokens):
+    """No chat template: the rendered chat prompt's ids as the prompt give the chat reply's ids."""
+    tok = cpu_engine("nvfp4").tokenizer
+    c = chat(client, messages=messages, max_tokens=max_tokens, return_token_ids=True).json()
+    ids = c["choices"][0]["token_ids"]
+    r = complete(client, prompt=c["prompt_token_ids"], max_tokens=max_tokens, return_token_ids=True).json()
+    choice = r["choices"][0]
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and r["model"] == MODEL
+    assert choice["token_ids"] == ids and choice["prompt_token_ids"] == c["prompt_token_ids"]
+    assert choice["text"] == tok.decode(ids, skip_special_tokens=True)
+    assert (choice["finish_reason"], choice["logprobs"], choice["index"]) == (c["choices"][0]["finish_reason"], None, 0)
+    assert r["usage"] == c["usage"]
+    # a list of one prompt is that prompt
+    assert complete(client, prompt=[c["prompt_token_ids"]], max_tokens=max_tokens).json()["choices"][0]["text"] \
+        == choice["text"]
+
+
+def test_completions_string_prompt_stop_strings_and_plain_text(client, scripted):
+    tok = cpu_engine("nvfp4").tokenizer
+    prompt = tok.decode(france_ids()[1:])  # the rendered chat as text: tokenized again with <bos>
+    r = complete(client, prompt=prompt, max_tokens=8).json()
+    assert r["choices"][0]["text"] == "Paris" and r["usage"]["prompt_tokens"] == len(france_ids())
+    assert complete(client, prompt=[prompt], max_tokens=8).json()["choices"][0]["text"] == "Paris"
+    r = complete(client, prompt=france_ids(), stop="ri").json()["choices"][0]
+    assert (r["text"], r["finish_reason"]) == ("Pa", "stop")
+    # a reply with a thought block is plain text: control tokens dropped, no reasoning split
+    sclient, script = scripted
+    r = sclient.post("/v1/completions", json={"prompt": "x", "temperature": 0}).json()["choices"][0]
+    assert r["text"] == tok.decode(script, skip_special_tokens=True)
+    assert r["text"] == "thought\nFrance → capital is ParisParis, 巴黎"
+    assert "reasoning_content" not in json.dumps(r)
+
+
+def test_completions_stream_with_the_openai_client_over_a_real_socket():
+    with BackgroundServer(cpu_app("nvfp4")) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.completions.create(model=MODEL, prompt=france_ids(), temperature=0, max_tokens=8)
+        assert (r.object, r.choices[0].text, r.choices[0].finish_reason) == ("text_completion", "Paris", "stop")
+        assert r.usage.prompt_tokens == len(france_ids()) and r.usage.completion_tokens == 2
+        chunks = list(c.completions.create(model=MODEL, prompt=france_ids(), temperature=0, max_tokens=8,
+                                           stream=True, stream_options={"include_usage": True}))
+        *text, last = chunks
+        assert "".join(ch.choices[0].text for ch in text) == "Paris"
+        assert [ch.choices[0].finish_reason for ch in text][-1] == "stop"
+        assert all(ch.usage is None for ch in text) and last.choices == [] and last.usage == r.usage
+        # the same from the chat endpoint, through the same client
+        chunks = list(c.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert all(ch.usage is None for ch in chunks[:-1]) and chunks[-1].usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="x", stream_options={"include_usage": True})
+        assert e.value.body["param"] == "stream_options"
+
+
+COMPLETION_BAD_REQUESTS = [
+    ({}, "prompt", None),
+    ({"prompt": 12}, "prompt", None),
+    ({"prompt": []}, "prompt", None),
+    ({"prompt": [[]]}, "prompt", None),
+    ({"prompt": ["a", "b"]}, "prompt", None),
+    ({"prompt": [[1, 2], [3]]}, "prompt", None),
+    ({"prompt": [2, -1]}, "prompt", None),
+    ({"prompt": [2, 1 << 20]}, "prompt", None),
+    ({"prompt": [2, 1.5]}, "prompt", None),
+    ({"prompt": "x " * 3000}, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "max_tokens": 4096}, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "x", "n": 2}, "n", None),
+    ({"prompt": "x", "echo": True}, "echo", None),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", None),
+    ({"prompt": "x", "logprobs": 0}, "logprobs", None),
+    ({"prompt": "x", "suffix": "end"}, "suffix", None),
+    ({"prompt": "x", "best_of": 2}, "best_of", None),
+    ({"prompt": "x", "temperature": 3}, "temperature", None),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
+    ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage", None),
+    ({"prompt": "x", "messages": FRANCE}, "messages", None),
+    ({"prompt": "x", "chat_template_kwargs": {}}, "chat_template_kwargs", None),
+    ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens", None),
+]
+
+
+@pytest.mark.parametrize("body, param, code", COMPLETION_BAD_REQUESTS)
+def test_completions_bad_requests_get_openai_errors(client, body, param, code):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+    assert complete(client, prompt=france_ids(), max_tokens=8).json()["choices"][0]["text"] == "Paris"
+
+
+def test_completions_no_op_values_are_accepted_and_unknown_models_are_404(client):
+    r = complete(client, prompt=france_ids(), echo=False, suffix="", best_of=1, logprobs=None, n=1, user="u",
+                 max_tokens=8)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Paris"
+    r = complete(client, prompt="x", model="gpt-3.5-turbo-instruct")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
