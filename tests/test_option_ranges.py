@@ -38,6 +38,13 @@ G4CONVERT = [
     (["verify", "{out}", "--min-agreement", "1.5"], "--min-agreement"),
     (["verify", "{out}", "--min-agreement", "nan"], "--min-agreement"),
     (["verify", "{out}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["plan", "gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "80"], "--gpu-mem"),
+    (["plan", "gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "0GB"], "--gpu-mem"),
+    (["plan", "gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "nan"], "--gpu-mem"),
+    (["plan", "gemma-4-26B-A4B", "--tp", "0"], "--tp"),
+    (["plan", "gemma-4-26B-A4B", "--seq-len", "0"], "--seq-len"),
+    (["plan", "gemma-4-26B-A4B", "--batch", "-1"], "--batch"),
+    (["plan", "gemma-4-26B-A4B", "--format", "nvfp4", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["synth", "{new}", "--layers", "0"], "--layers"),
     (["synth", "{new}", "--seed", str(2**64)], "--seed"),
     (["synth", "{new}", "--max-shard-size", "10KB"], "--max-shard-size"),
@@ -75,3 +82,18 @@ def test_size_floor_and_units_are_explained(tmp_path):
     assert "'0.1KB' is 100 bytes, less than the minimum of 1,000,000 bytes" in r.output
     r = CliRunner().invoke(g4convert, ["push", str(tmp_path), "me/model", "--dry-run", "--max-file-size", "80"])
     assert "size '80' has no unit: write e.g. 80GB (10**9 bytes), 80GiB (2**30 bytes) or 80B (bytes)" in r.output
+    r = CliRunner().invoke(g4convert, ["plan", "gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "80"])
+    assert "size '80' has no unit: write e.g. 80GB (10**9 bytes), 80GiB (2**30 bytes) or 80B (bytes)" in r.output
+    r = CliRunner().invoke(g4convert, ["plan", "gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "80GB"])
+    assert r.exit_code == 0 and "GPUs of 80.00 GB" in r.output
+
+
+def test_tp_beyond_the_targets_cores_names_the_targets_that_have_them(tmp_path):
+    """--force overrides the memory verdict only; the error says which --target has the cores."""
+    r = CliRunner().invoke(g4convert, ["-q", "int8-neuron", "embedded", str(tmp_path / "o"), "--tp", "4", "--force"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert ("--tp 4 needs 4 NeuronCores; inf2.xlarge has 2: use --target inf2.24xlarge or inf2.48xlarge or "
+            "trn1.32xlarge (--force overrides only the memory verdict, never the core count)") in r.output
+    assert not (tmp_path / "o").exists()
+    r = CliRunner().invoke(g4convert, ["int8-neuron", "--help"])
+    assert "more ranks than the target has NeuronCores is always refused" in " ".join(r.output.split())
