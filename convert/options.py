@@ -35,7 +35,7 @@ class _Fraction(click.FloatRange):
     def convert(self, value, param, ctx):
         rv = super().convert(value, param, ctx)
         if math.isnan(rv):
-            self.fail(f"{value!r} is not a number in the range 0<=x<=1.", param, ctx)
+            self.fail(f"{value!r} is not a number in the range {self._describe_range()}.", param, ctx)
         return rv
 
 

@@ -2,8 +2,9 @@
 
 ``g4convert plan SRC_OR_CONFIG --format int8-neuron --tp 2 --target inf2.xlarge`` (or
 ``--gpu-mem 128GiB``) prints, per tensor-parallel rank, the bytes of every weight group,
-the bf16 KV cache, the device memory of the target and whether it fits, and for Neuron
-targets the host RAM that loading needs.
+the bf16 KV cache as the serving engine allocates it (:func:`kv_cache_vllm` on a GPU,
+:func:`kv_cache_nxdi` on Neuron), the device memory of the target and whether it fits, and
+for Neuron targets the host RAM that loading needs.
 
 Units: every figure is an integer number of **bytes**; the report shows it also as
 **GB = 10**9 bytes** and **GiB = 2**30 bytes** (the specs use both; mixing them is how
@@ -737,8 +738,9 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
 
     Raises:
         G4Error: an unknown option, a combination that does not exist (NVFP4 on Neuron,
-            int8 on a GPU, both a target and a GPU), a TP degree the model cannot be split
-            over, more ranks than the target has cores, or a config the planner cannot read.
+            int8 on a GPU, both a target and a GPU, ``max_num_batched_tokens`` for Neuron),
+            a TP degree the model cannot be split over, more ranks than the target has cores,
+            or a config the planner cannot read.
     """
     _check_target(fmt, target, gpu_mem_bytes, seq_len, batch)
     neuron = target is not None
