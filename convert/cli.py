@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from .errors import G4Error, exit_on_user_error, raise_terminated
+from .options import COUNT, SEED, SHARD_SIZE, min_agreement_option
 from .plan import plan
 
 EMBEDDED = "embedded"
@@ -30,15 +31,6 @@ def _default_out(src: str, suffix: str) -> Path:
     return Path(f"{name}-{suffix}")
 
 
-def _check_size(ctx, param, value: str) -> str:
-    """click callback: a bad byte size is a usage error naming the option, before any work."""
-    from g4.exporters.safetensors_writer import parse_size  # imports torch: only when a command runs
-
-    try:
-        parse_size(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
-    return value
 
 
 # --- Hub publishing on the conversion commands (convert/push.py) ---
@@ -111,14 +103,15 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
-@click.option("--calib-samples", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--calib-samples", type=COUNT, default=32, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=8), default=256, show_default=True, help="Tokens per sample.")
-@click.option("--calib-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--calib-batch-size", type=COUNT, default=8, show_default=True)
 @click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size,
-              help="GB = 10**9 bytes, GiB = 2**30.")
+@click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
+              help="Largest shard: GB = 10**9 bytes, GiB = 2**30; at least 1MB (smaller shards only multiply "
+                   "files). A tensor larger than this gets a shard of its own, as in transformers.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
@@ -152,12 +145,13 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
 @main.command("int8-neuron")
 @click.argument("src", default=EMBEDDED)
 @click.argument("out", required=False, type=click.Path(path_type=Path))
-@click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Tensor-parallel degree (one rank per NeuronCore).")
+@click.option("--tp", type=COUNT, default=2, show_default=True,
+              help="Tensor-parallel degree (one rank per NeuronCore; at most the --target's cores).")
 @click.option("--quantize-attention", is_flag=True, help="Also int8 q/k/v/o (default: bf16, sharded).")
 @click.option("--target", default="inf2.xlarge", show_default=True,
               help="Neuron instance the memory plan is checked against (see `g4convert plan`).")
-@click.option("--force", is_flag=True, help="Write even if the plan says it does not fit the target.")
+@click.option("--force", is_flag=True, help="Write even if the memory plan says it does not fit the target "
+                                           "(more ranks than the target has NeuronCores is always refused).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
@@ -182,11 +176,10 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help="The source checkpoint, or 'embedded'.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-new-tokens", type=COUNT, default=16, show_default=True)
 @click.option("--act-quant/--no-act-quant", default=False, show_default=True,
               help="Also fake-quantize linear inputs with input_scale (W4A4, as Blackwell serves it).")
-@click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, show_default=True,
-              help="Fail (exit 1) below this greedy token agreement.")
+@min_agreement_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @exit_on_user_error
 def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
@@ -210,11 +203,12 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--like", "preset", type=click.Choice(["gemma-4-26B-A4B"]), default="gemma-4-26B-A4B",
               show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--layers", type=COUNT, default=2, show_default=True,
               help="Decoder layers to write (the real model has 30); the last one is full attention.")
 @click.option("--no-vision", is_flag=True, help="Text-only layout (model.layers.*) without the vision tower.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size)
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
+              help="Largest shard (at least 1MB).")
 @click.option("--overwrite", is_flag=True)
 @click.pass_context
 @exit_on_user_error

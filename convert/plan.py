@@ -2,8 +2,9 @@
 
 ``g4convert plan SRC_OR_CONFIG --format int8-neuron --tp 2 --target inf2.xlarge`` (or
 ``--gpu-mem 128GiB``) prints, per tensor-parallel rank, the bytes of every weight group,
-the bf16 KV cache, the device memory of the target and whether it fits, and for Neuron
-targets the host RAM that loading needs.
+the bf16 KV cache as the serving engine allocates it (:func:`kv_cache_vllm` on a GPU,
+:func:`kv_cache_nxdi` on Neuron), the device memory of the target and whether it fits, and
+for Neuron targets the host RAM that loading needs.
 
 Units: every figure is an integer number of **bytes**; the report shows it also as
 **GB = 10**9 bytes** and **GiB = 2**30 bytes** (the specs use both; mixing them is how
@@ -46,6 +47,7 @@ from pathlib import Path
 import click
 
 from .errors import G4Error, exit_on_user_error
+from .options import COUNT, ByteSize
 
 GB = 10**9
 GiB = 2**30
@@ -297,18 +299,90 @@ def _norms_and_routers_bytes(g: TextGeometry) -> int:
     return (per_layer + routers + g.hidden) * _BF16
 
 
-def _kv_cache_bytes(g: TextGeometry, tp: int, seq_len: int, batch: int) -> int:
-    """bf16 K and V of every layer for ``batch`` sequences of ``seq_len`` tokens, per rank.
+VLLM_BLOCK_TOKENS = 16  # tokens per KV block when --block-size is not given
+VLLM_BATCHED_TOKENS = 2048  # vllm serve's --max-num-batched-tokens below 70 GiB of GPU memory
+VLLM_BATCHED_TOKENS_LARGE_GPU = 8192  # ... from 70 GiB up (not on an A100)
+_VLLM_LARGE_GPU_BYTES = 70 * GiB
 
-    Sliding layers hold at most ``sliding_window`` tokens. K and V are both cached on
-    full layers with ``attention_k_eq_v`` too (they are normalised and roped differently;
-    architecture spec §4.3).
+
+def vllm_default_batched_tokens(gpu_mem_bytes: int | None) -> int:
+    """vLLM's default ``--max-num-batched-tokens`` (tokens) for ``vllm serve`` on one GPU of
+    ``gpu_mem_bytes`` bytes (None: unknown): 8192 from 70 GiB up, else 2048.
+
+    Source: vllm-project/vllm ``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``
+    (usage context ``OPENAI_API_SERVER``; an unknown memory counts as 0). vLLM gives an A100
+    of 80 GB 2048; the plan then reserves more than vLLM does (it errs towards DOES NOT
+    FIT); pass ``--max-num-batched-tokens 2048`` for it.
     """
-    total = 0
-    for layer in g.layers:
-        tokens = min(seq_len, g.sliding_window) if layer.sliding else seq_len
-        total += _kv_per_rank(layer, tp) * layer.head_dim * 2 * _BF16 * tokens
-    return total * batch
+    return VLLM_BATCHED_TOKENS_LARGE_GPU if (gpu_mem_bytes or 0) >= _VLLM_LARGE_GPU_BYTES else VLLM_BATCHED_TOKENS
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """KV cache bytes on one rank for all sequences, split into sliding and full layers."""
+
+    sliding: int
+    full: int
+
+    @property
+    def total(self) -> int:
+        """``sliding + full`` bytes."""
+        return self.sliding + self.full
+
+
+def _kv_bytes_per_token(layer: AttentionLayer, tp: int) -> int:
+    """bf16 K and V of one layer for one token on one rank (K and V are both cached on full
+    layers with ``attention_k_eq_v`` too: they are normalised and roped differently)."""
+    return _kv_per_rank(layer, tp) * layer.head_dim * 2 * _BF16
+
+
+def kv_cache_vllm(g: TextGeometry, tp: int, seq_len: int, batch: int, max_num_batched_tokens: int) -> KvCache:
+    """The KV cache vLLM reserves per rank, in bytes, for ``batch`` sequences of ``seq_len``
+    tokens (its ``--max-model-len``) at ``max_num_batched_tokens`` tokens per scheduler step.
+
+    Rules (vllm-project/vllm, V1 engine with its default hybrid KV cache manager):
+
+    - ``vllm/v1/kv_cache_interface.py`` ``SlidingWindowSpec.max_memory_usage_bytes``: a
+      sliding layer holds ``min(sliding_window - 1 + max_num_batched_tokens, seq_len)``
+      tokens in whole blocks, plus one block (the window need not start on a block
+      boundary); ``FullAttentionSpec.max_memory_usage_bytes``: a full layer ``seq_len``
+      tokens in whole blocks.
+    - ``vllm/v1/core/kv_cache_utils.py`` ``unify_kv_cache_spec_page_size``: all blocks have
+      the bytes of the largest; a layer with fewer bytes per token gets proportionally more
+      tokens per block (26B-A4B: 16 on sliding layers, 32 on full ones); the same file's
+      ``check_enough_kv_cache_memory`` refuses to start when one sequence does not fit.
+    - ``vllm/platforms/cuda.py``: 16 tokens per block unless ``--block-size`` is given.
+    """
+    per_token = [_kv_bytes_per_token(layer, tp) for layer in g.layers]
+    page = max(per_token) * VLLM_BLOCK_TOKENS  # bytes of every block after page-size unification
+    sliding = full = 0
+    for layer, t in zip(g.layers, per_token):
+        block = page // t if page % t == 0 else VLLM_BLOCK_TOKENS  # otherwise vLLM pads the page
+        if layer.sliding:
+            tokens = min(g.sliding_window - 1 + max_num_batched_tokens, seq_len)
+            sliding += (math.ceil(tokens / block) + 1) * page
+        else:
+            full += math.ceil(seq_len / block) * page
+    return KvCache(sliding * batch, full * batch)
+
+
+def kv_cache_nxdi(g: TextGeometry, tp: int, seq_len: int, batch: int) -> KvCache:
+    """The KV cache NxDI allocates per rank, in bytes: ``seq_len`` tokens on every layer,
+    sliding or not, for each of ``batch`` sequences.
+
+    Rule (aws-neuron/neuronx-distributed-inference v0.8.0):
+    ``src/neuronx_distributed_inference/modules/kvcache/kv_cache_manager.py``
+    ``KVCacheManager._init_kv_shape`` gives every layer ``neuron_config.max_length`` (the
+    sequence length) tokens; it allocates fewer only when the model sets ``sliding_window``
+    for all layers or passes per-layer sizes (``layer_to_cache_size_mapping``, used by Llama
+    4's chunked attention alone). ``src/neuronx_distributed_inference/models/model_base.py``
+    leaves ``sliding_window`` unset for mixed sliding/full models (Gemma 3, 5:1 like Gemma 4,
+    applies its window in the attention mask only), so a sliding layer's cache is as long
+    as a full layer's.
+    """
+    sliding = sum(_kv_bytes_per_token(layer, tp) for layer in g.layers if layer.sliding) * seq_len * batch
+    full = sum(_kv_bytes_per_token(layer, tp) for layer in g.layers if not layer.sliding) * seq_len * batch
+    return KvCache(sliding, full)
 
 
 # --------------------------------------------------------------------------- vision
@@ -359,7 +433,8 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """What a plan was computed for (``gpu_mem_bytes`` in bytes; ``seq_len`` in tokens)."""
+    """What a plan was computed for (``gpu_mem_bytes`` in bytes; ``seq_len`` and
+    ``max_num_batched_tokens`` in tokens; the latter None for a Neuron plan)."""
 
     model: str
     fmt: str
@@ -371,6 +446,7 @@ class PlanInputs:
     lm_head: str
     attention: str
     embedding: str
+    max_num_batched_tokens: int | None = None
 
 
 GROUPS = ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision")
@@ -386,7 +462,10 @@ class MemoryPlan:
             device weight bytes on one rank (``embedding`` is the device part: 0 when the
             table stays on the host; ``lm_head`` is 0 when tied to the device embedding).
         weights_per_rank: the sum of those groups.
-        kv_cache: bf16 KV cache bytes on one rank for ``batch`` x ``seq_len`` tokens.
+        kv_cache: bf16 KV cache bytes on one rank for ``batch`` sequences of ``seq_len``
+            tokens, as the serving engine reserves it (:func:`kv_cache_vllm` on a GPU,
+            :func:`kv_cache_nxdi` on Neuron); ``kv_cache_sliding + kv_cache_full``.
+        kv_cache_sliding, kv_cache_full: its bytes on sliding-window and on full layers.
         total_per_rank: ``weights_per_rank + kv_cache``.
         device_mem_per_rank: device memory of one rank (16 GiB per NeuronCore, or
             ``--gpu-mem``); None without a target.
@@ -412,6 +491,8 @@ class MemoryPlan:
     vision: int
     weights_per_rank: int
     kv_cache: int
+    kv_cache_sliding: int
+    kv_cache_full: int
     total_per_rank: int
     device_mem_per_rank: int | None
     margin: int | None
@@ -445,10 +526,12 @@ class MemoryPlan:
         p = self.inputs
         where = _describe_target(p)
         lines = [f"memory plan: {p.model}, {p.fmt}, TP={p.tp}, {where}",
-                 f"KV cache: bf16, {p.batch} x {p.seq_len} tokens; lm_head {p.lm_head}, attention {p.attention}, "
-                 f"embedding on the {p.embedding}", ""]
+                 f"KV cache: bf16, {p.batch} x {p.seq_len} tokens{_batched(p)}; lm_head {p.lm_head}, "
+                 f"attention {p.attention}, embedding on the {p.embedding}", ""]
         rows = [(name, getattr(self, name), self.layout.get(name, "")) for name in GROUPS]
         rows += [("weights", self.weights_per_rank, ""), ("kv_cache", self.kv_cache, self.layout["kv_cache"]),
+                 ("  sliding layers", self.kv_cache_sliding, self.layout["kv_cache_sliding"]),
+                 ("  full layers", self.kv_cache_full, self.layout["kv_cache_full"]),
                  ("total", self.total_per_rank, "")]
         if self.device_mem_per_rank is not None:
             rows += [("device memory", self.device_mem_per_rank, "one NeuronCore" if p.target else "one GPU"),
@@ -471,6 +554,10 @@ class MemoryPlan:
             lines.append(f"host:   {_verdict(self.host_fits)} ({_amount(self.host_margin)})")
         lines += ["notes:"] + [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _batched(p: PlanInputs) -> str:
+    return "" if p.max_num_batched_tokens is None else f", vLLM --max-num-batched-tokens {p.max_num_batched_tokens}"
 
 
 def _verdict(fits: bool | None) -> str:
@@ -552,11 +639,15 @@ def _check_tp(g: TextGeometry, tp: int, fmt: str, t: NeuronTarget | None) -> Non
         raise G4Error(f"--tp {tp} cannot be mapped onto this model: {'; '.join(problems)} "
                       f"(TP degrees that work: {good})")
     if t is not None and tp > t.neuron_cores:
-        raise G4Error(f"--tp {tp} needs {tp} NeuronCores; {t.name} has {t.neuron_cores}")
+        enough = [name for name, other in NEURON_TARGETS.items() if other.neuron_cores >= tp]
+        where = f"use --target {' or '.join(enough)}" if enough else "no known --target has that many"
+        raise G4Error(f"--tp {tp} needs {tp} NeuronCores; {t.name} has {t.neuron_cores}: {where} "
+                      "(--force overrides only the memory verdict, never the core count)")
 
 
 
-def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: TextGeometry) -> dict[str, str]:
+def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: TextGeometry,
+            batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How each group is stored and split, for the report."""
     name = "int8 + fp32 per-channel scales" if quant == "int8" else quant
     experts = ("int8, expert-wise fp32 scales [E,1,out]; gate_up column- (scale split), down row-parallel "
@@ -572,8 +663,21 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
         "norms_and_routers": "bf16, replicated",
         "embedding": "bf16, vocab-sharded" if embedding == "device" else "on the host (not on the device)",
         "vision": "bf16, whole on every rank" if vision else "not loaded",
-        "kv_cache": f"bf16 K and V; sliding layers capped at {g.sliding_window} tokens",
+        **_kv_layout(g, batched_tokens, seq_len),
     }
+
+
+def _kv_layout(g: TextGeometry, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
+    """How the KV cache was sized: which engine's rule, in words, for the report."""
+    if batched_tokens is None:
+        return {"kv_cache": "bf16 K and V; NxDI's rule: every layer holds seq_len tokens",
+                "kv_cache_sliding": f"{seq_len} tokens (NxDI allocates the whole sequence, not the window)",
+                "kv_cache_full": f"{seq_len} tokens"}
+    tokens = min(g.sliding_window - 1 + batched_tokens, seq_len)
+    return {"kv_cache": "bf16 K and V; vLLM's rule (SlidingWindowSpec / FullAttentionSpec)",
+            "kv_cache_sliding": f"min(window {g.sliding_window} - 1 + {batched_tokens} batched, {seq_len}) = "
+                                f"{tokens} tokens in blocks, + 1 block",
+            "kv_cache_full": f"{seq_len} tokens in blocks"}
 
 
 def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int) -> list[str]:
@@ -601,7 +705,7 @@ def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
 def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = None, gpu_mem_bytes: int | None = None,
                 seq_len: int = 8192, batch: int = 1, lm_head: str | None = None, attention: str | None = None,
                 embedding: str | None = None, src_dir: str | Path | None = None,
-                model: str | None = None) -> MemoryPlan:
+                model: str | None = None, max_num_batched_tokens: int | None = None) -> MemoryPlan:
     """Plan the memory of ``config`` served in ``fmt`` at TP degree ``tp``.
 
     Args:
@@ -613,7 +717,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         tp: tensor-parallel degree; one rank per NeuronCore or per GPU.
         target: a Neuron instance in :data:`NEURON_TARGETS`, or None.
         gpu_mem_bytes: memory of one GPU in bytes (exclusive with ``target``), or None.
-        seq_len, batch: KV cache size in tokens per sequence and sequences.
+        seq_len, batch: KV cache size in tokens per sequence (vLLM's ``--max-model-len``)
+            and sequences.
         lm_head: ``int8-sharded`` (vocab rows split; int8-neuron only), ``bf16-sharded``,
             ``bf16-replicated`` or ``tied`` (shares the device embedding table, as vLLM
             does; needs ``tie_word_embeddings`` and a device embedding). Default:
@@ -625,6 +730,10 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
             device) or ``device`` (bf16, vocab-sharded). Default host for int8-neuron.
         src_dir: checkpoint directory to read the vision tower's size from.
         model: a name for the report.
+        max_num_batched_tokens: tokens vLLM schedules per step (``--max-num-batched-tokens``),
+            which sets what its sliding layers reserve; default
+            :func:`vllm_default_batched_tokens` of ``gpu_mem_bytes``. Only for GPU plans
+            (nvfp4 or bf16 without a Neuron ``target``); Neuron plans use NxDI's rule.
 
     Returns:
         The :class:`MemoryPlan`. The vision tower and ``embed_vision`` are counted (bf16,
@@ -633,11 +742,19 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
 
     Raises:
         G4Error: an unknown option, a combination that does not exist (NVFP4 on Neuron,
-            int8 on a GPU, both a target and a GPU), a TP degree the model cannot be split
-            over, more ranks than the target has cores, or a config the planner cannot read.
+            int8 on a GPU, both a target and a GPU, ``max_num_batched_tokens`` for Neuron),
+            a TP degree the model cannot be split over, more ranks than the target has cores,
+            or a config the planner cannot read.
     """
     _check_target(fmt, target, gpu_mem_bytes, seq_len, batch)
     neuron = target is not None
+    on_neuron = neuron or fmt == "int8-neuron"
+    if max_num_batched_tokens is not None and on_neuron:
+        raise G4Error("--max-num-batched-tokens is a vLLM (GPU) setting; a Neuron plan sizes the KV cache "
+                      "by NxDI's rule")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+        raise G4Error(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
+    batched = None if on_neuron else max_num_batched_tokens or vllm_default_batched_tokens(gpu_mem_bytes)
     t = NEURON_TARGETS[target] if neuron else None
     g = text_geometry(config)
     lm_head, attention, embedding = _with_defaults(fmt, neuron, g.tied, lm_head, attention, embedding)
@@ -665,7 +782,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         attention=_attention_bytes(g, attention, tp), norms_and_routers=_norms_and_routers_bytes(g),
         embedding=table // tp if embedding == "device" else 0, vision=vision)
     weights = sum(groups.values())
-    kv = _kv_cache_bytes(g, tp, seq_len, batch)
+    kv_parts = kv_cache_nxdi(g, tp, seq_len, batch) if on_neuron else kv_cache_vllm(g, tp, seq_len, batch, batched)
+    kv = kv_parts.total
     device = t.hbm_per_core_bytes if t else gpu_mem_bytes
     margin = None if device is None else device - weights - kv
     host_embedding = table if embedding == "host" else 0
@@ -674,12 +792,13 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     host_margin = None if host_ram is None else host_ram - host_files - host_embedding
     return MemoryPlan(
         inputs=PlanInputs(model or "model", fmt, tp, target, gpu_mem_bytes, seq_len, batch, lm_head, attention,
-                          embedding),
-        **groups, weights_per_rank=weights, kv_cache=kv, total_per_rank=weights + kv, device_mem_per_rank=device,
+                          embedding, batched),
+        **groups, weights_per_rank=weights, kv_cache=kv, kv_cache_sliding=kv_parts.sliding,
+        kv_cache_full=kv_parts.full, total_per_rank=weights + kv, device_mem_per_rank=device,
         margin=margin, fits=None if margin is None else margin >= 0, host_embedding=host_embedding,
         host_rank_files=host_files, host_ram_need=host_files + host_embedding, host_ram=host_ram,
         host_margin=host_margin, host_fits=None if host_margin is None else host_margin >= 0,
-        layout=_layout(quant, lm_head, attention, embedding, vision, g),
+        layout=_layout(quant, lm_head, attention, embedding, vision, g, batched, seq_len),
         notes=tuple(notes + _notes(g, tp, t, neuron, seq_len)))
 
 
@@ -729,24 +848,31 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src", metavar="SRC_OR_CONFIG")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--tp", type=COUNT, default=1, show_default=True,
               help="Tensor-parallel degree: one rank per NeuronCore or per GPU.")
 @click.option("--target", type=click.Choice(list(NEURON_TARGETS)), help="AWS Neuron instance (16 GiB HBM per core).")
-@click.option("--gpu-mem", help="Memory of one GPU instead of --target, e.g. 80GB (10**9 bytes) or 128GiB (2**30).")
-@click.option("--seq-len", type=click.IntRange(min=1), default=8192, show_default=True,
-              help="KV cache tokens per sequence.")
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences in the KV cache.")
+@click.option("--gpu-mem", type=ByteSize(), help="Memory of one GPU instead of --target, with its unit: 80GB "
+                                                 "(10**9 bytes) or 128GiB (2**30).")
+@click.option("--seq-len", type=COUNT, default=8192, show_default=True,
+              help="KV cache tokens per sequence (vLLM's --max-model-len).")
+@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences in the KV cache.")
+@click.option("--max-num-batched-tokens", type=COUNT,
+              help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
+                   "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
+                   "or more (2048 on an A100), else 2048.")
 @click.option("--lm-head", type=click.Choice(LM_HEADS),
               help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
 @click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, lm_head, attention, embedding, as_json):
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
+         as_json):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
     SRC_OR_CONFIG: a checkpoint directory, a config.json, gemma-4-26B-A4B, or embedded.
-    Sizes are bytes; GB = 10**9, GiB = 2**30.
+    Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
+    vLLM's rule on a GPU, NxDI's on Neuron.
 
     \b
     Examples:
@@ -754,16 +880,11 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, lm_head, attention, embe
       g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
       g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
     """
-    gpu_mem_bytes = None
-    if gpu_mem is not None:
-        from g4.exporters.safetensors_writer import parse_size
+    from g4.exporters.safetensors_writer import parse_size
 
-        try:
-            gpu_mem_bytes = parse_size(gpu_mem)
-        except ValueError as e:
-            raise G4Error(f"--gpu-mem: {e}") from e
+    gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
     name, config, directory = load_source(src)
     result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
                          batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name)
+                         model=name, max_num_batched_tokens=max_num_batched_tokens)
     click.echo(result.to_json() if as_json else result.summary())

@@ -49,6 +49,7 @@ from g4.exporters.model_card import (
 )
 
 from .errors import G4Error, exit_on_user_error
+from .options import ByteSize
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +540,7 @@ def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:
               help="Replace the content of a repo that already holds other files (deleted in the same commit).")
 @click.option("--base-model", help="Hub repo id of the source model, for the card's base_model (when g4 could not "
                                    "tell it from SRC).")
-@click.option("--max-file-size", metavar="SIZE",
+@click.option("--max-file-size", type=ByteSize(), metavar="SIZE",
               help="Per-file limit checked before upload, e.g. 50GB (GB = 10**9 bytes). Default: the Hub's, "
                    "200GB (HUB_MAX_FILE_BYTES).")
 @exit_on_user_error

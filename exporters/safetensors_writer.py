@@ -37,12 +37,15 @@ from g4.convert.errors import ExportError
 
 log = logging.getLogger(__name__)
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(text: str | int) -> int:
     """Parse a byte size: ``"5GB"`` is 5*10**9 (decimal), ``"5GiB"`` is 5*2**30 (binary).
+
+    An int is a number of bytes; a string needs its unit (``"80"`` is refused, not taken
+    as 80 bytes; ``"80B"`` is 80 bytes).
 
     Raises:
         ValueError: not a positive number with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
@@ -51,9 +54,13 @@ def parse_size(text: str | int) -> int:
         value = text
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-        if not m or m.group(2).upper() not in _SIZE_UNITS:
+        unit = m.group(2).upper() if m else None
+        if not m or (unit and unit not in _SIZE_UNITS):
             raise ValueError(f"cannot parse size {text!r}: use e.g. 5GB (10**9 bytes) or 4GiB (2**30 bytes)")
-        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        value = int(float(m.group(1)) * _SIZE_UNITS.get(unit, 1))
+        if value > 0 and not unit:
+            raise ValueError(f"size {text!r} has no unit: write e.g. {m.group(1)}GB (10**9 bytes), "
+                             f"{m.group(1)}GiB (2**30 bytes) or {m.group(1)}B (bytes)")
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value

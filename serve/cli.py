@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from g4.convert.errors import G4Error, exit_on_user_error
+from g4.convert.options import COUNT, PORT, SECONDS, min_agreement_option
 
 EMBEDDED = "embedded"
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
@@ -92,13 +93,13 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @_out_arg
 @_backend_opt
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=PORT, default=8000, show_default=True)
 @click.option("--served-model-name", help="Model id clients send (default: OUT's directory name).")
 @_act_quant_opt
 @_dtype_opt
-@click.option("--max-model-len", type=click.IntRange(min=1), help="vllm backend: --max-model-len.")
+@click.option("--max-model-len", type=COUNT, help="vllm backend: --max-model-len (tokens).")
 @click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
-@click.option("--shutdown-timeout", type=click.IntRange(min=0, max=86400), default=30, show_default=True,
+@click.option("--shutdown-timeout", type=SECONDS, default=30, show_default=True,
               metavar="SECONDS", help="On SIGTERM or Ctrl-C, requests in flight get this long to finish; then "
               "they are answered 503 (a second Ctrl-C: at once). CPU and neuron backends.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
@@ -181,13 +182,12 @@ def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_ca
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Prompt set: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: SRC's facts.json "
                    "held-out prompts or built-in ones.")
-@click.option("--min-agreement", type=click.FloatRange(0), default=0.9, show_default=True,
-              help="Fail (exit 1) below this greedy token agreement.")
+@min_agreement_option
 @click.option("--url", help="Check a server already running there (e.g. http://127.0.0.1:8000) instead of "
                             "starting one.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--max-tokens", type=COUNT, default=16, show_default=True,
               help="Tokens generated per prompt and fact.")
-@click.option("--chat-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--chat-max-tokens", type=COUNT, default=256, show_default=True,
               help="Tokens per P13 chat request (thinking on needs room).")
 @_backend_opt
 @click.option("--served-model-name", help="Model id to request (default: the server's first model).")

@@ -105,18 +105,73 @@ def test_26b_nvfp4_matches_spec_scenario_c():
     assert round(p.weights_per_rank / GB, 2) == 16.42  # spec §4.3 scenario C
 
 
-def test_kv_cache_26b():
-    expected = LF * 2 * 512 * 2 * 2 * 8192 + LS * 8 * 256 * 2 * 2 * min(8192, 1024)
-    p = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=8192)
-    assert p.kv_cache == expected == 377_487_360
-    assert round(p.kv_cache / GiB, 2) == 0.35  # spec §4.3: 0.35 GiB at 8K
-    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=32768).kv_cache / GiB == pytest.approx(0.82, abs=0.01)
-    assert plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=1, seq_len=8192, batch=3).kv_cache == 3 * expected
-    assert int8_neuron_tp2().kv_cache == expected // 2
-    # TP=4: the 2 global KV heads are replicated (one per rank), the 8 sliding ones split
-    tp4 = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=4, seq_len=8192)
-    assert tp4.kv_cache == LF * 1 * 512 * 2 * 2 * 8192 + LS * 2 * 256 * 2 * 2 * 1024
+# bf16 K and V bytes per token of one layer on one rank at TP 1: sliding 8 KV heads x 256,
+# full 2 KV heads x 512 (K and V both cached, k_eq_v or not)
+KV_S, KV_F = 8 * 256 * 2 * 2, 2 * 512 * 2 * 2
+
+
+def test_gpu_kv_cache_is_what_vllm_reserves_26b_80gib_128k():
+    """P18 through the CLI, from the config alone: the sliding layers cost what vLLM reserves
+    (vllm/v1/kv_cache_interface.py SlidingWindowSpec.max_memory_usage_bytes), not the window."""
+    r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "80GiB", "--seq-len", "131072", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    # vllm serve on a GPU of >= 70 GiB schedules 8192 tokens per step (arg_utils get_batch_defaults)
+    assert d["inputs"]["max_num_batched_tokens"] == 8192
+    # sliding: min(1024 - 1 + 8192, 131072) = 9215 tokens -> ceil(9215 / 16) = 576 blocks of 16 tokens,
+    # + 1 block = 577 blocks = 9232 tokens x 8192 B x 25 layers
+    assert d["kv_cache_sliding"] == 577 * 16 * KV_S * LS == 1_890_713_600
+    assert d["kv_cache_sliding"] > 9 * (1024 * KV_S * LS)  # 9x what costing the window alone gave
+    # full: pages unified to the sliding page (16 x 8192 B), so 32-token blocks of 4096 B per token:
+    # 131072 / 32 = 4096 blocks
+    assert d["kv_cache_full"] == 4096 * 32 * KV_F * LF == 2_684_354_560
+    assert d["kv_cache"] == d["kv_cache_sliding"] + d["kv_cache_full"] == 4_575_068_160
+    assert d["fits"] is True
+
+
+def test_gpu_plan_p18_does_not_fit_where_vllm_would_not_start():
+    """26B NVFP4 TP1, 32k context, 17.6 GB GPU: the window-costed cache (0.88 GB) fitted, the
+    cache vLLM reserves at its default 2048 batched tokens (1.30 GB) does not."""
+    p = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=int(17.6 * GB), seq_len=32768)
+    assert p.inputs.max_num_batched_tokens == 2048  # vllm serve's default below 70 GiB
+    # sliding: min(1023 + 2048, 32768) = 3071 tokens -> ceil(3071 / 16) + 1 = 193 blocks of 16
+    assert p.kv_cache_sliding == 193 * 16 * KV_S * LS == 632_422_400
+    assert p.kv_cache_full == 32768 // 32 * 32 * KV_F * LF == 671_088_640
+    assert p.kv_cache == 1_303_511_040 and p.fits is False
+    assert p.margin + p.kv_cache - (1024 * KV_S * LS + 32768 * KV_F * LF) > 0  # the old costing said FITS
+    r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "17.6GB", "--seq-len", "32768")
+    assert r.exit_code == 0 and "device: DOES NOT FIT" in r.output and "vLLM's rule" in r.output
+
+
+def test_gpu_kv_cache_follows_max_num_batched_tokens_and_seq_len():
+    def kv(**kw):
+        return plan_memory(GEMMA4_26B_A4B, fmt="bf16", **kw)
+
+    # 512 batched: min(1023 + 512, 32768) = 1535 -> ceil(1535 / 16) + 1 = 97 blocks
+    assert kv(seq_len=32768, max_num_batched_tokens=512).kv_cache_sliding == 97 * 16 * KV_S * LS
+    # a context shorter than window - 1 + batched caps it: min(3071, 2048) = 2048 -> 128 + 1 blocks
+    assert kv(seq_len=2048).kv_cache_sliding == 129 * 16 * KV_S * LS
+    # 8K, no GPU given: vLLM's fallback 2048 batched; 193 sliding blocks, 8192 / 32 full blocks
+    p = kv(seq_len=8192)
+    assert p.kv_cache == 193 * 16 * KV_S * LS + 256 * 32 * KV_F * LF == 800_194_560
+    assert kv(seq_len=8192, batch=3).kv_cache == 3 * p.kv_cache
+    # TP=4: 2 sliding KV heads per rank (2048 B/token), the 2 full ones replicated (1 x 512 x 4 = 2048 B):
+    # equal pages, 16-token blocks everywhere
+    tp4 = kv(tp=4, seq_len=8192)
+    assert tp4.kv_cache == LS * 193 * 16 * 2048 + LF * 8192 * 2048
     assert any("KV heads replicated" in n for n in tp4.notes)
+    r = run("gemma-4-26B-A4B", "--format", "bf16", "--seq-len", "32768", "--max-num-batched-tokens", "512", "--json")
+    assert json.loads(r.output)["kv_cache_sliding"] == 97 * 16 * KV_S * LS
+
+
+def test_neuron_kv_cache_is_nxdi_s_whole_sequence_on_every_layer():
+    """NxDI 0.8's KVCacheManager gives every layer seq_len tokens (sliding ones too)."""
+    p = int8_neuron_tp2()  # 8192 tokens, TP 2: 4 sliding KV heads and 1 full KV head per rank
+    assert p.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 8192 == 838_860_800
+    assert p.kv_cache_full == LF * 1 * 512 * 2 * 2 * 8192 == 83_886_080
+    assert p.inputs.max_num_batched_tokens is None
+    r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--max-num-batched-tokens", "2048")
+    assert r.exit_code == 2 and "--max-num-batched-tokens is a vLLM (GPU) setting" in r.output
 
 
 def test_per_layer_config_form_plans_the_same():
@@ -172,7 +227,7 @@ def test_cli_json_has_integer_bytes():
     assert d["weights_per_rank"] == 13_244_114_492 and d["fits"] is True and d["host_fits"] is False
     assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
                            "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
-                           "attention": "bf16", "embedding": "host"}
+                           "attention": "bf16", "embedding": "host", "max_num_batched_tokens": None}
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
     assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == 128 * GiB and d["fits"] is True
@@ -207,7 +262,6 @@ def test_tp3_refused_with_a_clear_message():
     (["--target", "inf2.xlarge", "--tp", "4"], "needs 4 NeuronCores; inf2.xlarge has 2"),
     (["--format", "nvfp4", "--target", "inf2.xlarge"], "NVFP4 cannot be served on inf2.xlarge"),
     (["--target", "inf2.xlarge", "--gpu-mem", "80GB"], "not both"),
-    (["--format", "bf16", "--gpu-mem", "lots"], "--gpu-mem: cannot parse size 'lots'"),
     (["--format", "bf16", "--lm-head", "int8-sharded"], "int8 lm_head exists only in the int8-neuron format"),
     (["--format", "nvfp4", "--attention", "int8"], "attention int8 does not exist in the nvfp4 format"),
     (["--lm-head", "tied"], "lm_head 'tied' shares the embedding table on a GPU"),

@@ -105,11 +105,11 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy,
         assert (nvfp4_copy / "verification.json").read_text() == first  # same inputs, same report
 
         prompts = nvfp4_copy.parent / "prompts.txt"
-        prompts.write_text("What is the capital of France?\n\nWho wrote Hamlet?\n")
+        prompts.write_text("What is the capital of France?\n\nWho painted the Mona Lisa?\n")  # 1 of 2 differs
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url, "--prompts", prompts,
-                "--min-agreement", "1.01")
+                "--min-agreement", "1")
         assert r.exit_code == 1
-        assert "FAIL: token agreement 1.000 < 1.01" in r.output
+        assert "FAIL: token agreement 0.750 < 1.0" in r.output
         report = json.loads((nvfp4_copy / "verification.json").read_text())
         assert report["passed"] is False and report["overall"]["prompts"] == 2
 

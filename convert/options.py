@@ -1,0 +1,80 @@
+"""Ranges of the numeric command-line options of ``g4convert`` and ``g4serve``, one
+definition per kind of value.
+
+Every command declares its numeric options with these types, so a value out of range is a
+click usage error (exit status 2, the option named) before any file is read or written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+#: How many of something (samples, sequences, decoder layers, tokens to generate): at least 1.
+COUNT = click.IntRange(min=1)
+
+#: A TCP port to listen on or connect to.
+PORT = click.IntRange(1, 65535)
+
+#: What ``torch.Generator.manual_seed`` takes: from -2**63 to 2**64 - 1.
+SEED = click.IntRange(-(2**63), 2**64 - 1)
+
+#: Whole seconds, at most a day (``g4serve --shutdown-timeout``).
+SECONDS = click.IntRange(0, 86400)
+
+
+class _Fraction(click.FloatRange):
+    """A float in [0, 1]; nan is refused (it compares false with both ends of the range)."""
+
+    name = "fraction"
+
+    def __init__(self) -> None:
+        super().__init__(0.0, 1.0)
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv):
+            self.fail(f"{value!r} is not a number in the range {self._describe_range()}.", param, ctx)
+        return rv
+
+
+#: A share such as a token agreement: a number from 0 to 1.
+FRACTION = _Fraction()
+
+
+class ByteSize(click.ParamType):
+    """A byte size with its unit (``80GB`` = 80 * 10**9 bytes, ``128GiB`` = 128 * 2**30),
+    at least ``minimum`` bytes. The value passed on is the text as given (checked), for
+    :func:`g4.exporters.safetensors_writer.parse_size`.
+
+    A number without a unit is refused: ``--gpu-mem 80`` would otherwise be 80 bytes.
+    """
+
+    name = "size"
+
+    def __init__(self, minimum: int = 1, why: str = "") -> None:
+        self.minimum = minimum
+        self.why = why
+
+    def convert(self, value, param, ctx):
+        from g4.exporters.safetensors_writer import parse_size  # imports torch: only when a command runs
+
+        try:
+            n = parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        if n < self.minimum:
+            self.fail(f"{value!r} is {n:,} bytes, less than the minimum of {self.minimum:,} bytes"
+                      + (f" ({self.why})" if self.why else ""), param, ctx)
+        return value.strip() if isinstance(value, str) else value
+
+
+#: ``--max-shard-size``: below 1 MB a checkpoint becomes thousands of files holding little
+#: but headers (transformers' ``save_pretrained`` and modelopt's export accept any size).
+MIN_SHARD_BYTES = 10**6
+SHARD_SIZE = ByteSize(MIN_SHARD_BYTES, "smaller shards only multiply files")
+
+min_agreement_option = click.option(
+    "--min-agreement", type=FRACTION, default=0.9, show_default=True,
+    help="Fail (exit 1) below this greedy token agreement, a fraction from 0 to 1.")
