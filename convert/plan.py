@@ -46,6 +46,7 @@ from pathlib import Path
 import click
 
 from .errors import G4Error, exit_on_user_error
+from .gemma4_config import AttentionLayer, attention_layers
 
 GB = 10**9
 GiB = 2**30
@@ -99,17 +100,6 @@ NEURON_TARGETS: dict[str, NeuronTarget] = {t.name: t for t in (
 
 
 @dataclass(frozen=True)
-class AttentionLayer:
-    """Attention shape of one decoder layer: ``kv_heads`` KV heads of ``head_dim``;
-    ``has_v`` is False on full-attention layers with ``attention_k_eq_v`` (no v_proj)."""
-
-    sliding: bool
-    head_dim: int
-    kv_heads: int
-    has_v: bool
-
-
-@dataclass(frozen=True)
 class TextGeometry:
     """The sizes of a Gemma 4 MoE text model that the plan needs (element counts)."""
 
@@ -126,14 +116,10 @@ class TextGeometry:
 
 
 def text_geometry(config: dict) -> TextGeometry:
-    """Read the geometry from a release-format config (``global_head_dim``,
-    ``num_global_key_value_heads``) or transformers 5.24's ``per_layer_config`` form
-    (zero-padded layer-index keys overriding ``head_dim`` / ``num_key_value_heads``).
+    """Read the geometry from a config in the release form or transformers' ``per_layer_config``
+    form (per-layer attention sizes: :func:`g4.convert.gemma4_config.attention_layers`).
 
     ``config`` may be the multimodal config (with ``text_config``) or a text config.
-    Defaults follow transformers 5.24 ``Gemma4TextConfig``: ``layer_types`` 5 sliding : 1
-    full with the last layer forced to full attention, ``global_head_dim`` 512, and the
-    full-layer KV override only when ``attention_k_eq_v``.
 
     Raises:
         G4Error: not a Gemma 4 MoE config, a missing size, or a layout the plan does not
@@ -157,28 +143,7 @@ def text_geometry(config: dict) -> TextGeometry:
             raise G4Error(f"text config: {key} is {value!r}, expected a positive integer")
         return value
 
-    n_layers = need("num_hidden_layers")
-    types = list(tc.get("layer_types") or
-                 ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)])
-    if len(types) != n_layers:
-        raise G4Error(f"text config: {len(types)} layer_types for {n_layers} layers")
-    types[-1] = "full_attention"  # transformers forces it
-    per_layer = tc.get("per_layer_config") or {}
-    k_eq_v = bool(tc.get("attention_k_eq_v", False))
-    head_dim, kv = need("head_dim"), need("num_key_value_heads")
-    layers = []
-    for i, t in enumerate(types):
-        full = t == "full_attention"
-        if per_layer:
-            over = per_layer.get(f"{i:02d}") or per_layer.get(str(i)) or {}
-            hd, kvh = over.get("head_dim", head_dim), over.get("num_key_value_heads", kv)
-        elif full:
-            hd = tc.get("global_head_dim") or 512
-            kvh = (tc.get("num_global_key_value_heads") if k_eq_v else None) or kv
-        else:
-            hd, kvh = head_dim, kv
-        layers.append(AttentionLayer(sliding=not full, head_dim=int(hd), kv_heads=int(kvh),
-                                     has_v=not (full and k_eq_v)))
+    layers = attention_layers(tc)
     return TextGeometry(
         hidden=need("hidden_size"), heads=need("num_attention_heads"), layers=tuple(layers),
         intermediate=need("intermediate_size"), moe_intermediate=need("moe_intermediate_size"),

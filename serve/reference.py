@@ -26,6 +26,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
+from g4.convert.gemma4_config import release_config
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -194,7 +195,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool) -> None:
     qc = out_cfg.get("quantization_config") or {}
     if qc.get("quant_method") != "modelopt" or qc.get("quant_algo") != "NVFP4":
         raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
-    src_cfg = Checkpoint(src).config
+    src_cfg = release_config(Checkpoint(src).config)  # g4 writes OUT's config in the release form
     if {k: v for k, v in out_cfg.items() if k != "quantization_config"} != src_cfg:
         raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it converted from another "
                               "checkpoint? pass --against SRC")
