@@ -9,16 +9,21 @@ Units: every figure is an integer number of **bytes**; the report shows it also 
 **GB = 10**9 bytes** and **GiB = 2**30 bytes** (the specs use both; mixing them is how
 "49 GB" figures happen).
 
-Sources (the team specs in ``../shared/specs/`` beside this repository, as the README
-cites them):
+Sources:
 
-- ``../shared/specs/gemma4-architecture.md`` §1 (geometry, ``attention_k_eq_v``), §2.2
-  (transformers 5.24 ``per_layer_config`` form), §4 (memory budget: parameter groups,
-  bytes per format, the TP=2 per-rank variants, KV cache per token).
-- ``../shared/specs/nxd-int8-neuron.md`` §1.2 and §1.5 (which int8 layers split which dim
-  and which fp32 scales are split or replicated), §3.3 (the runtime loads every local
-  rank's file before ``initialize``), §4.3 (expert-wise scales ``[E, 1, out]``), §6
-  (NeuronCores, 16 GiB HBM per core and host RAM per instance).
+- geometry, ``attention_k_eq_v``, the ``per_layer_config`` form and the tensors each layer
+  has (hence parameter groups, bytes per format and KV cache per token): huggingface/transformers
+  5.24 ``src/transformers/models/gemma4/configuration_gemma4.py`` and ``modeling_gemma4.py``
+  (read through ``g4.convert.gemma4_config``);
+- which int8 layers split which dim, which fp32 scales are split or replicated, expert-wise
+  scales ``[E, 1, out]``: aws-neuron/neuronx-distributed
+  ``src/neuronx_distributed/quantization/quantization_layers.py`` and ``trace/trace.py``
+  (``create_local_weight``);
+- the runtime loads every local rank's file before ``initialize``:
+  aws-neuron/neuronx-distributed-inference ``src/neuronx_distributed_inference/models/application_base.py``;
+- NeuronCores, 16 GiB HBM per core, TP degrees, host RAM per instance: aws-neuron/aws-neuron-sdk
+  ``about-neuron/arch/neuron-hardware/inf2-arch.rst``, ``trn1-arch.rst`` and
+  ``libraries/nxd-inference/developer_guides/feature-guide.rst``.
 
 Sharding rules (per rank, TP degree ``tp``):
 
@@ -67,7 +72,8 @@ _QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of t
 
 @dataclass(frozen=True)
 class NeuronTarget:
-    """An AWS Neuron instance (``../shared/specs/nxd-int8-neuron.md`` §6).
+    """An AWS Neuron instance (aws-neuron/aws-neuron-sdk ``about-neuron/arch/neuron-hardware/inf2-arch.rst``,
+    ``trn1-arch.rst``).
 
     Attributes:
         name: EC2 instance type.
@@ -486,7 +492,7 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
         raise G4Error("int8-neuron is the AWS Neuron format; use --target (or --format nvfp4|bf16 for a GPU)")
     if fmt == "nvfp4" and target is not None:
         raise G4Error(f"NVFP4 cannot be served on {target}: NeuronCore-v2 has no FP4 compute "
-                      "(../shared/specs/nxd-int8-neuron.md §5); use --format int8-neuron")
+                      "(aws-neuron-sdk about-neuron/arch/neuron-hardware/neuron-core-v2.rst); use --format int8-neuron")
 
 
 def _check_options(fmt: str, neuron: bool, g: TextGeometry, lm_head: str, attention: str, embedding: str) -> None:
@@ -546,7 +552,7 @@ def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
             notes.append(f"NxDI documents TP degrees {', '.join(map(str, t.tp_degrees))} for {t.name.split('.')[0]}; "
                          f"{tp} is not one of them")
         notes.append("host RAM: the Neuron runtime reads every local rank's weight file before initialize "
-                     "(../shared/specs/nxd-int8-neuron.md §3.3, §6); the OS and the runtime need more")
+                     "(neuronx-distributed-inference models/application_base.py); the OS and the runtime need more")
         notes.append("inf2/trn1 need Neuron SDK 2.28 (NxDI 0.8); later NxDI supports only Trn2 and newer")
     replicated = [layer for layer in g.layers if layer.kv_heads < tp]
     if replicated:

@@ -526,6 +526,7 @@ def _int8_body(i8: dict) -> dict:
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
             "bpw": i8["qbytes"] * 8 / max(i8["numel"], 1), "rank_rows": [[f, _size(b)] for f, b in i8["rank_bytes"]],
             "host_bytes": i8["host_bytes"], "plan_rows": prow, "plan_summary": summary,
+            # results made before g4 cited public sources have local spec paths in their notes
             "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.get("embed_scale"), "layout": m.get("format")}
 
 

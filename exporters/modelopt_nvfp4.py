@@ -1,6 +1,6 @@
 """modelopt NVFP4 checkpoint metadata, and the checker every export passes before it is placed.
 
-Metadata formats (spec: ../shared/specs/nvfp4-modelopt-vllm.md §2, as written by
+Metadata formats (as written by
 Model-Optimizer ``modelopt/torch/export/unified_export_hf.py`` and
 ``convert_hf_config.py``; read by vLLM ``ModelOptQuantConfigBase.from_config``):
 
