@@ -20,7 +20,7 @@ from g4.exporters.nvfp4_names import (
 )
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, MappingError
+from .errors import CheckpointError, G4Error, MappingError
 from .gemma4_config import attention_layers, release_config
 
 
@@ -38,8 +38,11 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     if smap.lm_head and tied:
         raise MappingError(f"tensor {smap.lm_head}: present although tie_word_embeddings is true (case P06: loaders "
                            "disagree on such checkpoints); remove it, or set tie_word_embeddings to false")
-    attention = attention_layers(ckpt.config)
-    release_config(ckpt.config)  # refuse now a per_layer_config that OUT's release-form config cannot carry
+    try:
+        attention = attention_layers(ckpt.config)
+        release_config(ckpt.config)  # refuse now a per_layer_config that OUT's release-form config cannot carry
+    except G4Error as e:
+        raise CheckpointError(f"{ckpt.root / 'config.json'}: {e}") from e
     n_exp, inter, hidden = int(tc["num_experts"]), int(tc["moe_intermediate_size"]), int(tc["hidden_size"])
     for ls in smap.layers:
         L, src = ls.index, ls.tensors

@@ -84,3 +84,14 @@ def test_per_layer_config_that_disagrees_with_the_weights_is_refused(resaved, tm
     r = CliRunner().invoke(main, ["-q", "int8-neuron", str(src), str(tmp_path / "out"), "--tp", "2"])
     assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
     assert "self_attn.q_proj.weight: [256, 128], config says [128, 128] (full attention: head_dim 32" in r.output
+
+
+def test_per_layer_config_the_release_form_cannot_carry_stops_the_conversion(resaved, tmp_path):
+    src = shutil.copytree(resaved, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["per_layer_config"]["3"]["sliding_window"] = 8
+    (src / "config.json").write_text(json.dumps(config))
+    r = CliRunner().invoke(main, ["-q", "nvfp4", str(src), str(tmp_path / "out"), "--weight-only"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {src / 'config.json'}: text config: per_layer_config['3'] overrides sliding_window")
+    assert not (tmp_path / "out").exists()
