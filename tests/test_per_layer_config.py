@@ -95,3 +95,12 @@ def test_per_layer_config_the_release_form_cannot_carry_stops_the_conversion(res
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert r.output.startswith(f"error: {src / 'config.json'}: text config: per_layer_config['3'] overrides sliding_window")
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_accepts_the_release_form_out_of_a_per_layer_config_source(resaved, tmp_path):
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(main, ["-q", "nvfp4", str(resaved), str(out), "--weight-only"]).exit_code == 0
+    r = runner.invoke(main, ["-q", "verify", str(out), "--against", str(resaved), "--max-new-tokens", "1",
+                             "--min-agreement", "0"])
+    assert r.exit_code == 0 and "facts answered: 12/12" in r.output, r.output
