@@ -396,12 +396,12 @@ SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
                       "video_preprocessor_config.json")
 
 
-def copy_side_files(src: Path, dst: Path, *, extra: tuple[str, ...] = ()) -> list[str]:
-    """Copy the tokenizer, chat template, generation and processor configs of ``src``
-    (plus ``extra`` names) into ``dst``; returns the names copied."""
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer, chat template, generation and processor configs of ``src`` into
+    ``dst``; returns the names copied."""
     copied = []
     for f in sorted(Path(src).iterdir()):
-        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS + extra):
+        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS):
             shutil.copy2(f, Path(dst) / f.name)
             copied.append(f.name)
     if not _has_chat_template(Path(dst)):  # P14: the result could not serve chat completions

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from .errors import G4Error, exit_on_user_error, raise_terminated
-from .options import COUNT, SEED, SHARD_SIZE, min_agreement_option
+from .options import COUNT, SEED, SHARD_SIZE, act_quant_option, min_agreement_option
 from .plan import plan
 
 EMBEDDED = "embedded"
@@ -177,8 +177,7 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help="The source checkpoint, or 'embedded'.")
 @click.option("--max-new-tokens", type=COUNT, default=16, show_default=True)
-@click.option("--act-quant/--no-act-quant", default=False, show_default=True,
-              help="Also fake-quantize linear inputs with input_scale (W4A4, as Blackwell serves it).")
+@act_quant_option
 @min_agreement_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @exit_on_user_error
@@ -187,7 +186,9 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
     Dequantizes OUT into transformers' Gemma 4 model and reports greedy token agreement
     and mean KL(source || converted) of next-token distributions; for the embedded model
-    also whether every fact is still answered.
+    also whether every fact is still answered. A W4A4 OUT is computed with W4A4 activation
+    emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
+    it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
     from g4.serve.reference import verify_nvfp4
 

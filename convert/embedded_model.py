@@ -498,15 +498,10 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
 def _write_release_config(out_dir: Path) -> None:
     """Rewrite `config.json` as Gemma 4 checkpoints ship it: the full-attention overrides as
     `global_head_dim` / `num_global_key_value_heads` instead of transformers' `per_layer_config`."""
+    from .gemma4_config import release_config
+
     path = out_dir / "config.json"
-    config = json.loads(path.read_text())
-    text = config["text_config"]
-    overrides = {json.dumps(o, sort_keys=True) for o in text.pop("per_layer_config").values()}
-    if len(overrides) != 1:
-        raise RuntimeError(f"full-attention layers disagree: {overrides}")
-    override = json.loads(overrides.pop())
-    text["global_head_dim"] = override["head_dim"]
-    text["num_global_key_value_heads"] = override["num_key_value_heads"]
+    config = release_config(json.loads(path.read_text()))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

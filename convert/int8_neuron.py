@@ -8,7 +8,8 @@ Output (layout and sources: ``g4.serve.neuron_layout``):
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
-- ``config.json``, tokenizer, chat template and generation config copied from SRC.
+- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4_config.release_config`),
+  tokenizer, chat template and generation config copied from SRC.
 
 Streaming as in the NVFP4 path: one decoder layer in RAM at a time; output written into a
 temporary directory and renamed into place when complete.
@@ -33,6 +34,7 @@ from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, 
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
+from .gemma4_config import release_config
 from .nvfp4 import peak_rss_bytes
 from .sources import checked_sources
 
@@ -208,7 +210,8 @@ def convert_int8_neuron(
             "memory_plan": plan.to_dict() if plan is not None else None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        copy_side_files(ckpt.root, tmp, extra=("config.json",))
+        (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
+        copy_side_files(ckpt.root, tmp)
         write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
         per_rank = writers[0].total_bytes

@@ -6,7 +6,9 @@ and quantize its experts and dense linears, append to the planned shards, free -
 copy kept tensors -> write metadata -> check the result -> rename into place.
 
 Peak host RAM is about one decoder layer in the source dtype (plus calibration
-activations), never the model. Output format: ../shared/specs/nvfp4-modelopt-vllm.md.
+activations), never the model. Output format: NVIDIA Model Optimizer's Hugging Face export
+(NVIDIA/Model-Optimizer ``modelopt/torch/export/unified_export_hf.py``) as vLLM loads it;
+details in ``g4.exporters.modelopt_nvfp4``.
 """
 
 from __future__ import annotations

@@ -78,3 +78,10 @@ SHARD_SIZE = ByteSize(MIN_SHARD_BYTES, "smaller shards only multiply files")
 min_agreement_option = click.option(
     "--min-agreement", type=FRACTION, default=0.9, show_default=True,
     help="Fail (exit 1) below this greedy token agreement, a fraction from 0 to 1.")
+
+#: ``g4serve``, ``g4serve check`` and ``g4convert verify``: one default, so that verify and check
+#: compute the same arithmetic unless told otherwise.
+act_quant_option = click.option(
+    "--act-quant/--no-act-quant", default=None,
+    help="CPU, NVFP4: emulate W4A4 activation quantization with the input_scales "
+         "(default: on exactly when OUT is W4A4, as vLLM computes it on Blackwell).")

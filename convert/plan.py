@@ -10,16 +10,21 @@ Units: every figure is an integer number of **bytes**; the report shows it also 
 **GB = 10**9 bytes** and **GiB = 2**30 bytes** (the specs use both; mixing them is how
 "49 GB" figures happen).
 
-Sources (the team specs in ``../shared/specs/`` beside this repository, as the README
-cites them):
+Sources:
 
-- ``../shared/specs/gemma4-architecture.md`` §1 (geometry, ``attention_k_eq_v``), §2.2
-  (transformers 5.24 ``per_layer_config`` form), §4 (memory budget: parameter groups,
-  bytes per format, the TP=2 per-rank variants, KV cache per token).
-- ``../shared/specs/nxd-int8-neuron.md`` §1.2 and §1.5 (which int8 layers split which dim
-  and which fp32 scales are split or replicated), §3.3 (the runtime loads every local
-  rank's file before ``initialize``), §4.3 (expert-wise scales ``[E, 1, out]``), §6
-  (NeuronCores, 16 GiB HBM per core and host RAM per instance).
+- geometry, ``attention_k_eq_v``, the ``per_layer_config`` form and the tensors each layer
+  has (hence parameter groups, bytes per format and KV cache per token): huggingface/transformers
+  5.24 ``src/transformers/models/gemma4/configuration_gemma4.py`` and ``modeling_gemma4.py``
+  (read through ``g4.convert.gemma4_config``);
+- which int8 layers split which dim, which fp32 scales are split or replicated, expert-wise
+  scales ``[E, 1, out]``: aws-neuron/neuronx-distributed
+  ``src/neuronx_distributed/quantization/quantization_layers.py`` and ``trace/trace.py``
+  (``create_local_weight``);
+- the runtime loads every local rank's file before ``initialize``:
+  aws-neuron/neuronx-distributed-inference ``src/neuronx_distributed_inference/models/application_base.py``;
+- NeuronCores, 16 GiB HBM per core, TP degrees, host RAM per instance: aws-neuron/aws-neuron-sdk
+  ``about-neuron/arch/neuron-hardware/inf2-arch.rst``, ``trn1-arch.rst`` and
+  ``libraries/nxd-inference/developer_guides/feature-guide.rst``.
 
 Sharding rules (per rank, TP degree ``tp``):
 
@@ -48,6 +53,7 @@ import click
 
 from .errors import G4Error, exit_on_user_error
 from .options import COUNT, ByteSize
+from .gemma4_config import AttentionLayer, attention_layers
 
 GB = 10**9
 GiB = 2**30
@@ -68,7 +74,8 @@ _QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of t
 
 @dataclass(frozen=True)
 class NeuronTarget:
-    """An AWS Neuron instance (``../shared/specs/nxd-int8-neuron.md`` §6).
+    """An AWS Neuron instance (aws-neuron/aws-neuron-sdk ``about-neuron/arch/neuron-hardware/inf2-arch.rst``,
+    ``trn1-arch.rst``).
 
     Attributes:
         name: EC2 instance type.
@@ -101,17 +108,6 @@ NEURON_TARGETS: dict[str, NeuronTarget] = {t.name: t for t in (
 
 
 @dataclass(frozen=True)
-class AttentionLayer:
-    """Attention shape of one decoder layer: ``kv_heads`` KV heads of ``head_dim``;
-    ``has_v`` is False on full-attention layers with ``attention_k_eq_v`` (no v_proj)."""
-
-    sliding: bool
-    head_dim: int
-    kv_heads: int
-    has_v: bool
-
-
-@dataclass(frozen=True)
 class TextGeometry:
     """The sizes of a Gemma 4 MoE text model that the plan needs (element counts)."""
 
@@ -128,14 +124,10 @@ class TextGeometry:
 
 
 def text_geometry(config: dict) -> TextGeometry:
-    """Read the geometry from a release-format config (``global_head_dim``,
-    ``num_global_key_value_heads``) or transformers 5.24's ``per_layer_config`` form
-    (zero-padded layer-index keys overriding ``head_dim`` / ``num_key_value_heads``).
+    """Read the geometry from a config in the release form or transformers' ``per_layer_config``
+    form (per-layer attention sizes: :func:`g4.convert.gemma4_config.attention_layers`).
 
     ``config`` may be the multimodal config (with ``text_config``) or a text config.
-    Defaults follow transformers 5.24 ``Gemma4TextConfig``: ``layer_types`` 5 sliding : 1
-    full with the last layer forced to full attention, ``global_head_dim`` 512, and the
-    full-layer KV override only when ``attention_k_eq_v``.
 
     Raises:
         G4Error: not a Gemma 4 MoE config, a missing size, or a layout the plan does not
@@ -159,28 +151,7 @@ def text_geometry(config: dict) -> TextGeometry:
             raise G4Error(f"text config: {key} is {value!r}, expected a positive integer")
         return value
 
-    n_layers = need("num_hidden_layers")
-    types = list(tc.get("layer_types") or
-                 ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)])
-    if len(types) != n_layers:
-        raise G4Error(f"text config: {len(types)} layer_types for {n_layers} layers")
-    types[-1] = "full_attention"  # transformers forces it
-    per_layer = tc.get("per_layer_config") or {}
-    k_eq_v = bool(tc.get("attention_k_eq_v", False))
-    head_dim, kv = need("head_dim"), need("num_key_value_heads")
-    layers = []
-    for i, t in enumerate(types):
-        full = t == "full_attention"
-        if per_layer:
-            over = per_layer.get(f"{i:02d}") or per_layer.get(str(i)) or {}
-            hd, kvh = over.get("head_dim", head_dim), over.get("num_key_value_heads", kv)
-        elif full:
-            hd = tc.get("global_head_dim") or 512
-            kvh = (tc.get("num_global_key_value_heads") if k_eq_v else None) or kv
-        else:
-            hd, kvh = head_dim, kv
-        layers.append(AttentionLayer(sliding=not full, head_dim=int(hd), kv_heads=int(kvh),
-                                     has_v=not (full and k_eq_v)))
+    layers = attention_layers(tc)
     return TextGeometry(
         hidden=need("hidden_size"), heads=need("num_attention_heads"), layers=tuple(layers),
         intermediate=need("intermediate_size"), moe_intermediate=need("moe_intermediate_size"),
@@ -612,7 +583,7 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
         raise G4Error("int8-neuron is the AWS Neuron format; use --target (or --format nvfp4|bf16 for a GPU)")
     if fmt == "nvfp4" and target is not None:
         raise G4Error(f"NVFP4 cannot be served on {target}: NeuronCore-v2 has no FP4 compute "
-                      "(../shared/specs/nxd-int8-neuron.md §5); use --format int8-neuron")
+                      "(aws-neuron-sdk about-neuron/arch/neuron-hardware/neuron-core-v2.rst); use --format int8-neuron")
 
 
 def _check_options(fmt: str, neuron: bool, g: TextGeometry, lm_head: str, attention: str, embedding: str) -> None:
@@ -689,7 +660,7 @@ def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
             notes.append(f"NxDI documents TP degrees {', '.join(map(str, t.tp_degrees))} for {t.name.split('.')[0]}; "
                          f"{tp} is not one of them")
         notes.append("host RAM: the Neuron runtime reads every local rank's weight file before initialize "
-                     "(../shared/specs/nxd-int8-neuron.md §3.3, §6); the OS and the runtime need more")
+                     "(neuronx-distributed-inference models/application_base.py); the OS and the runtime need more")
         notes.append("inf2/trn1 need Neuron SDK 2.28 (NxDI 0.8); later NxDI supports only Trn2 and newer")
     replicated = [layer for layer in g.layers if layer.kv_heads < tp]
     if replicated:

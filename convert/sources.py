@@ -4,7 +4,8 @@ Shared by every target: each source tensor is assigned to exactly one rule of th
 name table (``g4.exporters.nvfp4_names``; unmapped tensors are errors), and each decoder
 layer must hold exactly the tensors a Gemma 4 MoE layer has: ``v_proj`` only on layers
 that are not ``attention_k_eq_v`` full attention (case P08), fused experts of the shape
-the config gives.
+the config gives, and q/k projections of the head dim and KV heads the config gives the
+layer in either config form (case P17).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from g4.exporters.nvfp4_names import (
 )
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, MappingError
+from .errors import CheckpointError, G4Error, MappingError
+from .gemma4_config import attention_layers, release_config
 
 
 def checked_sources(ckpt: Checkpoint) -> SourceMap:
@@ -36,13 +38,16 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     if smap.lm_head and tied:
         raise MappingError(f"tensor {smap.lm_head}: present although tie_word_embeddings is true (case P06: loaders "
                            "disagree on such checkpoints); remove it, or set tie_word_embeddings to false")
-    layer_types = tc.get("layer_types") or []
-    k_eq_v = bool(tc.get("attention_k_eq_v", False))
+    try:
+        attention = attention_layers(ckpt.config)
+        release_config(ckpt.config)  # refuse now a per_layer_config that OUT's release-form config cannot carry
+    except G4Error as e:
+        raise CheckpointError(f"{ckpt.root / 'config.json'}: {e}") from e
     n_exp, inter, hidden = int(tc["num_experts"]), int(tc["moe_intermediate_size"]), int(tc["hidden_size"])
     for ls in smap.layers:
         L, src = ls.index, ls.tensors
         where = f"layer {L} ({ckpt.layer_prefix(L)}*)"
-        no_v = k_eq_v and L < len(layer_types) and layer_types[L] == "full_attention"
+        no_v = not attention[L].has_v
         required = set(LAYER_KEEP) | {EXPERT_GATE_UP, EXPERT_DOWN}
         for g in DENSE_GROUPS:
             required |= {f"{m}.weight" for m in g.members if m not in g.optional}
@@ -54,6 +59,13 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
         missing = sorted(required - set(src))
         if missing:
             raise MappingError(f"{where}: missing tensor(s) {', '.join(missing)}")
+        att, heads = attention[L], int(tc["num_attention_heads"])
+        for proj, rows in (("q_proj", heads * att.head_dim), ("k_proj", att.kv_heads * att.head_dim)):
+            shape = ckpt.tensors[src[f"self_attn.{proj}.weight"]].shape
+            if shape != (rows, hidden):
+                raise CheckpointError(f"tensor {src[f'self_attn.{proj}.weight']}: {list(shape)}, config says "
+                                      f"[{rows}, {hidden}] ({'full' if not att.sliding else 'sliding'} attention: "
+                                      f"head_dim {att.head_dim}, {att.kv_heads} KV heads, {heads} heads) (P17)")
         gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
         if gu != (n_exp, 2 * inter, hidden) or dn != (n_exp, hidden, inter):
             raise CheckpointError(f"{where}: experts are gate_up {list(gu)} / down {list(dn)}, config says "

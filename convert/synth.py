@@ -22,8 +22,8 @@ from .errors import G4Error
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
 
-# Release-format config.json of google/gemma-4-26B-A4B-it (public model facts; see
-# ../shared/specs/gemma4-architecture.md §1.1): 25,805,936,206 stored parameters.
+# Release-format config.json of google/gemma-4-26B-A4B-it (the Hub's config.json; its
+# safetensors index gives 25,805,936,206 stored parameters).
 GEMMA4_26B_A4B: dict = {
     "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": "bfloat16",
     "audio_config": None, "tie_word_embeddings": True, "initializer_range": 0.02,

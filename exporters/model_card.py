@@ -405,7 +405,13 @@ def _n(count: int, noun: str) -> str:
 
 
 def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """A table cell: a missing value (None) as a dash, pipes escaped, one line."""
+    return "-" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 layer``, ``2 layers``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -477,7 +483,7 @@ def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
     qrows = []
     for kind in sorted(nv["quant"], key=lambda k: order.index(k) if k in order else len(order)):
         q = nv["quant"][kind]
-        where = f"{len(q['layers'])} layers" + (f" x {len(q['experts'])} experts" if q["experts"] else "")
+        where = _count(len(q["layers"]), "layer") + (f" x {_count(len(q['experts']), 'expert')}" if q["experts"] else "")
         qrows.append([kind, q["linears"], where])
     krows = [[k, v["tensors"], ", ".join(sorted(v["dtypes"])), _size(v["bytes"])] for k, v in sorted(nv["kept"].items())]
     bpw = nv["qbytes"] * 8 / max(nv["params"], 1)
@@ -521,6 +527,7 @@ def _int8_body(i8: dict) -> dict:
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
             "bpw": i8["qbytes"] * 8 / max(i8["numel"], 1), "rank_rows": [[f, _size(b)] for f, b in i8["rank_bytes"]],
             "host_bytes": i8["host_bytes"], "plan_rows": prow, "plan_summary": summary,
+            # results made before g4 cited public sources have local spec paths in their notes
             "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.get("embed_scale"), "layout": m.get("format")}
 
 
@@ -546,7 +553,8 @@ def _verification_body(v: dict | None) -> dict | None:
                if not c.get("ok")]
         rows.append(["chat API checks (thinking on/off, streaming on/off)",
                      f"{ok} / {len(checks)} ok" + (f"; {'; '.join(bad)}" if bad else "")])
-    prompts = [[p.get("prompt", "")[:80], p.get("token_agreement"), p.get("first_divergence")]
+    prompts = [[p.get("prompt", "")[:80], p.get("token_agreement"),
+                "none (replies agree)" if p.get("first_divergence") is None else p["first_divergence"]]
                for p in (v.get("prompts") or [])[:_MAX_PROMPT_ROWS]]
     return {"table": _table(["check", "result"], rows), "backend": v.get("backend"), "passed": bool(v.get("passed")),
             "prompts": _table(["prompt", "token agreement", "first divergence"], prompts) if prompts else None,

@@ -1,6 +1,6 @@
 """modelopt NVFP4 checkpoint metadata, and the checker every export passes before it is placed.
 
-Metadata formats (spec: ../shared/specs/nvfp4-modelopt-vllm.md §2, as written by
+Metadata formats (as written by
 Model-Optimizer ``modelopt/torch/export/unified_export_hf.py`` and
 ``convert_hf_config.py``; read by vLLM ``ModelOptQuantConfigBase.from_config``):
 
@@ -59,10 +59,17 @@ def hf_quant_config(excludes: list[str]) -> dict:
 
 
 def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weight_only: bool) -> None:
-    """Write ``config.json`` (the source's, with ``quantization_config`` added; never
-    re-serialised through transformers, which would drop release keys such as
-    ``global_head_dim``) and ``hf_quant_config.json``."""
-    config = dict(src_config)
+    """Write ``config.json`` (the source's in the release form, with ``quantization_config``
+    added; never re-serialised through transformers, which would drop release keys such as
+    ``global_head_dim``) and ``hf_quant_config.json``.
+
+    Raises:
+        G4Error: a ``per_layer_config`` the release form cannot express
+            (:func:`g4.convert.gemma4_config.release_config`).
+    """
+    from g4.convert.gemma4_config import release_config
+
+    config = release_config(src_config)
     config["quantization_config"] = quantization_config(excludes, weight_only=weight_only)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excludes), indent=2) + "\n")

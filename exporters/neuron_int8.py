@@ -1,7 +1,7 @@
 """Per-TP-rank slices of int8-neuron tensors (layout: ``g4.serve.neuron_layout``).
 
 Slicing follows aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight``
-(spec: ../shared/specs/nxd-int8-neuron.md §1.5, §4.3, §7): column layers split output
+and ``quantization/quantization_layers.py``: column layers split output
 rows and their scales, row layers split input columns and replicate their scales, fused
 expert gate/up is split with stride 2 (``[gate_r | up_r]``), expert down on its input
 dim with the scale replicated. KV projections take whole KV heads, replicated when there

@@ -1,8 +1,8 @@
 """Declarative name table: Gemma 4 source tensors -> modelopt NVFP4 checkpoint tensors.
 
 Target names are what modelopt 0.47's ``export_hf_checkpoint`` writes for Gemma 4 and
-what every vLLM from 0.19.1 to 0.33 loads unpatched (spec:
-../shared/specs/nvfp4-modelopt-vllm.md §3.4): per-expert 2-D linears
+what every vLLM from 0.19.1 to 0.33 loads unpatched (vllm-project/vllm
+``vllm/model_executor/models/gemma4.py``, its ``expert_params_mapping``): per-expert 2-D linears
 ``…layers.{L}.experts.{E}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|weight_scale_2|input_scale}``,
 never ``.moe.``, never fused 3-D NVFP4 tensors.
 

@@ -1,6 +1,6 @@
 """int8 per-channel symmetric weight quantization as AWS neuronx-distributed does it.
 
-Reference (spec: ../shared/specs/nxd-int8-neuron.md §1.3): NxD/NxDI quantize on the CPU
+Reference: NxD/NxDI quantize on the CPU
 with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_axis=0)``
 (aws-neuron/neuronx-distributed ``src/neuronx_distributed/quantization/observer.py``,
 ``quantization_utils.py:quantize_pytorch_model_per_channel_symmetric``):

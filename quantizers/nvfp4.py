@@ -1,7 +1,6 @@
 """NVFP4 weight quantization, bit-exact with NVIDIA Model Optimizer's export.
 
-Format (spec: ../shared/specs/nvfp4-modelopt-vllm.md §1; reference implementation
-NVIDIA/Model-Optimizer ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``,
+Format (reference implementation NVIDIA/Model-Optimizer ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``,
 ``NVFP4QTensor.quantize`` / ``get_weights_scaling_factor``):
 
 - ``weight``: uint8 ``[out, in/2]``, two E2M1 codes per byte, the even element of

@@ -4,8 +4,9 @@ Gemma 4 replies are token sequences such as::
 
     <|channel>thought\\n ...reasoning... <channel|> answer <turn|>
 
-(format: ``../shared/specs/gemma4-architecture.md`` §5.1-5.2; the failure modes: case P13 of
-``../shared/cases/public-cases.md``). The parser here works on token **ids**, never on
+(format: the ``chat_template.jinja`` of google/gemma-4-26B-A4B-it and huggingface/transformers
+``src/transformers/cli/serving/utils.py``; the failure modes: case P13, vllm-project/vllm
+issues #39885, #49717). The parser here works on token **ids**, never on
 decoded text, so it cannot be fooled by special tokens that were already stripped (the
 non-streaming bug of vLLM PR #38858) or by text that merely looks like a control token:
 

@@ -13,7 +13,7 @@ What is measured (all through ``/v1/chat/completions`` with the ``openai`` clien
   the first position where they differ (``None`` when identical).
 * **facts** (when SRC ships ``facts.json``, as the embedded model does): each question asked
   greedily; right when the reply starts with the answer.
-* **P13 chat checks** (../shared/cases/public-cases.md): one arithmetic question with thinking
+* **P13 chat checks** (vllm-project/vllm issues #39885, #49717, PR #38858): one arithmetic question with thinking
   off and on (``chat_template_kwargs.enable_thinking``), each streamed and not: ``content``
   non-empty, containing the answer and no ``<|channel>``, ``<channel|>``, ``<turn|>`` or
   ``<|think|>`` text; streamed content equal to non-streamed; every combination reported.

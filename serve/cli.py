@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from g4.convert.errors import G4Error, exit_on_user_error
-from g4.convert.options import COUNT, PORT, SECONDS, min_agreement_option
+from g4.convert.options import COUNT, PORT, SECONDS, act_quant_option, min_agreement_option
 
 EMBEDDED = "embedded"
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
@@ -82,9 +82,6 @@ def _setup_logging(verbose: bool) -> None:
 _out_arg = click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 _backend_opt = click.option("--backend", type=click.Choice(["auto", "cpu", "vllm", "neuron"]), default="auto",
                             show_default=True, help="Where to run OUT; auto picks from its format and this machine.")
-_act_quant_opt = click.option("--act-quant/--no-act-quant", default=None,
-                              help="CPU, NVFP4: emulate W4A4 activation quantization with the input_scales "
-                                   "(default: on exactly when OUT is W4A4, as vLLM computes it on Blackwell).")
 _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
                           show_default=True, help="CPU backend compute dtype of the transformers model.")
 
@@ -95,7 +92,7 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
 @click.option("--port", type=PORT, default=8000, show_default=True)
 @click.option("--served-model-name", help="Model id clients send (default: OUT's directory name).")
-@_act_quant_opt
+@act_quant_option
 @_dtype_opt
 @click.option("--max-model-len", type=COUNT, help="vllm backend: --max-model-len (tokens).")
 @click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
@@ -191,7 +188,7 @@ def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_ca
               help="Tokens per P13 chat request (thinking on needs room).")
 @_backend_opt
 @click.option("--served-model-name", help="Model id to request (default: the server's first model).")
-@_act_quant_opt
+@act_quant_option
 @_dtype_opt
 @click.option("-v", "--verbose", is_flag=True)
 @exit_on_user_error

@@ -16,7 +16,7 @@ backends (``g4.serve.neuron_backend.NeuronEngine``) subclass :class:`Engine` and
 
 **W4A4 activation emulation.** A W4A4 NVFP4 result (``input_scale`` on every quantized
 linear) is served by vLLM on Blackwell with each linear's input quantized to NVFP4 against
-that static ``input_scale`` (spec ``../shared/specs/nvfp4-modelopt-vllm.md``). The CPU
+that static ``input_scale`` (vLLM ``vllm/model_executor/layers/quantization/modelopt.py``). The CPU
 engine reproduces that by default (``act_quant=None`` means "on when the result has
 input scales"), so the reference answers what the deployed model computes, including the
 activation-quantization error the calibration was meant to bound; pass ``act_quant=False``

@@ -3,11 +3,10 @@
 Three formats are recognised, in this order:
 
 * ``int8-neuron``: ``manifest.json`` whose ``format`` is ``g4-int8-neuron/1`` (written by
-  ``g4convert int8-neuron``; layout in ``serve/neuron_layout.py``, spec
-  ``../shared/specs/nxd-int8-neuron.md``).
+  ``g4convert int8-neuron``; layout and sources in ``serve/neuron_layout.py``).
 * ``nvfp4``: ``hf_quant_config.json`` with ``quantization.quant_algo == "NVFP4"``, or a
   ``config.json`` whose ``quantization_config`` has ``quant_method: modelopt`` and
-  ``quant_algo: NVFP4`` (modelopt's export; spec ``../shared/specs/nvfp4-modelopt-vllm.md``).
+  ``quant_algo: NVFP4`` (modelopt's export; see ``g4.exporters.modelopt_nvfp4``).
   W4A4 when a config group declares ``input_activations`` (then every quantized linear has an
   ``input_scale``), W4A16 otherwise.
 * ``bf16``: a Hugging Face Gemma 4 checkpoint (``config.json`` with ``model_type`` ``gemma4``

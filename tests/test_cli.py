@@ -108,3 +108,27 @@ def test_out_inside_src_is_refused(tiny_mm, tmp_path, monkeypatch):
     r = run("nvfp4", ".", "--weight-only")
     assert r.exit_code == 2 and "OUT is inside SRC" in r.output, r.output
     assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_no_local_spec_paths_in_package_readme_or_help():
+    """../shared does not ship with g4: messages, docstrings, the README and --help cite public sources."""
+    from pathlib import Path
+
+    import click
+
+    from g4.serve.cli import main as serve_main
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md"] + [p for d in ("convert", "quantizers", "exporters", "serve") for p in (root / d).rglob("*.py")]
+    assert len(files) > 30
+    assert [str(p.relative_to(root)) for p in files if "../shared" in p.read_text()] == []
+
+    def helps(group, prefix):
+        for name, cmd in group.commands.items():
+            yield CliRunner().invoke(group, [name, "--help"], prog_name=prefix).output
+            if isinstance(cmd, click.Group):
+                yield from helps(cmd, f"{prefix} {name}")
+
+    texts = list(helps(main, "g4convert")) + list(helps(serve_main, "g4serve"))
+    assert len(texts) >= 8 and all("Usage:" in t for t in texts)
+    assert [t.splitlines()[0] for t in texts if "../shared" in t] == []

@@ -206,3 +206,23 @@ def test_not_a_g4_result(tiny_mm, tmp_path):
     (bad / FACTS_FILE).write_text('{"g4_conversion": 99}')
     with pytest.raises(CardError, match="not a g4_conversion version 1"):
         load_facts(bad)
+
+
+def test_one_layer_and_missing_values_read_as_english(tmp_path):
+    """'1 layer x 1 expert', not '1 layers x 1 experts'; a prompt whose replies agree shows
+    'none (replies agree)' as its first divergence, and a missing value a dash, not 'None'."""
+    import tiny
+    from g4.serve.check import weight_fingerprints
+
+    src = tiny.build(tmp_path / "src", num_hidden_layers=1, layer_types=["full_attention"], num_experts=1,
+                     top_k_experts=1)
+    out = tmp_path / "out"
+    convert_nvfp4(src, out, weight_only=True, progress=False)
+    overall = {k: v for k, v in VERIFICATION["overall"].items() if k != "exact_match_prompts"}
+    verification = {**VERIFICATION, "overall": overall, "files": weight_fingerprints(out)}
+    (out / "verification.json").write_text(json.dumps(verification))
+    text = write_card(out)
+    assert "| experts | 3 | 1 layer x 1 expert |" in text and "| attention | 3 | 1 layer |" in text
+    assert "| What is the capital of France? \\| pipes | 1.0 | none (replies agree) |" in text
+    assert "| prompts with identical replies | - |" in text
+    assert "None" not in text and "1 layers" not in text

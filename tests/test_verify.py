@@ -16,15 +16,15 @@ def embedded_nvfp4(tmp_path_factory):
 
 
 def test_embedded_nvfp4_still_answers(embedded_nvfp4):
-    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR)
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=False)  # weight-only arithmetic
     assert report.facts_total == 12 and report.facts_correct == 12, report.summary()
     assert report.token_agreement >= 0.9 and report.mean_kl < 0.5, report.summary()
     assert report.passed(0.9)
 
 
 def test_w4a4_emulation_still_answers(embedded_nvfp4):
-    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=True, max_new_tokens=4)
-    assert report.facts_correct == 12, report.summary()
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, max_new_tokens=4)  # W4A4 by default, as g4serve check
+    assert report.act_quant and report.facts_correct == 12, report.summary()
 
 
 def test_metrics_detect_embedding_scale_bugs(embedded_nvfp4):
@@ -75,3 +75,30 @@ def test_verify_refuses_wrong_inputs(embedded_nvfp4, tiny_mm, tmp_path):
     convert_nvfp4(EMBEDDED_DIR, w4a16, weight_only=True, progress=False)
     with pytest.raises(CheckpointError, match="--act-quant needs input_scale tensors"):
         verify_nvfp4(w4a16, EMBEDDED_DIR, act_quant=True)
+
+
+def test_verify_cli_emulates_w4a4_by_default_like_check_and_refuses_int8_neuron(tiny_mm_nvfp4, tiny_mm, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from g4.convert.cli import main
+    from g4.convert.int8_neuron import convert_int8_neuron
+    from g4.serve.engine import load_cpu_engine
+
+    def verify(*args):
+        return CliRunner().invoke(main, ["-q", "verify", *args, "--against", str(tiny_mm), "--max-new-tokens", "1",
+                                         "--min-agreement", "0"])
+
+    assert "W4A4 activation emulation" in load_cpu_engine(tiny_mm_nvfp4).description  # g4serve check's default
+    r = verify(str(tiny_mm_nvfp4), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["act_quant"] is True
+    r = verify(str(tiny_mm_nvfp4), "--no-act-quant")
+    assert r.exit_code == 0 and "(W4A16 emulation)" in r.output, r.output
+    int8_out = tmp_path / "int8"
+    convert_int8_neuron(tiny_mm, int8_out, tp=2, progress=False)
+    r = verify(str(int8_out))
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output == (f"error: {int8_out}: an int8-neuron result; verify checks NVFP4 results, int8-neuron "
+                        f"results are checked with `g4serve check {int8_out} --against SRC`\n")
