@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError
+from .resolve import SRC_FORMS
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -139,7 +140,7 @@ class Checkpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
-            raise CheckpointError(f"{self.root}: {why} (SRC is a local Hugging Face checkpoint directory or 'embedded')")
+            raise CheckpointError(f"{self.root}: {why} (SRC is {SRC_FORMS})")
         self.config = self._read_config()
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
@@ -171,12 +172,7 @@ class Checkpoint:
     def _index_tensors(self) -> dict[str, TensorInfo]:
         index_path = self.root / INDEX_NAME
         if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+            weight_map = _read_weight_map(index_path)
             files = sorted(set(weight_map.values()))
             for file in files:
                 if not (self.root / file).is_file():
@@ -292,6 +288,33 @@ SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
                       "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                       "generation_config.json", "processor_config.json", "preprocessor_config.json",
                       "video_preprocessor_config.json")
+
+
+# Everything else g4 reads of a source checkpoint (the safetensors weights aside): a Hub repo
+# id is downloaded with exactly these top-level files, the side files and the shards the index
+# names (convert/resolve.py), never pickles (*.bin, *.pt), other weight formats or folders.
+SOURCE_META_FILES = ("config.json", INDEX_NAME, "README.md", "facts.json") + SIDE_FILE_PATTERNS
+
+
+def weight_files(root: Path) -> list[str]:
+    """The safetensors files of the checkpoint directory ``root``: the shards its index names,
+    else ``model.safetensors`` (whether or not they exist yet).
+
+    Raises:
+        CheckpointError: an index that is not JSON with a ``weight_map`` of file names.
+    """
+    index_path = Path(root) / INDEX_NAME
+    return sorted(set(_read_weight_map(index_path).values())) if index_path.is_file() else [SINGLE_NAME]
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+    return weight_map
 
 
 def copy_side_files(src: Path, dst: Path, *, extra: tuple[str, ...] = ()) -> list[str]:
