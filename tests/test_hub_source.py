@@ -194,3 +194,12 @@ def test_existing_local_path_wins_over_a_repo_id(hub, tiny_mm, tmp_path):
     assert r.returncode == 0, r.stderr
     assert hub.requests == []
 
+
+def test_log_lines_do_not_print_onto_the_progress_bar(tiny_mm, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "g4.convert.cli", "nvfp4", str(tiny_mm), str(tmp_path / "out"),
+                        "--weight-only"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    logged = [line for line in r.stderr.split("\n") if "dense groups" in line]
+    assert len(logged) == 2, r.stderr  # one per layer, written while the bar is shown
+    for line in logged:  # what remains on the terminal line after the bar's carriage returns
+        assert line.split("\r")[-1].startswith("layer "), repr(line)
