@@ -108,11 +108,19 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
             root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=list(SOURCE_META_FILES),
                                           ignore_patterns=top_level_only))
             weights = weight_files(root)  # the shards the index names, or model.safetensors
+            listed = _cached_listing(repo_id, root.name)
+            absent = [f for f in weights if listed is not None and f not in listed]
+            if absent:
+                raise G4Error(f"{where}: {absent[0]} is not in the repo (g4 reads safetensors weights only: "
+                              "model.safetensors or the shards model.safetensors.index.json names; pickle files "
+                              "are never downloaded)")
             root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=weights,
                                           ignore_patterns=top_level_only))
             missing = [f for f in weights if not (root / f).is_file()]
             if missing:
-                raise G4Error(f"{where}: {missing[0]} " + _why_missing(repo_id, root.name, missing[0]))
+                raise G4Error(f"{where}: {missing[0]} is not in the cached snapshot and " + (
+                    "HF_HUB_OFFLINE=1 is set; unset it to download it" if huggingface_hub.is_offline_mode() else
+                    "could not be downloaded (is the Hub reachable?)"))
     except GatedRepoError as e:  # a subclass of RepositoryNotFoundError: first
         raise G4Error(f"{where} is a gated repo and this request has no access: accept its terms at "
                       f"{constants.ENDPOINT}/{repo_id}, then {_LOGIN} (a token of an account with access)") from e
@@ -139,22 +147,16 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
     return root
 
 
-def _why_missing(repo_id: str, commit: str, file: str) -> str:
-    """Why ``file`` is not in the snapshot after ``snapshot_download``: the repo does not have
-    it (the tree listing huggingface_hub cached says so), or it could not be downloaded."""
+def _cached_listing(repo_id: str, commit: str) -> set[str] | None:
+    """The repo's file names at ``commit`` from the tree listing huggingface_hub caches while
+    online (``snapshot_download``), or None when it has none."""
     import huggingface_hub
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
     try:
-        listed = {f.path for f in huggingface_hub.get_cached_repo_tree(repo_id, revision=commit)}
+        return {f.path for f in huggingface_hub.get_cached_repo_tree(repo_id, revision=commit)}
     except CachedRepoTreeNotFoundError:
-        listed = None
-    if listed is not None and file not in listed:
-        return ("is not in the repo (g4 reads safetensors weights only: model.safetensors or the shards "
-                "model.safetensors.index.json names; pickle files are never downloaded)")
-    if huggingface_hub.is_offline_mode():
-        return "is not in the cached snapshot and HF_HUB_OFFLINE=1 is set; unset it to download it"
-    return "is not in the cached snapshot and could not be downloaded (is the Hub reachable?)"
+        return None
 
 
 def _first_line(e: BaseException) -> str:

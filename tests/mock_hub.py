@@ -27,8 +27,9 @@ huggingface_hub 2.4 uses on the upload path of ``g4convert push`` (read from the
 =======================================================  ==========================================
 
 Downloads: ``create_repo(..., gated=True)`` makes a repo whose info and file listing are
-public but whose files answer 401 (no token) or 403 (a token without access, see
-``grant``) with ``X-Error-Code: GatedRepo``, as the Hub does.
+public but whose files answer 401 (no token) or 403 (a token without access, ``Repo.granted``
+lists users with access) with ``X-Error-Code: GatedRepo``, as the Hub does. Hook:
+``fail_downloads`` holds paths whose next GET answers 500 (a download that breaks off).
 
 Everything is kept in memory. The server enforces what the real Hub does and what the
 tests rely on: tokens and write access (401/403), ``parentCommit`` (412), and a commit
@@ -133,6 +134,7 @@ class MockHub:
         self.lfs_uploads = 0  # successful LFS PUTs
         self.lfs_failures = 0  # injected failures
         self.requests: list[tuple[str, str]] = []
+        self.fail_downloads: set[str] = set()
         self._commit_counter = 0
         self._server: ThreadingHTTPServer | None = None
 
@@ -431,6 +433,9 @@ class _Handler(BaseHTTPRequestHandler):
                    "ETag": f'"{entry.lfs_oid or entry.blob_id}"'}
         if entry.lfs_oid is not None:
             headers.update({"X-Linked-Etag": f'"{entry.lfs_oid}"', "X-Linked-Size": str(len(data))})
+        if self.command == "GET" and path in hub.fail_downloads:
+            hub.fail_downloads.discard(path)
+            raise HubError(500, "injected failure: download interrupted")
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
         if m is None:
             return 200, data, headers

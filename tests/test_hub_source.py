@@ -91,14 +91,22 @@ def one_error_line(r, *needles):
 def test_download_fetches_only_what_g4_reads_and_converts(hub, repo_files, tmp_path):
     files, never = repo_files
     cache = tmp_path / "cache"
+    shard = "model-00002-of-00002.safetensors"
+    hub.fail_downloads.add(shard)  # the first download breaks off at this shard
+    r = g4("g4.convert.cli", "-q", "nvfp4", REPO, "--weight-only", hub=hub, cache=cache, cwd=tmp_path)
+    one_error_line(r, "the Hub answered 500")
+    first = len(hub.requests)
     r = g4("g4.convert.cli", "-q", "nvfp4", REPO, "--weight-only", hub=hub, cache=cache, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    fetched = {path.rsplit("/", 1)[1] for method, path in hub.requests[first:] if method == "GET" and "/resolve/" in path}
+    assert fetched == {shard}  # the rerun fetched only what the first run had not
     out = tmp_path / "gemma-4-tiny-test-nvfp4"  # the default OUT: the repo's name, never a path with a slash
     assert (out / "hf_quant_config.json").is_file() and (out / "chat_template.jinja").is_file()
     expected = set(files) - {"model.safetensors"}
     assert set(hub.downloads()) == expected  # asked for nothing else (HEAD or GET)
     snapshot = next((cache / "models--google--gemma-4-tiny-test" / "snapshots").iterdir())
     assert {p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()} == expected
+    assert all((snapshot / f).read_bytes() == files[f] for f in expected)
     for name in never:
         assert not any(name in path for _, path in hub.requests), name
     card = (out / CARD_FILE).read_text()
@@ -186,6 +194,14 @@ def test_unknown_repo_one_error_line(hub, tmp_path):
     r = g4("g4.serve.cli", "check", str(tmp_path), "--against", "nobody/x@main", hub=hub, cache=tmp_path / "cache",
            cwd=tmp_path)
     one_error_line(r, "nobody/x@main: no such local path")
+
+
+def test_repo_without_safetensors_one_error_line(hub, repo_files, tmp_path):
+    files, never = repo_files
+    hub.create_repo("google/pickled", files={"config.json": files["config.json"], "pytorch_model.bin": b"\x80\x04"})
+    r = g4("g4.convert.cli", "-q", "nvfp4", "google/pickled", hub=hub, cache=tmp_path / "cache", cwd=tmp_path)
+    one_error_line(r, "google/pickled: model.safetensors is not in the repo", "pickle files are never downloaded")
+    assert "pytorch_model.bin" not in hub.downloads()
 
 
 def test_existing_local_path_wins_over_a_repo_id(hub, tiny_mm, tmp_path):
