@@ -135,6 +135,9 @@ def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
     out = tmp_path / "gemma-4-tiny-test-nvfp4"
     assert front_matter((out / CARD_FILE).read_text())["base_model"] == REPO
     assert json.loads((out / "g4_conversion.json").read_text())["source"]["name"] == "gemma-4-tiny-test"
+    r = g4("g4.convert.cli", "verify", str(out), "--against", REPO, "--max-new-tokens", "2", cache=cache, cwd=tmp_path,
+           offline=True)
+    assert r.returncode in (0, 1) and "token agreement" in r.stdout, r.stdout + r.stderr  # random weights may FAIL
 
     r = g4("g4.convert.cli", "plan", f"{REPO}@{commit}", "--json", cache=cache, cwd=tmp_path, offline=True)
     assert r.returncode == 0 and json.loads(r.stdout)["inputs"]["model"] == "gemma-4-tiny-test", r.stderr
