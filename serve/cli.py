@@ -17,6 +17,7 @@ import click
 
 from g4.convert.errors import G4Error, exit_on_user_error
 from g4.convert.resolve import SRC_FORMS, resolve_source
+
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
          "            [--shutdown-timeout 30]\n"
          "       g4serve check OUT --against SRC [--prompts FILE] [--min-agreement 0.9] [--url URL] "
