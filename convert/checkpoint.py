@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError
+from .resolve import SRC_FORMS
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -135,8 +136,8 @@ def read_safetensors_header(path: Path, *, file: str | None = None, shown: Path 
     return infos
 
 
-def _shard_path(root: Path, index_path: Path, file: str) -> Path:
-    """The file an index entry names, as every reader must use it (see :func:`read_index`)."""
+def _check_shard_name(root: Path, index_path: Path, file: str) -> None:
+    """Refuse an index entry that is absolute or has a ``..`` component (see :func:`read_index`)."""
     posix, windows = PurePosixPath(file), PureWindowsPath(file)
     if posix.is_absolute() or windows.drive or windows.root:
         raise CheckpointError(f"{index_path}: names shard {file}, an absolute path; shard names must be relative "
@@ -144,10 +145,30 @@ def _shard_path(root: Path, index_path: Path, file: str) -> Path:
     if ".." in windows.parts:  # PureWindowsPath splits on both / and \\
         raise CheckpointError(f"{index_path}: names shard {file}, which has a '..' component; shard names must "
                               f"stay inside the checkpoint directory {root}")
+
+
+def _shard_path(root: Path, index_path: Path, file: str) -> Path:
+    """The file an index entry names, as every reader must use it (see :func:`read_index`)."""
+    _check_shard_name(root, index_path, file)
     joined = root / file
     if not joined.is_file():
         raise CheckpointError(f"{index_path}: names shard {file}, which does not exist")
     return joined.resolve(strict=True)
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """``weight_map`` of an index: tensor name -> shard name as written.
+
+    Raises:
+        CheckpointError: not JSON, no ``weight_map``, or values that are not non-empty strings.
+    """
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+    return weight_map
 
 
 def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]]:
@@ -172,12 +193,7 @@ def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]
     root = Path(root)
     index_path = root / INDEX_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: invalid index ({type(e).__name__}: {e})") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
-            raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+        weight_map = _read_weight_map(index_path)
         return weight_map, {file: _shard_path(root, index_path, file) for file in sorted(set(weight_map.values()))}
     if (root / SINGLE_NAME).is_file():
         return None, {SINGLE_NAME: (root / SINGLE_NAME).resolve(strict=True)}
@@ -241,7 +257,7 @@ class Checkpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
-            raise CheckpointError(f"{self.root}: {why} (SRC is a local Hugging Face checkpoint directory or 'embedded')")
+            raise CheckpointError(f"{self.root}: {why} (SRC is {SRC_FORMS})")
         self.config = self._read_config()
         if source:
             why = quantized_reason(self.root, self.config)
@@ -394,6 +410,30 @@ SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
                       "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                       "generation_config.json", "processor_config.json", "preprocessor_config.json",
                       "video_preprocessor_config.json")
+
+
+# Everything else g4 reads of a source checkpoint (the safetensors weights aside): a Hub repo
+# id is downloaded with exactly these top-level files, the side files and the shards the index
+# names (convert/resolve.py), never pickles (*.bin, *.pt), other weight formats or folders.
+SOURCE_META_FILES = ("config.json", INDEX_NAME, "README.md", "facts.json") + SIDE_FILE_PATTERNS
+
+
+def weight_files(root: Path) -> list[str]:
+    """The safetensors files of the checkpoint directory ``root`` as its index names them (the
+    shard-name rules of :func:`read_index` checked), else ``model.safetensors``; whether or not
+    they exist yet (a Hub download fetches exactly these).
+
+    Raises:
+        CheckpointError: an unreadable index, or a shard name :func:`read_index` refuses.
+    """
+    root = Path(root)
+    index_path = root / INDEX_NAME
+    if not index_path.is_file():
+        return [SINGLE_NAME]
+    files = sorted(set(_read_weight_map(index_path).values()))
+    for file in files:
+        _check_shard_name(root, index_path, file)
+    return files
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -14,21 +14,11 @@ import click
 from .errors import G4Error, exit_on_user_error, raise_terminated
 from .options import COUNT, SEED, SHARD_SIZE, act_quant_option, min_agreement_option
 from .plan import plan
-
-EMBEDDED = "embedded"
-
-
-def _resolve_src(src: str) -> Path:
-    if src == EMBEDDED:
-        from .embedded_model import EMBEDDED_DIR
-
-        return EMBEDDED_DIR
-    return Path(src)
+from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
 
 def _default_out(src: str, suffix: str) -> Path:
-    name = "gemma4-tiny" if src == EMBEDDED else Path(src).resolve().name
-    return Path(f"{name}-{suffix}")
+    return Path(f"{source_name(src)}-{suffix}")
 
 
 
@@ -81,6 +71,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
     Examples:
       g4convert nvfp4                         # the embedded tiny Gemma 4 -> ./gemma4-tiny-nvfp4
       g4convert nvfp4 ./gemma-4-26B-A4B-it ./gemma-4-26B-A4B-it-NVFP4
+      g4convert nvfp4 google/gemma-4-26B-A4B-it   # Hub repo id -> ./gemma-4-26B-A4B-it-nvfp4
       g4convert verify ./gemma4-tiny-nvfp4 --against embedded
       g4convert int8-neuron embedded --tp 2     # -> ./gemma4-tiny-int8-neuron-tp2
       g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
@@ -118,7 +109,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
           calib_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
-    """Convert SRC (a checkpoint directory, or 'embedded') to a modelopt NVFP4 checkpoint in OUT.
+    """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
+    to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
 
     OUT uses the tensor names every vLLM from 0.19.1 to 0.33 loads unpatched
     (`vllm serve OUT --quantization modelopt`); a GPU load has not been run by this project yet.
@@ -129,9 +121,10 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     if weight_only and (calib_data or ctx.get_parameter_source("calib_samples").name != "DEFAULT"
                         or ctx.get_parameter_source("calib_seq_len").name != "DEFAULT"):
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len")
+    src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
     try:
-        report = convert_nvfp4(_resolve_src(src), out, preset=preset, weight_only=weight_only,
+        report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
                                calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                                calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
                                max_shard_size=max_shard_size,
@@ -157,7 +150,8 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
 @click.pass_context
 @exit_on_user_error
 def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite, push_to_hub, private, base_model):
-    """Write AWS Neuron (NxD) int8 per-channel weights of SRC pre-sharded per TP rank into OUT.
+    """Write AWS Neuron (NxD) int8 per-channel weights of SRC (a checkpoint directory,
+    'embedded', or a Hub repo id owner/name[@revision]) pre-sharded per TP rank into OUT.
 
     Experts, dense MLP and the tied lm_head (vocabulary-sharded) become int8 with fp32
     per-channel scales; the embedding table stays on the host (bf16, unscaled); a manifest
@@ -166,8 +160,9 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
     _hub_preflight(push_to_hub, base_model)
     from .int8_neuron import convert_int8_neuron
 
+    src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
-    report = convert_int8_neuron(_resolve_src(src), out, tp=tp, quantize_attention=quantize_attention,
+    report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
                                  target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
@@ -175,7 +170,7 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
 
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--against", "src", default=EMBEDDED, show_default=True, help="The source checkpoint, or 'embedded'.")
+@click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
 @click.option("--max-new-tokens", type=COUNT, default=16, show_default=True)
 @act_quant_option
 @min_agreement_option
@@ -192,7 +187,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     """
     from g4.serve.reference import verify_nvfp4
 
-    report = verify_nvfp4(out, _resolve_src(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
+    report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)

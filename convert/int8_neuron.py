@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import shard
@@ -36,6 +35,7 @@ from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
 from .gemma4_config import release_config
 from .nvfp4 import peak_rss_bytes
+from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
@@ -154,27 +154,26 @@ def convert_int8_neuron(
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()
         writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
-        bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="int8-neuron", disable=not progress)
-        for L, src_names, entries in layers:
-            for e in entries:
-                name = src_names[e.source]
-                _write_entry(writers, e, ckpt.get_finite(name), g, L, f"layers.{L}.")
-            bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
-            log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
-                     " and attention" if quantize_attention else "", tp)
-            ckpt.close()  # unmap this layer's pages
-        embed = ckpt.get_finite(embed_name)
-        for e in MODEL_ENTRIES:
-            tensor = embed if e.key == "lm_head" else ckpt.get_finite(ckpt.prefix + e.source)
-            _write_entry(writers, e, tensor, g, None, "")
-        for w in writers:
-            w.close()
-        host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
-                                        file_name=EMBED_FILE)
-        host.write("embed_tokens.weight", embed)  # unscaled: the runtime applies embed_scale
-        host.close()
-        bar.update(ckpt.tensors[embed_name].nbytes)
-        bar.close()
+        with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
+            for L, src_names, entries in layers:
+                for e in entries:
+                    name = src_names[e.source]
+                    _write_entry(writers, e, ckpt.get_finite(name), g, L, f"layers.{L}.")
+                bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
+                log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
+                         " and attention" if quantize_attention else "", tp)
+                ckpt.close()  # unmap this layer's pages
+            embed = ckpt.get_finite(embed_name)
+            for e in MODEL_ENTRIES:
+                tensor = embed if e.key == "lm_head" else ckpt.get_finite(ckpt.prefix + e.source)
+                _write_entry(writers, e, tensor, g, None, "")
+            for w in writers:
+                w.close()
+            host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
+                                            file_name=EMBED_FILE)
+            host.write("embed_tokens.weight", embed)  # unscaled: the runtime applies embed_scale
+            host.close()
+            bar.update(ckpt.tensors[embed_name].nbytes)
         del embed
         ckpt.close()
         manifest = {

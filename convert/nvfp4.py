@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from g4.exporters import modelopt_nvfp4 as meta
 from g4.exporters.model_card import write_model_card
@@ -43,6 +42,7 @@ from g4.quantizers import nvfp4 as q
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
+from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
@@ -300,26 +300,25 @@ def convert_nvfp4(
     need = sum(spec.nbytes for spec in specs)
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
-        bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="nvfp4", disable=not progress)
-        for p in plans:
-            w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
-            amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
-            for name, t in _produce_layer(p, w, amax):
-                writer.write(name, t)
-                if t.dtype == torch.uint8:
-                    n_quant += 1
-                    params_quant += t.numel() * 2
-                if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) or t.dtype == torch.uint8:
-                    quant_bytes += t.numel() * t.dtype.itemsize
-            bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
-            log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
-                     p.index, len(p.groups), p.num_experts, len(p.keep))
-            del w
-            ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
-        for name in model_keep + ([lm_head] if lm_head else []):
-            writer.write(name, ckpt.get_finite(name))
-            bar.update(ckpt.tensors[name].nbytes)
-        bar.close()
+        with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
+            for p in plans:
+                w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
+                amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
+                for name, t in _produce_layer(p, w, amax):
+                    writer.write(name, t)
+                    if t.dtype == torch.uint8:
+                        n_quant += 1
+                        params_quant += t.numel() * 2
+                    if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) or t.dtype == torch.uint8:
+                        quant_bytes += t.numel() * t.dtype.itemsize
+                bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
+                log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
+                         p.index, len(p.groups), p.num_experts, len(p.keep))
+                del w
+                ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
+            for name in model_keep + ([lm_head] if lm_head else []):
+                writer.write(name, ckpt.get_finite(name))
+                bar.update(ckpt.tensors[name].nbytes)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)

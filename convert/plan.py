@@ -54,6 +54,7 @@ import click
 from .errors import G4Error, exit_on_user_error
 from .options import COUNT, ByteSize
 from .gemma4_config import AttentionLayer, attention_layers
+from .resolve import EMBEDDED, resolve_source, source_name
 
 GB = 10**9
 GiB = 2**30
@@ -63,7 +64,6 @@ LM_HEADS = ("int8-sharded", "bf16-sharded", "bf16-replicated", "tied")
 ATTENTIONS = ("bf16", "int8", "nvfp4")
 EMBEDDINGS = ("host", "device")
 KNOWN_MODELS = ("gemma-4-26B-A4B",)  # convert/synth.py PRESETS
-EMBEDDED = "embedded"
 
 _BF16 = 2  # bytes per bf16 element
 _FP32 = 4  # bytes per int8 per-channel scale
@@ -781,12 +781,14 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
 
     ``src`` is a checkpoint directory (its ``config.json``), a ``config.json`` path, a
     known model name (``gemma-4-26B-A4B``: the release config in ``convert/synth.py``; an
-    existing path of that name wins) or ``embedded`` (the package's tiny model). A
-    directory holding weights is opened as a conversion source first (headers only), so
-    ``plan`` refuses what ``nvfp4`` and ``int8-neuron`` refuse.
+    existing path of that name wins), ``embedded`` (the package's tiny model) or a Hub repo
+    id ``owner/name[@revision]`` (only its ``config.json`` is downloaded, see
+    :func:`g4.convert.resolve.resolve_source`). A directory holding weights is opened as a
+    conversion source first (headers only), so ``plan`` refuses what ``nvfp4`` and
+    ``int8-neuron`` refuse.
 
     Raises:
-        G4Error: none of those, or unreadable JSON.
+        G4Error: none of those, unreadable JSON, or a repo id that cannot be resolved.
         CheckpointError: a directory with weights that the converters would refuse (shard
             named outside it, already quantized, a tensor not BF16/F16/F32, corrupt shards).
     """
@@ -794,17 +796,12 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
         from .synth import PRESETS
 
         return src, PRESETS[src], None
-    if src == EMBEDDED:
-        from .embedded_model import EMBEDDED_DIR
-
-        path = EMBEDDED_DIR
-    else:
-        path = Path(src)
+    path = resolve_source(src, config_only=True)
     directory = path if path.is_dir() else None
     file = path / "config.json" if directory else path
     if not file.is_file():
         raise G4Error(f"{src}: not a checkpoint directory, a config.json file or a known model "
-                      f"({', '.join(KNOWN_MODELS)}, {EMBEDDED})")
+                      f"({', '.join(KNOWN_MODELS)}, {EMBEDDED}), nor a Hub repo id owner/name[@revision]")
     if directory and _has_weights(directory):
         from .checkpoint import Checkpoint
 
@@ -813,7 +810,7 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise G4Error(f"{file}: invalid JSON: {e}") from e
-    return (src if src == EMBEDDED else path.resolve().name if directory else file.name), config, directory
+    return (src if src == EMBEDDED else source_name(src) if directory else file.name), config, directory
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -841,7 +838,8 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
          as_json):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
-    SRC_OR_CONFIG: a checkpoint directory, a config.json, gemma-4-26B-A4B, or embedded.
+    SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
+    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
     Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
     vLLM's rule on a GPU, NxDI's on Neuron.
 

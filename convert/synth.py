@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 
 from .errors import G4Error
+from .progress import progress_bar
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
 
@@ -131,7 +131,7 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
         marker = {"converter": {"name": "g4"}, "format": "g4-synthetic", "layers": layers, "seed": seed}
         (tmp / "g4_synth.json").write_text(json.dumps(marker) + "\n")
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=parse_size(max_shard_size))
-        with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="synth", disable=not progress) as bar:
+        with progress_bar(writer.total_bytes, "synth", enabled=progress) as bar:
             for spec in specs:
                 writer.write(spec.name, _random_tensor(spec, gen))
                 bar.update(spec.nbytes)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.errors import ExportError, G4Error
+from g4.convert.resolve import REPO_ID_PATTERN
 
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
@@ -51,7 +52,7 @@ NVFP4, INT8_NEURON = "nvfp4", "int8-neuron"
 FORMAT_TAGS = {NVFP4: ["nvfp4", "modelopt", "vllm"], INT8_NEURON: ["neuron", "inferentia2", "int8"]}
 # Front matter keys copied from the source README (huggingface_hub ModelCardData fields).
 SOURCE_CARD_KEYS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language", "tags")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = re.compile(rf"^{REPO_ID_PATTERN}$")
 _HF_CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
 _MAX_PROMPT_ROWS = 10
 
@@ -66,15 +67,24 @@ class CardError(G4Error):
 def source_repo_id(src: str | Path, config: dict | None = None) -> str | None:
     """The Hub repo id of a source checkpoint directory, when it can be known.
 
-    From ``config.json["_name_or_path"]`` when that is ``org/name`` and not a local path,
-    else from a Hugging Face cache path (``.../models--org--name/snapshots/<sha>``).
+    From a Hugging Face cache path (``.../models--org--name/snapshots/<sha>``: where a SRC
+    given as a repo id is downloaded to, see :func:`g4.convert.resolve.resolve_source`), else
+    from ``config.json["_name_or_path"]`` when that is ``org/name`` and not a local path.
     Returns None otherwise (pass ``--base-model``).
     """
-    src = Path(src)
+    cached = hf_cache_repo_id(src)
+    if cached:
+        return cached
     name = (config or {}).get("_name_or_path")
     if isinstance(name, str) and _REPO_ID.match(name) and not Path(name).exists():
         return name
-    for part in reversed(src.resolve().parts):
+    return None
+
+
+def hf_cache_repo_id(path: str | Path) -> str | None:
+    """``org/name`` when ``path`` lies in a Hugging Face cache repo folder
+    (``models--org--name``), else None."""
+    for part in reversed(Path(path).resolve().parts):
         m = _HF_CACHE_DIR.match(part)
         if m:
             return f"{m.group(1)}/{m.group(2)}"
@@ -139,7 +149,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
         "g4_version": _g4_version(),
         "base_model": None,
         "source": {
-            "name": "embedded" if embedded else src.resolve().name,
+            "name": "embedded" if embedded else (hf_cache_repo_id(src) or src.resolve().name).split("/")[-1],
             "repo_id": None if embedded else source_repo_id(src, config),
             "weight_files": list(shards),
             "weight_bytes": sum(path.stat().st_size for path in shards.values()),
@@ -446,14 +456,7 @@ def _how_made(facts: dict, out_name: str) -> str:
     src = facts["source"]
     o = facts["options"]
     repo = facts.get("base_model") or src.get("repo_id")
-    lines = []
-    if src["name"] == "embedded":
-        src_arg = "embedded"
-    elif repo:
-        src_arg = repo.split("/", 1)[1]
-        lines.append(shlex.join(["hf", "download", repo, "--local-dir", src_arg]))
-    else:
-        src_arg = src["name"]
+    src_arg = "embedded" if src["name"] == "embedded" else repo or src["name"]  # SRC may be a Hub repo id
     if facts["format"] == NVFP4:
         argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default")]
         if o.get("weight_only"):
@@ -472,8 +475,7 @@ def _how_made(facts: dict, out_name: str) -> str:
             argv += ["--target", str(o["target"])]
         if o.get("force"):
             argv.append("--force")
-    lines.append(shlex.join(argv))
-    return "\n".join(lines)
+    return shlex.join(argv)
 
 
 def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:

@@ -17,8 +17,8 @@ import click
 
 from g4.convert.errors import G4Error, exit_on_user_error
 from g4.convert.options import COUNT, PORT, SECONDS, act_quant_option, min_agreement_option
+from g4.convert.resolve import SRC_FORMS, resolve_source
 
-EMBEDDED = "embedded"
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
          "            [--shutdown-timeout 30]\n"
          "       g4serve check OUT --against SRC [--prompts FILE] [--min-agreement 0.9] [--url URL] "
@@ -62,20 +62,13 @@ def main() -> None:
     """
 
 
-def _resolve_src(src: str) -> Path:
-    if src == EMBEDDED:
-        from g4.convert.embedded_model import EMBEDDED_DIR
-
-        return EMBEDDED_DIR
-    path = Path(src)
-    if not path.is_dir():
-        raise G4Error(f"--against {src}: not a directory (a source checkpoint, or 'embedded')")
-    return path
-
-
 def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:  # already imported (SRC downloaded): the variable came too late
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
 
 
@@ -175,7 +168,7 @@ def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_ca
 
 @main.command()
 @_out_arg
-@click.option("--against", "src", required=True, help="The source checkpoint OUT was converted from, or 'embedded'.")
+@click.option("--against", "src", required=True, help=f"The source checkpoint OUT was converted from: {SRC_FORMS}.")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Prompt set: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: SRC's facts.json "
                    "held-out prompts or built-in ones.")
@@ -199,8 +192,11 @@ def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_token
     facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
     from .check import run_check
 
+    src_dir = resolve_source(src)  # a repo id not in the HF cache downloads here, with its progress bar
+    if not src_dir.is_dir():
+        raise G4Error(f"--against {src}: not a directory ({SRC_FORMS})")
     _setup_logging(verbose)
-    report = run_check(out, _resolve_src(src), source_label=src, prompts_file=prompts_file,
+    report = run_check(out, src_dir, source_label=src, prompts_file=prompts_file,
                        min_agreement=min_agreement, url=url, max_tokens=max_tokens, chat_max_tokens=chat_max_tokens,
                        backend=backend, act_quant=act_quant, dtype=dtype, served_model_name=served_model_name,
                        echo=click.echo)

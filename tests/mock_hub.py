@@ -17,7 +17,19 @@ huggingface_hub 2.4 uses on the upload path of ``g4convert push`` (read from the
 ``POST /lfs-verify/{repo}``                              the verify action
 ``POST /api/models/{repo}/commit/{rev}``                 ndjson commit (header, file, lfsFile,
                                                          deletedFile, deletedFolder)
+``HEAD|GET /{repo}/resolve/{rev}/{path}``                a file (download path of ``hf_hub_download``
+                                                         / ``snapshot_download``, read from
+                                                         ``file_download.py``): ``X-Repo-Commit``,
+                                                         ``ETag`` (git blob id, or the LFS sha256
+                                                         with ``X-Linked-Etag`` / ``X-Linked-Size``),
+                                                         ``Content-Length``; ``Range: bytes=a-[b]``
+                                                         answers 206 with ``Content-Range``
 =======================================================  ==========================================
+
+Downloads: ``create_repo(..., gated=True)`` makes a repo whose info and file listing are
+public but whose files answer 401 (no token) or 403 (a token without access, ``Repo.granted``
+lists users with access) with ``X-Error-Code: GatedRepo``, as the Hub does. Hook:
+``fail_downloads`` holds paths whose next GET answers 500 (a download that breaks off).
 
 Everything is kept in memory. The server enforces what the real Hub does and what the
 tests rely on: tokens and write access (401/403), ``parentCommit`` (412), and a commit
@@ -85,6 +97,8 @@ class Commit:
 class Repo:
     repo_id: str
     private: bool
+    gated: bool = False
+    granted: set[str] = field(default_factory=set)  # users allowed to read a gated repo's files
     branches: dict[str, str] = field(default_factory=dict)
     commits: dict[str, Commit] = field(default_factory=dict)
     lfs: dict[str, bytes] = field(default_factory=dict)  # uploaded blobs, by sha256
@@ -102,9 +116,10 @@ class User:
 
 
 class HubError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, body: dict | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, body: dict | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.body = status, message, code, body
+        self.status, self.message, self.code, self.body, self.headers = status, message, code, body, headers or {}
 
 
 class MockHub:
@@ -119,6 +134,7 @@ class MockHub:
         self.lfs_uploads = 0  # successful LFS PUTs
         self.lfs_failures = 0  # injected failures
         self.requests: list[tuple[str, str]] = []
+        self.fail_downloads: set[str] = set()
         self._commit_counter = 0
         self._server: ThreadingHTTPServer | None = None
 
@@ -127,26 +143,37 @@ class MockHub:
     def add_token(self, token: str, user: str, role: str = "write", orgs: tuple[str, ...] = ()) -> None:
         self.tokens[token] = User(user, role, tuple(orgs))
 
-    def create_repo(self, repo_id: str, *, private: bool = False, files: dict[str, bytes] | None = None) -> Repo:
+    def create_repo(self, repo_id: str, *, private: bool = False, gated: bool = False,
+                    files: dict[str, bytes] | None = None) -> Repo:
         """A repo with the Hub's initial commit, plus one commit of ``files`` (all regular
         unless they match .gitattributes, then LFS)."""
         with self.lock:
-            repo = Repo(repo_id, private)
+            repo = Repo(repo_id, private, gated)
             ga = DEFAULT_GITATTRIBUTES.encode()
             self._add_commit(repo, "main", None, "initial commit",
                              {".gitattributes": Entry(len(ga), git_blob_id(ga), content=ga)})
             self.repos[repo_id] = repo
             if files:
-                tree = dict(repo.resolve("main").files)
-                for path, data in files.items():
-                    if self._is_lfs(repo, "main", path, len(data), data[:512]):
-                        oid = hashlib.sha256(data).hexdigest()
-                        repo.lfs[oid] = data
-                        tree[path] = Entry(len(data), git_blob_id(lfs_pointer(oid, len(data))), lfs_oid=oid)
-                    else:
-                        tree[path] = Entry(len(data), git_blob_id(data), content=data)
-                self._add_commit(repo, "main", repo.branches["main"], "seed", tree)
+                self.add_commit(repo_id, files)
             return repo
+
+    def add_commit(self, repo_id: str, files: dict[str, bytes], *, branch: str = "main") -> str:
+        """Commit ``files`` (added or replaced) on ``branch``; returns the new commit's oid."""
+        with self.lock:
+            repo = self.repos[repo_id]
+            tree = dict(repo.resolve(branch).files)
+            for path, data in files.items():
+                if self._is_lfs(repo, branch, path, len(data), data[:512]):
+                    oid = hashlib.sha256(data).hexdigest()
+                    repo.lfs[oid] = data
+                    tree[path] = Entry(len(data), git_blob_id(lfs_pointer(oid, len(data))), lfs_oid=oid)
+                else:
+                    tree[path] = Entry(len(data), git_blob_id(data), content=data)
+            return self._add_commit(repo, branch, repo.branches[branch], "seed", tree)
+
+    def downloads(self) -> list[str]:
+        """Repo-relative paths of every file requested through ``/resolve/`` (HEAD or GET)."""
+        return [p.split("/resolve/", 1)[1].split("/", 1)[1] for _, p in self.requests if "/resolve/" in p]
 
     def files(self, repo_id: str, rev: str = "main") -> dict[str, Entry]:
         return dict(self.repos[repo_id].resolve(rev).files)
@@ -254,13 +281,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body=None, headers: dict | None = None, ctype="application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body if body is not None else {}).encode()
+        headers = dict(headers or {})
         self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
+        self.send_header("Content-Type", headers.pop("Content-Type", ctype))
+        self.send_header("Content-Length", headers.pop("Content-Length", str(len(data))))
+        for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _dispatch(self, method: str) -> None:
         hub = self.hub
@@ -272,7 +301,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, payload, extra = self._route(method, url.path, parse_qs(url.query), body, user)
         except HubError as e:
-            headers = {"X-Error-Message": e.message}
+            headers = {"X-Error-Message": e.message, **e.headers}
             if e.code:
                 headers["X-Error-Code"] = e.code
             self._send(e.status, e.body if e.body is not None else {"error": e.message}, headers)
@@ -281,6 +310,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self._dispatch("GET")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
 
     def do_POST(self):
         self._dispatch("POST")
@@ -307,6 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(data, dict):
                 raise HubError(400, "bad metadata", body={"errors": [{"message": "metadata must be a dict"}]})
             return 200, {"errors": [], "warnings": []}, {}
+        if method in ("GET", "HEAD") and len(seg) >= 5 and seg[2] == "resolve":
+            return self._resolve(f"{seg[0]}/{seg[1]}", seg[3], "/".join(seg[4:]), user)
         if len(seg) >= 3 and seg[0] == "api" and seg[1] == "models":
             repo_id = f"{seg[2]}/{seg[3]}"
             rest = seg[4:]
@@ -380,6 +414,36 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "POST" and rest and rest[0] == "commit":
             return self._commit(repo_id, rest[1], body, user)
         raise HubError(404, f"no route {method} /api/models/{repo_id}/{'/'.join(rest)}")
+
+    def _resolve(self, repo_id, rev, path, user):
+        hub = self.hub
+        repo = hub.repo_for_read(user, repo_id)
+        if repo.gated and not hub._owns(user, repo_id) and (user is None or user.name not in repo.granted):
+            status = 401 if user is None else 403
+            raise HubError(status, f"Access to model {repo_id} is restricted and you are not in the authorized list.",
+                           "GatedRepo")
+        commit = repo.resolve(rev)
+        if commit is None:
+            raise HubError(404, "Invalid rev id", "RevisionNotFound")
+        entry = commit.files.get(path)
+        if entry is None:
+            raise HubError(404, "Entry not found", "EntryNotFound", headers={"X-Repo-Commit": commit.oid})
+        data = entry.content if entry.lfs_oid is None else repo.lfs[entry.lfs_oid]
+        headers = {"X-Repo-Commit": commit.oid, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                   "ETag": f'"{entry.lfs_oid or entry.blob_id}"'}
+        if entry.lfs_oid is not None:
+            headers.update({"X-Linked-Etag": f'"{entry.lfs_oid}"', "X-Linked-Size": str(len(data))})
+        if self.command == "GET" and path in hub.fail_downloads:
+            hub.fail_downloads.discard(path)
+            raise HubError(500, "injected failure: download interrupted")
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if m is None:
+            return 200, data, headers
+        start, end = int(m.group(1)), int(m.group(2) or len(data) - 1)
+        if start >= len(data):
+            raise HubError(416, "Requested range not satisfiable")
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        return 206, data[start:end + 1], headers
 
     def _lfs_batch(self, repo_id, req, user):
         hub = self.hub

@@ -1,0 +1,164 @@
+"""SRC as every command takes it: a local checkpoint directory, ``embedded``, or a Hub repo id.
+
+:func:`resolve_source` turns the text into a local directory, in this order:
+
+1. ``embedded``: the tiny Gemma 4 that ships in the package;
+2. an existing local path (a directory, or for ``g4convert plan`` a ``config.json``), even
+   when it also reads as ``owner/name``;
+3. ``owner/name`` or ``owner/name@revision`` (branch, tag or commit): a Hugging Face Hub
+   model repo, through huggingface_hub's cache (``HF_HUB_CACHE`` / ``HF_HOME``).
+   ``snapshot_download`` asks the Hub which commit the revision is and fetches only what the
+   cache lacks, resuming partial files, with huggingface_hub's progress bar; with
+   ``HF_HUB_OFFLINE=1``, or when the Hub cannot be reached, the cached snapshot is used as it
+   is. Only the files g4 reads are fetched (:data:`g4.convert.checkpoint.SOURCE_META_FILES`
+   and the safetensors shards the index names, top-level only): never pickles, other weight
+   formats or sub-folders such as ``original/``;
+4. anything else is returned as a path, and the command reports that it does not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from .errors import G4Error
+
+EMBEDDED = "embedded"
+EMBEDDED_OUT_NAME = "gemma4-tiny"
+REPO_ID_PATTERN = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
+SRC_FORMS = "a local checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision]"
+_REPO_REF = re.compile(rf"^(?P<repo>{REPO_ID_PATTERN})(?:@(?P<rev>[^@\s]+))?$")
+_LOGIN = "log in with `hf auth login` or set HF_TOKEN"
+
+log = logging.getLogger(__name__)
+
+
+def parse_repo_ref(text: str) -> tuple[str, str | None] | None:
+    """``(repo_id, revision or None)`` when ``text`` is ``owner/name[@revision]`` and no local
+    path of that name exists; None otherwise (``embedded``, a path, anything else)."""
+    if text == EMBEDDED or Path(text).exists():
+        return None
+    m = _REPO_REF.match(text)
+    return (m.group("repo"), m.group("rev")) if m else None
+
+
+def source_name(text: str) -> str:
+    """A name for SRC as written, for default output names: ``gemma4-tiny`` for the embedded
+    model, the repo name for a repo id (``google/gemma-4-26B-A4B-it@main`` ->
+    ``gemma-4-26B-A4B-it``), else the directory's own name. Never contains a slash."""
+    if text == EMBEDDED:
+        return EMBEDDED_OUT_NAME
+    ref = parse_repo_ref(text)
+    return ref[0].split("/", 1)[1] if ref else Path(text).resolve().name
+
+
+def resolve_source(text: str, *, config_only: bool = False) -> Path:
+    """The local directory (or file) SRC ``text`` names; see the module docstring for the order.
+
+    Args:
+        text: SRC as the user wrote it.
+        config_only: for a repo id, fetch only ``config.json`` (``g4convert plan`` reads
+            nothing else); a snapshot already in the cache is used whole.
+
+    Returns:
+        The embedded model's directory, the local path, or the repo's snapshot directory in the
+        Hugging Face cache (``.../models--owner--name/snapshots/<commit>``). A path that does
+        not exist is returned as it is, for the caller to report.
+
+    Raises:
+        G4Error: a repo id whose repo or revision the Hub does not have (or that is private or
+            gated and no token with access was given: the message says how to log in), a repo
+            without safetensors weights, or a repo that is not (fully) in the cache while
+            ``HF_HUB_OFFLINE=1`` is set or the Hub cannot be reached. One line each.
+    """
+    if text == EMBEDDED:
+        from .embedded_model import EMBEDDED_DIR
+
+        return EMBEDDED_DIR
+    ref = parse_repo_ref(text)
+    if ref is None:
+        return Path(text)
+    return _from_hub(text, *ref, config_only=config_only)
+
+
+def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: bool) -> Path:
+    import huggingface_hub
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from .checkpoint import SOURCE_META_FILES, weight_files
+    from .push import quiet_http_logs
+
+    quiet_http_logs()
+    top_level_only = ["*/*"]  # fnmatch's * crosses "/": allow-listed names must not match inside folders
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        # config.json alone first: a gated, unknown or uncached repo fails here, before any progress bar
+        root = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent  # snapshots/<commit>
+        if not config_only:
+            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=list(SOURCE_META_FILES),
+                                          ignore_patterns=top_level_only))
+            weights = weight_files(root)  # the shards the index names, or model.safetensors
+            listed = _cached_listing(repo_id, root.name)
+            absent = [f for f in weights if listed is not None and f not in listed]
+            if absent:
+                raise G4Error(f"{where}: {absent[0]} is not in the repo (g4 reads safetensors weights only: "
+                              "model.safetensors or the shards model.safetensors.index.json names; pickle files "
+                              "are never downloaded)")
+            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=weights,
+                                          ignore_patterns=top_level_only))
+            missing = [f for f in weights if not (root / f).is_file()]
+            if missing:
+                raise G4Error(f"{where}: {missing[0]} is not in the cached snapshot and " + (
+                    "HF_HUB_OFFLINE=1 is set; unset it to download it" if huggingface_hub.is_offline_mode() else
+                    "could not be downloaded (is the Hub reachable?)"))
+    except GatedRepoError as e:  # a subclass of RepositoryNotFoundError: first
+        raise G4Error(f"{where} is a gated repo and this request has no access: accept its terms at "
+                      f"{constants.ENDPOINT}/{repo_id}, then {_LOGIN} (a token of an account with access)") from e
+    except RemoteEntryNotFoundError as e:
+        raise G4Error(f"{where}: the repo has no config.json (not a Hugging Face checkpoint)") from e
+    except RevisionNotFoundError as e:
+        raise G4Error(f"{where}: revision {revision!r} not found in {repo_id} (a branch, tag or commit)") from e
+    except RepositoryNotFoundError as e:
+        raise G4Error(f"{text}: no such local path, and no repo {repo_id} on {constants.ENDPOINT} that this request "
+                      f"may read (if it is private or gated, {_LOGIN})") from e
+    except LocalEntryNotFoundError as e:  # IncompleteSnapshotError too
+        if huggingface_hub.is_offline_mode():
+            raise G4Error(f"{where}: not (fully) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                          "HF_HUB_OFFLINE=1 is set; unset it to download") from e
+        raise G4Error(f"{where}: the Hub ({constants.ENDPOINT}) cannot be reached and the repo is not (fully) in the "
+                      f"Hugging Face cache ({constants.HF_HUB_CACHE}): {_first_line(e)}") from e
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        hint = f"; {_LOGIN} (a token of an account with access)" if status in (401, 403) else ""
+        raise G4Error(f"{where}: the Hub answered {status}: {_first_line(e)}{hint}") from e
+    except HFValidationError as e:
+        raise G4Error(f"{text}: no such local path, and not a Hub repo id ({_first_line(e)})") from e
+    log.info("SRC %s: %s", where, root)
+    return root
+
+
+def _cached_listing(repo_id: str, commit: str) -> set[str] | None:
+    """The repo's file names at ``commit`` from the tree listing huggingface_hub caches while
+    online (``snapshot_download``), or None when it has none."""
+    import huggingface_hub
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        return {f.path for f in huggingface_hub.get_cached_repo_tree(repo_id, revision=commit)}
+    except CachedRepoTreeNotFoundError:
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
