@@ -11,13 +11,14 @@
    cache lacks, resuming partial files, with huggingface_hub's progress bar; with
    ``HF_HUB_OFFLINE=1``, or when the Hub cannot be reached, the cached snapshot is used as it
    is. Only the files g4 reads are fetched (:data:`g4.convert.checkpoint.SOURCE_META_FILES`
-   and the safetensors shards the index names, top-level only): never pickles, other weight
-   formats or sub-folders such as ``original/``;
+   top-level only, and exactly the safetensors shards the index names): never pickles, other
+   weight formats or sub-folders such as ``original/``;
 4. anything else is returned as a path, and the command reports that it does not exist.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import re
 from pathlib import Path
@@ -114,8 +115,8 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
                 raise G4Error(f"{where}: {absent[0]} is not in the repo (g4 reads safetensors weights only: "
                               "model.safetensors or the shards model.safetensors.index.json names; pickle files "
                               "are never downloaded)")
-            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=weights,
-                                          ignore_patterns=top_level_only))
+            # exactly the named shards (a subfolder shard too, as the index may name one), glob-escaped
+            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=[glob.escape(f) for f in weights]))
             missing = [f for f in weights if not (root / f).is_file()]
             if missing:
                 raise G4Error(f"{where}: {missing[0]} is not in the cached snapshot and " + (

@@ -222,3 +222,22 @@ def test_log_lines_do_not_print_onto_the_progress_bar(tiny_mm, tmp_path):
     assert len(logged) == 2, r.stderr  # one per layer, written while the bar is shown
     for line in logged:  # what remains on the terminal line after the bar's carriage returns
         assert line.split("\r")[-1].startswith("layer "), repr(line)
+
+
+def test_a_shard_the_index_names_in_a_subfolder_is_downloaded(repo_files, tmp_path):
+    """The index may name a shard in a subfolder (as local SRC allows); only that file of the
+    subfolder is fetched, and the conversion reads it."""
+    files, never = repo_files
+    moved = "model-00002-of-00002.safetensors"
+    index = json.loads(files["model.safetensors.index.json"])
+    index["weight_map"] = {k: f"sub/{v}" if v == moved else v for k, v in index["weight_map"].items()}
+    repo = {k: v for k, v in files.items() if k != moved}
+    repo.update({"model.safetensors.index.json": json.dumps(index).encode(), f"sub/{moved}": files[moved],
+                 "sub/other.safetensors": files[moved]})
+    cache = tmp_path / "cache"
+    with MockHub() as hub:
+        hub.create_repo(REPO, files=repo)
+        r = g4("g4.convert.cli", "-q", "nvfp4", REPO, "--weight-only", hub=hub, cache=cache, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert f"sub/{moved}" in hub.downloads() and "sub/other.safetensors" not in hub.downloads()
+    assert (tmp_path / "gemma-4-tiny-test-nvfp4" / "hf_quant_config.json").is_file()
