@@ -136,6 +136,86 @@ def shard(job: dict) -> dict:
     return results
 
 
+# --------------------------------------------------------------------------------------------- source
+def source(job: dict) -> dict:
+    """g4's TP-1 file (the unsharded int8 state dict the sharder check starts from) against NxD's own
+    per-channel quantizer applied to the Hugging Face source tensors, bit for bit.
+
+    Quantizer: ``quantization/quantization_utils.py: quantize_per_channel_symmetric`` (torch's
+    ``PerChannelAbsMaxObserver``, qint8, symmetric) and ``extract_q_scale`` (fp32 scale shaped to
+    broadcast), one scale per output channel (per expert and output channel for experts). Layout:
+    NxD's expert layers hold ``weight [E, in, out]`` and ``scale [E, 1, out]``
+    (``quantization/quantization_layers.py``), gate columns before up columns (``Experts`` takes
+    ``chunk(2, -1)``, ``modules/moe/experts.py``); Hugging Face stores ``gate_up_proj [E, 2I, H]``
+    (gate rows first) and ``down_proj [E, H, I]``. The lm_head is the tied embedding.
+    """
+    _install(job)
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from neuronx_distributed.quantization.quantization_utils import extract_q_scale, quantize_per_channel_symmetric
+
+    ties = {}
+
+    def nxd_int8(w, name):  # [..., out, in] -> int8 [..., out, in], fp32 [..., out, 1]
+        q = quantize_per_channel_symmetric(w.float().reshape(-1, w.shape[-1]), channel_axis=0)
+        scale = extract_q_scale(q).reshape(*w.shape[:-1], 1)
+        # w / scale within 1e-4 of half-way between two integers: where dividing by the scale (g4) and
+        # multiplying by its fp32 reciprocal (torch's quantize_per_channel) can round apart
+        ties[name] = ((w.float() / scale).abs().frac() - 0.5).abs() < 1e-4
+        return q.int_repr().reshape(w.shape), scale
+
+    results = {}
+    for case in job["source_cases"]:  # {"name", "src", "out", "quantize_attention"}
+        hf = {}
+        for f in sorted(Path(case["src"]).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                hf.update({k: st.get_tensor(k) for k in st.keys()})
+        text = "model.language_model." if any(k.startswith("model.language_model.") for k in hf) else "model."
+        want = {}
+        for k, v in hf.items():
+            if not k.startswith(text):
+                continue
+            name = k[len(text):]
+            module = name.rsplit(".", 1)[0] if name.endswith(".weight") else name
+            if name == "embed_tokens.weight":
+                want["lm_head.weight"], want["lm_head.scale"] = nxd_int8(v, "lm_head.weight")
+            elif module.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                q, sc = nxd_int8(v, f"{module}.weight")
+                want[f"{module}.weight"], want[f"{module}.scale"] = q.transpose(1, 2), sc.transpose(1, 2)
+                ties[f"{module}.weight"] = ties[f"{module}.weight"].transpose(1, 2)
+            elif module.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") or (
+                    case["quantize_attention"] and module.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                want[f"{module}.weight"], want[f"{module}.scale"] = nxd_int8(v, f"{module}.weight")
+            else:
+                want[name] = v
+        g4 = load_file(Path(case["out"]) / "weights" / "tp0_sharded_checkpoint.safetensors")
+        diffs = []
+        missing, extra = sorted(set(want) - set(g4)), sorted(set(g4) - set(want))
+        if missing or extra:
+            diffs.append(f"keys: only from the source {missing[:5]}, only in g4 {extra[:5]}")
+        off_tie, tie_count, elements = [], 0, 0
+        for k in sorted(set(want) & set(g4)):
+            d = _describe(k, want[k].contiguous(), g4[k])
+            if not d:
+                continue
+            diffs.append(d)
+            # the same layout and scales, rounded differently only where w / scale is exactly x.5?
+            if k in ties and want[k].shape == g4[k].shape and g4[k].dtype == torch.int8:
+                delta = (want[k].int() - g4[k].int())
+                bad = (delta != 0) & ~ties[k]
+                tie_count, elements = tie_count + int((delta != 0).sum()), elements + delta.numel()
+                if bad.any() or delta.abs().max() > 1:
+                    off_tie.append(d)
+            else:
+                off_tie.append(d)
+        results[case["name"]] = {"diffs": diffs, "off_tie_diffs": off_tie, "tie_diffs": tie_count,
+                                 "tie_elements": elements, "tensors": len(g4),
+                                 "int8": sorted(k for k, v in g4.items() if v.dtype == torch.int8)}
+    return results
+
+
 # --------------------------------------------------------------------------------------------- layers
 def layers(job: dict) -> dict:
     _install(job)
@@ -318,7 +398,10 @@ def layers(job: dict) -> dict:
 def main() -> None:
     mode, job_path = sys.argv[1], Path(sys.argv[2])
     job = json.loads(job_path.read_text())
-    result = {"shard": shard, "layers": layers}[mode](job)
+    if mode == "shard":  # one process: NxD's quantizer on the source, then NxD's sharder
+        result = {**source(job), **shard(job)}
+    else:
+        result = layers(job)
     result = {"results": result, "wall_s": round(time.perf_counter() - T0, 2)}
     suffix = f".rank{os.environ['RANK']}" if mode == "layers" else ""
     Path(job["result"] + suffix).write_text(json.dumps(result, indent=1, default=str))
