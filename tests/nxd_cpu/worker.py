@@ -2,7 +2,8 @@
 (NxD) v2.28.0's real sharder and quantized layers on g4's int8-neuron output and writes what it
 found as JSON. Never imported by the pytest process (it installs import stubs, ``stubs.py``).
 
-``python worker.py shard JOB.json``: NxD's sharder. For each TP degree T it builds g4's module
+``python worker.py shard JOB.json``: first NxD's own per-channel quantizer on the Hugging Face
+source against g4's TP-1 file (``source``), then NxD's sharder. For each TP degree T it builds g4's module
 tree from NxD's layers (``NxdParallelOps``, g4's constructor arguments) on the meta device inside
 NxD's mocked process group, exactly as ``ModelBuilder.shard_checkpoint`` does
 (aws-neuron/neuronx-distributed ``src/neuronx_distributed/trace/model_builder.py``:
@@ -201,7 +202,7 @@ def source(job: dict) -> dict:
             if not d:
                 continue
             diffs.append(d)
-            # the same layout and scales, rounded differently only where w / scale is exactly x.5?
+            # same layout and scales, int8 values apart by 1 only where w / scale is (nearly) x.5?
             if k in ties and want[k].shape == g4[k].shape and g4[k].dtype == torch.int8:
                 delta = (want[k].int() - g4[k].int())
                 bad = (delta != 0) & ~ties[k]
