@@ -6,7 +6,11 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 ``quantization_utils.py:quantize_pytorch_model_per_channel_symmetric``):
 
 - ``scale = max(absmax over the input dim / 127, float32 eps)``, fp32, one per output channel;
-- ``q = clamp(round_half_even(w / scale), -128, 127)``, int8 (in practice within ±127);
+- ``q = clamp(round_half_even(w * fp32(1 / scale)), -128, 127)``, int8 (in practice within ±127):
+  the observer's scale goes to ``torch.quantize_per_channel``, whose CPU kernel multiplies by the
+  fp32 reciprocal of the scale (pytorch/pytorch ``aten/src/ATen/native/quantized/AffineQuantizer``
+  ``quantize_val``: ``nearbyint(value * (1.0f / scale))``); dividing by the scale instead
+  differs by 1 where ``w / scale`` is within an ulp of a half-way point (``absmax / 2``);
 - the layer computes ``y = (x @ q.T) * scale.T`` (dequantize after the matmul, in fp32).
 """
 
@@ -60,7 +64,7 @@ def quantize(w: torch.Tensor) -> Int8Weight:
         if not torch.isfinite(s).all():
             raise ValueError("int8 quantization: weight holds NaN/Inf")
         scale[r0 : r0 + rows] = s
-        q[r0 : r0 + rows] = torch.round(chunk / s).clamp_(-128, 127).to(torch.int8)
+        q[r0 : r0 + rows] = torch.round(chunk * s.reciprocal()).clamp_(-128, 127).to(torch.int8)
     return Int8Weight(q.reshape(w.shape), scale.reshape(*w.shape[:-1], 1))
 
 
