@@ -133,16 +133,16 @@ class RankRowLinear(nn.Module):
 
 class RankExpertLinear(nn.Module):
     """One rank's share of a fused expert linear in NxD's layout: int8 ``weight [E, in, out]``
-    (in or out split by T), expert-wise fp32 ``scale [E, 1, out]``; input ``[E, N, in]``,
-    output ``[E, N, out]`` (no collective)."""
+    (in or out split by T), expert-wise fp32 ``scale [E, 1, out]``; input ``[E, 1, N, in]``,
+    output ``[E, 1, N, out]`` (no collective), as NxD's quantized expert layers take them."""
 
     def __init__(self, experts: int, in_features: int, out_features: int):
         super().__init__()
         _params(self, (experts, in_features, out_features), True, torch.int8, (experts, 1, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.einsum("enh,ehi->eni", x, self.weight.to(x.dtype))
-        return (y.float() * self.scale).to(x.dtype)
+        y = torch.einsum("ekni,eio->ekno", x, self.weight.to(x.dtype))
+        return (y.float() * self.scale.unsqueeze(1)).to(x.dtype)
 
 
 class CpuParallelOps:
@@ -245,8 +245,13 @@ class _Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """``x [N, H]``, ``combine [N, E]`` fp32 -> this rank's partial ``[N, H]`` (before the all-reduce)."""
-        gate, up = self.gate_up_proj(x.unsqueeze(0).expand(self.experts, -1, -1)).chunk(2, dim=-1)  # [gate_r | up_r]
-        y = self.down_proj(self.act(gate) * up)  # [E, N, H]
+        # NxD's quantized expert layers take [E, 1, N, in] (aws-neuron/neuronx-distributed
+        # src/neuronx_distributed/modules/moe/experts.py: Experts.forward views its input so):
+        # a 3-D input fails in quantization/dequantize.py, whose expert-wise scale [E, 1, out]
+        # is unsqueezed to [E, 1, 1, out].
+        tokens = x.reshape(1, 1, *x.shape).expand(self.experts, -1, -1, -1)  # a view: no copy per expert
+        gate, up = self.gate_up_proj(tokens).chunk(2, dim=-1)  # [gate_r | up_r]
+        y = self.down_proj(self.act(gate) * up).squeeze(1)  # [E, N, H]
         return torch.einsum("enh,ne->nh", y.float(), combine).to(x.dtype)
 
 

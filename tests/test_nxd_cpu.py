@@ -33,8 +33,8 @@ Tolerance on the max abs difference: ``1e-5 * max|ref|`` with fp32 activations, 
 with bf16 activations (the reference sees the same bf16-rounded input; 2e-2 is about 2.5 bf16
 ulps; a layout error is O(1)).
 
-Finding (strict xfail until g4 is fixed): g4's ``_Experts.forward`` calls NxD's quantized expert
-layers with a 3-D ``[E, N, in]`` tensor. NxD's expert layers take 4-D ``[e, 1, c, in]`` (e = E
+Finding (fixed): g4's ``_Experts.forward`` called NxD's quantized expert layers with a 3-D
+``[E, N, in]`` tensor. NxD's expert layers take 4-D ``[e, 1, c, in]`` (e = E
 or 1): NxD's ``modules/moe/experts.py: Experts.forward`` does ``hidden_states.view(e, 1, c, h)``
 before calling them and ``squeeze(1)`` after, and ``quantization/dequantize.py: scale_dequantize``
 multiplies by ``scale.unsqueeze(ndim - 1)``, ``[E, 1, out]`` -> ``[E, 1, 1, out]``, which a
@@ -77,11 +77,6 @@ def _missing() -> str | None:
 
 
 pytestmark = [pytest.mark.nxd_cpu, pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
-
-EXPERT_3D = ("g4 defect: g4's _Experts.forward (serve/neuron_model.py) calls NxD's quantized expert layers with a 3-D "
-             "[E, N, in] tensor; NxD's expert layers take [e, 1, c, in] (modules/moe/experts.py Experts.forward: "
-             "view(e, 1, c, h), squeeze(1) after) and quantization/dequantize.py scale_dequantize raises 'output with "
-             "shape [E, N, out] doesn't match the broadcast shape [E, E, N, out]'")
 
 
 def _free_port() -> int:
@@ -275,15 +270,12 @@ def test_nxd_expert_layers_refuse_a_3d_input(lane, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", [
-    pytest.param("g4_expert_block", marks=pytest.mark.xfail(strict=True, reason=EXPERT_3D)),
-    pytest.param("g4_tree_forward", marks=pytest.mark.xfail(strict=True, reason=EXPERT_3D)),
-    "g4_tree_forward_nxd_expert_call",
-])
+@pytest.mark.parametrize("case", ["g4_expert_block", "g4_tree_forward"])
 def test_g4_module_tree_on_nxd_layers_matches_its_plain_torch_tree(lane, tp, case):
     """g4's own modules over NxD's layers (``NxdParallelOps``) vs over g4's plain-torch layers
-    (``CpuParallelOps``), same rank files, fp32. ``g4_tree_forward_nxd_expert_call`` makes the
-    expert calls NxD's way (a test-side adapter) and shows that this is the only difference."""
+    (``CpuParallelOps``), same rank files, fp32. This failed on every forward while g4 called the
+    expert layers with a 3-D ``[E, N, in]`` input (see the module docstring); g4 now calls them
+    with ``[E, 1, N, in]`` as NxD's ``Experts.forward`` does."""
     for rank, found in enumerate(lane[f"layers{tp}"]):
         r = found["results"][f"{case}/fp32"]
         assert "error" not in r, (tp, rank, r["error"], r["where"])

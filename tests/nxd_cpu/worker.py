@@ -367,30 +367,8 @@ def layers(job: dict) -> dict:
         pos = torch.arange(7)[None]
         return built["nxd"](h, pos), built["cpu"](h, pos)
 
-    class NxdExpertCall(torch.nn.Module):
-        """Test-side adapter: g4's ``[E, N, in]`` call made the way NxD's ``Experts.forward`` calls
-        the quantized expert layers (``view(e, 1, c, h)``, then ``squeeze(1)``; NxD
-        ``modules/moe/experts.py``)."""
-
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x):
-            return self.layer(x.unsqueeze(1)).squeeze(1)
-
-    def whole_tree_adapted():
-        built = trees()
-        for layer in built["nxd"].layers:
-            layer.experts.gate_up_proj = NxdExpertCall(layer.experts.gate_up_proj)
-            layer.experts.down_proj = NxdExpertCall(layer.experts.down_proj)
-        h = torch.randn(1, 7, H, generator=gen)
-        pos = torch.arange(7)[None]
-        return built["nxd"](h, pos), built["cpu"](h, pos)
-
     record("g4_expert_block/fp32", expert_block, job["tol_fp32"])
     record("g4_tree_forward/fp32", whole_tree, job["tol_fp32"])
-    record("g4_tree_forward_nxd_expert_call/fp32", whole_tree_adapted, job["tol_fp32"])
     dist.barrier()
     dist.destroy_process_group()
     return results
