@@ -145,6 +145,9 @@ def _check_shard_name(root: Path, index_path: Path, file: str) -> None:
     if ".." in windows.parts:  # PureWindowsPath splits on both / and \\
         raise CheckpointError(f"{index_path}: names shard {file}, which has a '..' component; shard names must "
                               f"stay inside the checkpoint directory {root}")
+    if not file.endswith(".safetensors"):  # never a pickle (.bin, .pt) or another format, nor fetched from a Hub
+        raise CheckpointError(f"{index_path}: names shard {file!r}, which is not a .safetensors file; g4 reads "
+                              "safetensors weights only")
 
 
 def _shard_path(root: Path, index_path: Path, file: str) -> Path:
@@ -224,6 +227,18 @@ def quantized_reason(root: str | Path, config: dict) -> str | None:
     return None
 
 
+def refuse_quantized(root: str | Path, config: dict) -> None:
+    """Refuse an already quantized source (:func:`quantized_reason`).
+
+    Raises:
+        CheckpointError: ``<file>: <what>: the checkpoint is already quantized; ...``.
+    """
+    why = quantized_reason(root, config)
+    if why:
+        raise CheckpointError(f"{why}: the checkpoint is already quantized; g4 converts unquantized "
+                              "BF16/F16/F32 Gemma 4 checkpoints (use the original release weights)")
+
+
 class Checkpoint:
     """A Gemma 4 checkpoint directory opened lazily and validated up front.
 
@@ -260,10 +275,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: {why} (SRC is {SRC_FORMS})")
         self.config = self._read_config()
         if source:
-            why = quantized_reason(self.root, self.config)
-            if why:
-                raise CheckpointError(f"{why}: the checkpoint is already quantized; g4 converts unquantized "
-                                      "BF16/F16/F32 Gemma 4 checkpoints (use the original release weights)")
+            refuse_quantized(self.root, self.config)
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
         if source:
@@ -415,7 +427,8 @@ SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 # Everything else g4 reads of a source checkpoint (the safetensors weights aside): a Hub repo
 # id is downloaded with exactly these top-level files, the side files and the shards the index
 # names (convert/resolve.py), never pickles (*.bin, *.pt), other weight formats or folders.
-SOURCE_META_FILES = ("config.json", INDEX_NAME, "README.md", "facts.json") + SIDE_FILE_PATTERNS
+SOURCE_META_FILES = ("config.json", INDEX_NAME, "README.md", "facts.json",
+                     HF_QUANT_CONFIG) + SIDE_FILE_PATTERNS  # hf_quant_config.json: to refuse a quantized repo
 
 
 def weight_files(root: Path) -> list[str]:

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import re
 from pathlib import Path
@@ -96,7 +97,7 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
         RevisionNotFoundError,
     )
 
-    from .checkpoint import SOURCE_META_FILES, weight_files
+    from .checkpoint import SOURCE_META_FILES, refuse_quantized, weight_files
     from .push import quiet_http_logs
 
     quiet_http_logs()
@@ -108,6 +109,12 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
         if not config_only:
             root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=list(SOURCE_META_FILES),
                                           ignore_patterns=top_level_only))
+            try:
+                config = json.loads((root / "config.json").read_text())
+            except (OSError, ValueError):
+                config = None  # reported by Checkpoint, with its file name
+            if isinstance(config, dict):
+                refuse_quantized(root, config)  # before any weights are fetched
             weights = weight_files(root)  # the shards the index names, or model.safetensors
             listed = _cached_listing(repo_id, root.name)
             absent = [f for f in weights if listed is not None and f not in listed]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import fnmatch
 import json
 import logging
 import math
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SINGLE_NAME
+from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
 from g4.convert.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -211,9 +212,64 @@ def _is_g4_output(path: Path) -> bool:
     return False
 
 
+# What g4 itself writes into a result, besides the safetensors files its index or manifest
+# names and the side files (SIDE_FILE_PATTERNS): the converters' metadata, the model card and
+# its facts (exporters/model_card.py), g4serve check's report, and the Neuron compile cache
+# (serve/neuron_backend.py) as a whole folder.
+G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json", *G4_OUTPUT_MARKERS, "g4_conversion.json", "README.md",
+                   "verification.json")
+G4_RESULT_FOLDERS = ("neuron_compiled",)
+
+
+def foreign_files(path: Path) -> list[str]:
+    """Files under the g4 result ``path`` that g4 did not write (a user's notes, an evaluation
+    folder), as paths relative to ``path``, sorted; --overwrite refuses to delete them.
+
+    g4's own: :data:`G4_RESULT_FILES`, the side files copied from SRC, the safetensors files
+    named by ``model.safetensors.index.json`` (``weight_map``) or ``manifest.json``
+    (``rank_files``, ``host_embedding.file``), and whatever is under :data:`G4_RESULT_FOLDERS`.
+    """
+    named: set[str] = set()
+    for meta, pick in ((INDEX_NAME, lambda d: d.get("weight_map", {}).values()),
+                       ("manifest.json", lambda d: [*d.get("rank_files", []), d.get("host_embedding", {}).get("file")])):
+        try:
+            named |= {str(f) for f in pick(json.loads((path / meta).read_text())) if f}
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+    foreign = []
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path)
+        if f.is_dir() and not f.is_symlink() or rel.parts[0] in G4_RESULT_FOLDERS:
+            continue
+        name = rel.as_posix()
+        if name in named or name in G4_RESULT_FILES or (len(rel.parts) == 1 and any(
+                fnmatch.fnmatch(name, pat) for pat in SIDE_FILE_PATTERNS)):
+            continue
+        foreign.append(name)
+    return foreign
+
+
+def _not_replaceable(path: Path) -> str | None:
+    """Why --overwrite may not replace ``path``, or None: it must be a real directory that is
+    empty, or a g4 result holding nothing but what g4 wrote (:func:`foreign_files`)."""
+    if path.is_symlink() or not path.is_dir():
+        return "is not a directory"
+    if not any(path.iterdir()):
+        return None
+    if not _is_g4_output(path):
+        return ("exists and is not a g4 result; --overwrite only replaces g4 results (remove it yourself if you "
+                "mean it)")
+    foreign = foreign_files(path)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return (f"holds {foreign[0]}{more}, which g4 did not write; --overwrite would delete it: move it out of OUT "
+                "first")
+    return None
+
+
 def _replaceable(path: Path) -> bool:
-    """What --overwrite may replace: a real directory that is empty or a g4 result."""
-    return not path.is_symlink() and path.is_dir() and (not any(path.iterdir()) or _is_g4_output(path))
+    """What --overwrite may replace (see :func:`_not_replaceable`)."""
+    return _not_replaceable(path) is None
 
 
 # --- renames that never replace what they did not check (Linux renameat2(2)) ---
@@ -353,29 +409,35 @@ def _new_partial(out: Path) -> tuple[Path, int]:
 
 def _clean_up_after_killed_runs(out: Path) -> None:
     """Deal with what runs killed outright (SIGKILL, power loss) left beside ``out``, logging a
-    line (warning) for each: ``.OUT.partial-*`` (an unfinished result) is removed;
-    ``.OUT.old-*`` (a g4 result that an --overwrite run without renameat2 had moved aside for
-    the moment of the swap) is put back at ``out`` when ``out`` is missing, else removed if it
-    is still empty or a g4 result, else left alone. Directories a live run holds locked
+    line (warning) for each. Only g4's own names are looked at (exactly
+    ``.OUT.partial-<pid>-<8 hex>`` and ``.OUT.old-<pid>-<8 hex>``; a user's ``.OUT.partial-mine``
+    is never touched): a partial directory (an unfinished result) is removed; an ``old`` one (a
+    g4 result that an --overwrite run without renameat2 had moved aside for the moment of the
+    swap) is put back at ``out`` when ``out`` is missing, else removed, and only while it is
+    still empty or a g4 result holding only g4's files. Directories a live run holds locked
     (:func:`_lock`) are skipped."""
-    for p in [*sorted(out.parent.glob(f".{out.name}.partial-*")), *sorted(out.parent.glob(f".{out.name}.old-*"))]:
-        if p.is_symlink() or not p.is_dir():
+    leftover = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-(\d+)-[0-9a-f]{{8}}")  # _new_partial, _place
+    for p in sorted(out.parent.iterdir()):
+        m = leftover.fullmatch(p.name)
+        if m is None or p.is_symlink() or not p.is_dir():
             continue
-        pid = p.name[len(out.name) + 2:].split("-")[1]  # .OUT.partial-<pid>-... / .OUT.old-<pid>-...
+        kind, pid = m.groups()
         try:
-            fd = _lock(p, owner=int(pid) if pid.isdigit() else None)
+            fd = _lock(p, owner=int(pid))
         except OSError:
             continue
         if fd is None:
             continue
         try:
-            if p.name.startswith(f".{out.name}.partial-"):
+            if kind == "partial":
                 shutil.rmtree(p, ignore_errors=True)
                 log.warning("removed %s: the unfinished output of a g4 run that was killed", p)
+            elif not _replaceable(p):
+                continue  # not (only) a g4 result: never moved nor removed
             elif not os.path.lexists(out):
                 _rename_noreplace(p, out)
                 log.warning("restored %s from %s, where a killed g4 --overwrite run had moved it", out, p)
-            elif _replaceable(p):
+            else:
                 shutil.rmtree(p, ignore_errors=True)
                 log.warning("removed %s: the result a killed g4 --overwrite run had replaced", p)
         except OSError as e:
@@ -486,9 +548,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     _clean_up_after_killed_runs(out)
     if os.path.lexists(out) and not overwrite:
         raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
-    if os.path.lexists(out) and not _replaceable(out):
-        raise ExportError(f"{out}: exists and is not a g4 result; --overwrite only replaces g4 results "
-                          "(remove it yourself if you mean it)")
+    why = _not_replaceable(out) if os.path.lexists(out) else None
+    if why:
+        raise ExportError(f"{out}: {why}")
     free = shutil.disk_usage(out.parent).free
     if need_bytes > free:
         raise ExportError(f"{out.parent}: {free / 1e9:.2f} GB free, the result needs {need_bytes / 1e9:.2f} GB")

@@ -93,18 +93,20 @@ class StreamOptions(BaseModel):
 
     ``include_usage``: every chunk carries ``"usage": null`` and a last chunk before ``[DONE]``
     has empty ``choices`` and the usage (OpenAI's contract). vLLM's ``continuous_usage_stats``
-    (usage in every chunk) is not served: only ``false`` is accepted.
+    (usage in every chunk) and OpenAI's ``include_obfuscation`` (random padding in every delta)
+    are not served: only ``false`` (their no-op value) is accepted.
     """
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None
 
-    @field_validator("continuous_usage_stats")
+    @field_validator("continuous_usage_stats", "include_obfuscation")
     @classmethod
-    def _no_continuous_usage(cls, v):
+    def _only_the_no_op(cls, v, info):
         if v:
-            raise ValueError("continuous_usage_stats is not supported by this server")
+            raise ValueError(f"{info.field_name} is not supported by this server (only false)")
         return v
 
 

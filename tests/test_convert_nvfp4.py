@@ -254,10 +254,16 @@ def test_existing_out_is_refused_then_replaced_atomically(tiny_mm, tmp_path):
         convert_nvfp4(tiny_mm, out, weight_only=True, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
     ours = tmp_path / "ours"
-    convert_nvfp4(tiny_mm, ours, weight_only=True, progress=False)
-    (ours / "stale.txt").write_text("old result")
-    convert_nvfp4(tiny_mm, ours, weight_only=True, overwrite=True, progress=False)
-    assert not (ours / "stale.txt").exists() and (ours / "model.safetensors").is_file()
+    convert_nvfp4(tiny_mm, ours, weight_only=True, max_shard_size="200KB", progress=False)
+    (ours / "notes.txt").write_text("a user's file in a g4 result")
+    with pytest.raises(ExportError, match="holds notes.txt, which g4 did not write"):
+        convert_nvfp4(tiny_mm, ours, weight_only=True, overwrite=True, progress=False)
+    assert (ours / "notes.txt").read_text() == "a user's file in a g4 result"
+    (ours / "notes.txt").unlink()
+    old_shards = sorted(p.name for p in ours.glob("model-*.safetensors"))
+    assert len(old_shards) > 1
+    convert_nvfp4(tiny_mm, ours, weight_only=True, overwrite=True, progress=False)  # g4's own files all go
+    assert not list(ours.glob("model-*.safetensors")) and (ours / "model.safetensors").is_file()
 
 
 def test_out_may_not_replace_src(tiny_mm, tmp_path):

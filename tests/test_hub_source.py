@@ -241,3 +241,25 @@ def test_a_shard_the_index_names_in_a_subfolder_is_downloaded(repo_files, tmp_pa
         assert r.returncode == 0, r.stderr
         assert f"sub/{moved}" in hub.downloads() and "sub/other.safetensors" not in hub.downloads()
     assert (tmp_path / "gemma-4-tiny-test-nvfp4" / "hf_quant_config.json").is_file()
+
+
+def test_quantized_or_pickle_naming_repos_are_refused_without_fetching_weights(repo_files, tmp_path):
+    """A repo with an ``hf_quant_config.json`` is refused as already quantized, as the same files
+    in a local directory are (so that file is among the few fetched); an index that names a
+    ``.bin`` is refused by name, and the file is never requested."""
+    files, never = repo_files
+    quantized = {**files, "hf_quant_config.json": json.dumps({"quantization": {"quant_algo": "NVFP4"}}).encode()}
+    index = json.loads(files["model.safetensors.index.json"])
+    index["weight_map"] = {k: "pytorch_model.bin" if v.endswith("2.safetensors") else v
+                           for k, v in index["weight_map"].items()}
+    pickled = {**files, "model.safetensors.index.json": json.dumps(index).encode(), "pytorch_model.bin": b"\x80\x04"}
+    cache = tmp_path / "cache"
+    with MockHub() as hub:
+        hub.create_repo("me/hfq", files=quantized)
+        hub.create_repo("me/pickle", files=pickled)
+        for cmd in (["-q", "nvfp4", "me/hfq", "--weight-only"], ["-q", "plan", "me/hfq"]):
+            one_error_line(g4("g4.convert.cli", *cmd, hub=hub, cache=cache, cwd=tmp_path), "hf_quant_config.json",
+                           "NVFP4")
+        one_error_line(g4("g4.convert.cli", "-q", "nvfp4", "me/pickle", hub=hub, cache=cache, cwd=tmp_path),
+                       "pytorch_model.bin", "not a .safetensors file")
+        assert not [f for f in hub.downloads() if f.endswith(".safetensors") or f.endswith(".bin")]

@@ -108,10 +108,10 @@ def test_leftovers_of_killed_runs_go_by_their_lock_not_their_pid(tmp_path, caplo
     """A partial dir nobody holds is removed with a log line even when its pid now belongs to a
     live process (pid reuse); one a live run holds locked stays even when its pid looks dead."""
     out = tmp_path / "out"
-    reused = tmp_path / f".out.partial-{os.getppid()}"  # an old run's pid, taken since by a live process
+    reused = tmp_path / f".out.partial-{os.getppid()}-0badcafe"  # an old run's pid, taken since by a live process
     reused.mkdir()
     (reused / "model.safetensors").write_text("half")
-    live = tmp_path / ".out.partial-999999999-abcd"  # e.g. a run in another pid namespace
+    live = tmp_path / ".out.partial-999999999-abcd1234"  # e.g. a run in another pid namespace
     live.mkdir()
     fd = os.open(live, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -130,7 +130,7 @@ def test_result_set_aside_by_a_killed_overwrite_run_is_restored(tmp_path, caplog
     """Killed between moving OUT aside and renaming the new result in (only possible without
     renameat2, and only by SIGKILL): the next run puts the old result back, then refuses as usual."""
     out = tmp_path / "out"
-    aside = g4_result(tmp_path / ".out.old-999999999-abcd", "old")
+    aside = g4_result(tmp_path / ".out.old-999999999-abcd1234", "old")
     with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
         with pytest.raises(ExportError, match="already exists"):
             with atomic_output_dir(out):
@@ -147,10 +147,63 @@ def test_without_file_locks_the_pid_in_the_name_decides(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(safetensors_writer, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
     out = tmp_path / "out"
-    dead, live = tmp_path / ".out.partial-999999999-abcd", tmp_path / f".out.partial-{os.getppid()}-abcd"
+    dead, live = tmp_path / ".out.partial-999999999-abcd1234", tmp_path / f".out.partial-{os.getppid()}-abcd1234"
     dead.mkdir(), live.mkdir()
     with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
         with atomic_output_dir(out) as tmp:
             (tmp / "model.safetensors").write_text("new")
     assert (out / "model.safetensors").read_text() == "new"
     assert not dead.exists() and live.is_dir() and f"removed {dead}" in caplog.text
+
+
+def test_leftover_clean_up_touches_only_g4s_own_names(tmp_path, caplog):
+    """A user's ``.OUT.partial-mine`` or ``.OUT.old-keep`` beside OUT is neither removed nor moved
+    to OUT; an OUT name with glob characters (``m[1]``, ``r*``) cleans up its own leftovers and
+    no other OUT's; a set-aside dir that is not only a g4 result is never moved or removed."""
+    mine = tmp_path / ".r1.partial-mybackup"
+    mine.mkdir()
+    (mine / "data.txt").write_text("x")
+    keep = g4_result(tmp_path / ".r1.old-keep", "user's")
+    with_notes = g4_result(tmp_path / ".r1.old-999999999-abcd1234", "old")
+    (with_notes / "NOTES.txt").write_text("mine")
+    other = tmp_path / ".rX.partial-999999999-abcd1234"  # another OUT's leftover, which r* must not sweep
+    other.mkdir()
+    odd = tmp_path / ".m[1].partial-999999999-abcd1234"
+    odd.mkdir()
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+        for name in ("r1", "r*", "m[1]"):
+            with atomic_output_dir(tmp_path / name) as tmp:
+                (tmp / "model.safetensors").write_text("new")
+    assert (mine / "data.txt").read_text() == "x" and keep.is_dir() and (with_notes / "NOTES.txt").is_file()
+    assert other.is_dir() and not odd.exists() and f"removed {odd}" in caplog.text
+    assert (tmp_path / "r1" / "model.safetensors").read_text() == "new"
+
+
+def test_overwrite_never_deletes_files_a_user_added_to_a_g4_result(tmp_path, renames):
+    """--overwrite replaces a g4 result only when it holds nothing but g4's own files; a user's
+    notes or evaluation folder inside it stop the run up front (named), and also when they
+    appear while it works (the new result is then kept beside)."""
+    out = g4_result(tmp_path / "out", "old")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    for name in ("model-00001-of-00001.safetensors", "README.md", "verification.json", "tokenizer.json",
+                 "neuron_compiled/model.pt"):
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text("g4's")
+    (out / "my_eval").mkdir()
+    (out / "my_eval" / "res.json").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds my_eval/res.json, which g4 did not write"):
+        with atomic_output_dir(out, overwrite=True):
+            pytest.fail("must refuse before the run")
+    (out / "my_eval" / "res.json").unlink()
+    (out / "my_eval").rmdir()
+    with pytest.raises(ExportError, match="is not the g4 result --overwrite was given") as e:
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_text("new")
+            (out / "NOTES.txt").write_text("mine")
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "README.md").read_text() == "g4's"
+    kept = kept_path(str(e.value))
+    assert open(os.path.join(kept, "model.safetensors")).read() == "new"
+    (out / "NOTES.txt").unlink()
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "model.safetensors").write_text("newer")
+    assert (out / "model.safetensors").read_text() == "newer" and not (out / "README.md").exists()

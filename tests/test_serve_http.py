@@ -179,6 +179,8 @@ BAD_REQUESTS = [
      "stream_options.chunk_size", None),
     ({"messages": FRANCE, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats", None),
+    ({"messages": FRANCE, "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options.include_obfuscation", None),
     ({"messages": FRANCE, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage", None),
     ({"messages": FRANCE, "return_token_ids": "yes"}, 400, "return_token_ids", None),
@@ -203,6 +205,9 @@ def test_the_refusable_fields_at_their_harmless_values_are_accepted(client):
              frequency_penalty=0.0, best_of=1, echo=False, user="u1", metadata={"k": "v"}, store=False,
              return_token_ids=False, stream_options=None)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
+    # stream_options' refusable keys at their no-op value (current OpenAI SDKs may send include_obfuscation)
+    r = chat(client, stream=True, stream_options={"include_obfuscation": False, "continuous_usage_stats": False})
+    assert r.status_code == 200 and '"Paris"' in r.text and r.text.rstrip().endswith("data: [DONE]")
     # null is "not given", as the OpenAI API has it
     r = chat(client, stream=None, n=None, max_tokens=None, seed=None, stop=None, top_p=None,
              chat_template_kwargs={"enable_thinking": None})

@@ -107,6 +107,17 @@ def test_index_naming_a_shard_outside_src_is_refused(two_shards, tmp_path, how):
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+
+def test_index_naming_a_shard_that_is_not_safetensors_is_refused(two_shards, tmp_path):
+    """An index entry such as ``pytorch_model.bin`` is refused by name, before any file is opened
+    (and a Hub download never fetches it): g4 reads safetensors only."""
+    src = shutil.copytree(two_shards, tmp_path / "src")
+    shutil.copy(src / SHARDS[1], src / "pytorch_model.bin")
+    rename_shard(src, SHARDS[1], "pytorch_model.bin")
+    r = run("nvfp4", src, tmp_path / "o", "--weight-only")
+    one_error_line(r, "names shard 'pytorch_model.bin', which is not a .safetensors file")
+    assert not (tmp_path / "o").exists()
+
 def test_shard_in_a_subfolder_is_read_hashed_and_checked_as_one_file(two_shards, two_shards_int8, tmp_path):
     src = shutil.copytree(two_shards, tmp_path / "src")
     (src / "sub").mkdir()
