@@ -264,7 +264,8 @@ class Checkpoint:
         CheckpointError: missing/invalid config or not Gemma 4, no safetensors, an index
             that names a missing file or tensor or a shard outside ``root`` (absolute,
             ``..``), a shard tensor absent from the index, a duplicate tensor, or a
-            corrupt/truncated shard; with ``source``: an already quantized checkpoint, or
+            corrupt/truncated shard; with ``source``: an already quantized checkpoint, a side
+            file that would travel into OUT broken (:func:`check_side_files`), or
             ``<shard>: tensor <name> is stored as <dtype>`` for a dtype g4 cannot read as values.
     """
 
@@ -276,6 +277,7 @@ class Checkpoint:
         self.config = self._read_config()
         if source:
             refuse_quantized(self.root, self.config)
+            check_side_files(self.root)
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
         if source:
@@ -447,6 +449,45 @@ def weight_files(root: Path) -> list[str]:
     for file in files:
         _check_shard_name(root, index_path, file)
     return files
+
+
+def check_side_files(src: Path) -> None:
+    """Check the side files of ``src`` that :func:`copy_side_files` would carry into OUT, so that a
+    broken one stops the conversion up front instead of the server that loads OUT later: every
+    ``*.json`` must be a JSON object and ``chat_template.jinja`` must compile as transformers
+    compiles chat templates (huggingface/transformers ``src/transformers/utils/chat_template_utils.py``).
+
+    Raises:
+        CheckpointError: ``<file>: invalid JSON (...)`` or ``<file>: invalid chat template (...)``.
+    """
+    import jinja2
+    from transformers.utils import chat_template_utils
+
+    # transformers' own compiler (its sandbox and extensions: loopcontrols, {% generation %}),
+    # where this version has it under that name; else a plain Jinja parse with loopcontrols
+    compile_template = getattr(chat_template_utils, "_compile_jinja_template", None) or (
+        lambda text: jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text))
+    for f in sorted(Path(src).iterdir()):
+        if not (f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS)):
+            continue
+        if f.suffix != ".json" and f.name != "chat_template.jinja":
+            continue
+        try:
+            text = f.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{f}: unreadable ({e})") from e
+        if f.suffix == ".json":
+            try:
+                value = json.loads(text)
+            except ValueError as e:
+                raise CheckpointError(f"{f}: invalid JSON ({e})") from e
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{f}: invalid JSON (not an object)")
+        else:
+            try:
+                compile_template(text)
+            except jinja2.TemplateSyntaxError as e:
+                raise CheckpointError(f"{f}: invalid chat template (line {e.lineno}: {e.message})") from e
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

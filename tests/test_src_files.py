@@ -220,3 +220,18 @@ def test_verify_and_check_refuse_the_same_sources(tiny_mm, tiny_w4a16, tmp_path)
     (quant / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
     r = CliRunner().invoke(g4serve, ["check", str(tiny_w4a16), "--against", str(quant)])
     one_error_line(r, f"{quant / 'hf_quant_config.json'}: present (quant_algo 'FP8')", "already quantized")
+
+
+@pytest.mark.parametrize("file, text, says", [
+    ("generation_config.json", "{", "invalid JSON"),
+    ("tokenizer_config.json", "[]", "invalid JSON (not an object)"),
+    ("chat_template.jinja", "{% for m in messages %}{{ m.content }", "invalid chat template (line 1"),
+])
+def test_a_broken_side_file_stops_the_conversion_up_front(tiny_mm, tmp_path, file, text, says):
+    """A side file that travels into OUT must be readable by whatever loads OUT; before, a broken
+    generation_config.json converted with exit 0 and g4serve OUT died with a traceback."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    (src / file).write_text(text)
+    for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"], ["int8-neuron", src, tmp_path / "o2", "--tp", "1"]):
+        one_error_line(run(*args), f"{src / file}: {says}")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
