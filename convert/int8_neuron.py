@@ -8,7 +8,7 @@ Output (layout and sources: ``g4.serve.neuron_layout``):
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
-- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4_config.release_config`),
+- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4.release_config`),
   tokenizer, chat template and generation config copied from SRC.
 
 Streaming as in the NVFP4 path: one decoder layer in RAM at a time; output written into a
@@ -33,7 +33,7 @@ from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, 
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4_config import release_config
+from .gemma4 import embed_scale, release_config
 from .nvfp4 import peak_rss_bytes
 from .progress import progress_bar
 from .sources import checked_sources
@@ -48,12 +48,6 @@ MANIFEST = "manifest.json"
 def rank_file(rank: int) -> str:
     """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
     return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
-
-
-def embed_scale(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> float:
-    """The embedding scale as Gemma4TextScaledWordEmbedding applies it: ``sqrt(H)`` cast to
-    the weight dtype (53.0 for H=2816 in bf16, not 53.066)."""
-    return float(torch.tensor(hidden_size**0.5).to(dtype))
 
 
 @dataclass

@@ -21,7 +21,7 @@ from g4.exporters.nvfp4_names import (
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error, MappingError
-from .gemma4_config import attention_layers, release_config
+from .gemma4 import release_config
 
 
 def checked_sources(ckpt: Checkpoint) -> SourceMap:
@@ -34,12 +34,11 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     """
     smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
     tc = ckpt.text_config
-    tied = tc.get("tie_word_embeddings", ckpt.config.get("tie_word_embeddings", True))
-    if smap.lm_head and tied:
+    if smap.lm_head and ckpt.arch.tied:
         raise MappingError(f"tensor {smap.lm_head}: present although tie_word_embeddings is true (case P06: loaders "
                            "disagree on such checkpoints); remove it, or set tie_word_embeddings to false")
+    attention = ckpt.arch.layers
     try:
-        attention = attention_layers(ckpt.config)
         release_config(ckpt.config)  # refuse now a per_layer_config that OUT's release-form config cannot carry
     except G4Error as e:
         raise CheckpointError(f"{ckpt.root / 'config.json'}: {e}") from e

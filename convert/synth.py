@@ -18,6 +18,7 @@ import torch
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 
 from .errors import G4Error
+from .gemma4 import is_tied
 from .progress import progress_bar
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
@@ -92,7 +93,7 @@ def synthetic_specs(config: dict) -> list[TensorSpec]:
     cls = Gemma4ForConditionalGeneration if config["model_type"] == "gemma4" else Gemma4ForCausalLM
     with torch.device("meta"):
         model = cls(hf)
-    tied = config.get("tie_word_embeddings", True)
+    tied = is_tied(config)
     return [TensorSpec(name, torch.bfloat16, tuple(t.shape)) for name, t in model.state_dict().items()
             if not (tied and name == "lm_head.weight")]
 

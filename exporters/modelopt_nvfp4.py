@@ -22,6 +22,7 @@ import torch
 
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import ExportError
+from g4.convert.gemma4 import is_tied
 from g4.exporters.nvfp4_names import QUANT_SUFFIXES
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
@@ -65,9 +66,9 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
 
     Raises:
         G4Error: a ``per_layer_config`` the release form cannot express
-            (:func:`g4.convert.gemma4_config.release_config`).
+            (:func:`g4.convert.gemma4.release_config`).
     """
-    from g4.convert.gemma4_config import release_config
+    from g4.convert.gemma4 import release_config
 
     config = release_config(src_config)
     config["quantization_config"] = quantization_config(excludes, weight_only=weight_only)
@@ -155,7 +156,7 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
         if len(shape) == 2 and name.endswith(".weight") and not name.endswith("embed_tokens.weight") \
                 and not _excluded(name.rpartition(".")[0], excludes):
             raise ExportError(f"tensor {name}: kept {dtype} but its module is not in the exclusion list")
-    tied = (config.get("text_config") or config).get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    tied = is_tied(config)
     for p in excludes:
         if p == "lm_head" and tied:
             continue

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from g4.convert.errors import MappingError
+from g4.convert.gemma4 import ATTENTION_NORMS, EXPERT_DOWN, EXPERT_GATE_UP, LAYER_NORMS
 
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
@@ -61,8 +62,6 @@ DENSE_GROUPS: tuple[LinearGroup, ...] = (
 
 # Fused 3-D expert tensors (no ".weight" suffix). Accepted under the pre-release
 # "moe." name too; always written as "experts.{E}.*".
-EXPERT_GATE_UP = "experts.gate_up_proj"
-EXPERT_DOWN = "experts.down_proj"
 LEGACY_RENAMES = {
     "moe.gate_up_proj": EXPERT_GATE_UP,
     "moe.down_proj": EXPERT_DOWN,
@@ -71,15 +70,7 @@ LEGACY_RENAMES = {
 
 # Per-layer tensors kept bit-identical (bf16). Routers stay high precision (case P09).
 LAYER_KEEP = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm.weight",
-    "post_feedforward_layernorm_1.weight",
-    "pre_feedforward_layernorm_2.weight",
-    "post_feedforward_layernorm_2.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
+    *(f"{n}.weight" for n in LAYER_NORMS + ATTENTION_NORMS),
     "router.proj.weight",
     "router.scale",
     "router.per_expert_scale",

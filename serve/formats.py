@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.errors import CheckpointError
+from g4.convert.gemma4 import MODEL_TYPES
 
 NVFP4, INT8_NEURON, BF16 = "nvfp4", "int8-neuron", "bf16"
 INT8_NEURON_LAYOUT = "g4-int8-neuron/1"
-GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,9 @@ def detect_format(path: str | Path) -> ResultFormat:
         raise CheckpointError(f"{config_path}: quantization method {method!r} is not served by g4 "
                               "(NVFP4, int8-neuron or unquantized bf16 only)")
     model_type = config.get("model_type")
-    if model_type not in GEMMA4_MODEL_TYPES:
+    if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{config_path}: model_type {model_type!r} is not Gemma 4 "
-                              f"({' or '.join(GEMMA4_MODEL_TYPES)})")
+                              f"({' or '.join(MODEL_TYPES)})")
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights (pickled weights are never loaded)")
     return ResultFormat(BF16, path, False, f"unquantized Gemma 4 checkpoint ({config.get('dtype', 'bf16')})")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from g4.convert.errors import G4Error
+from g4.convert.gemma4 import ATTENTION_NORMS, LAYER_NORMS, Architecture, embed_scale, read_architecture, tp_problems
 from g4.exporters.safetensors_writer import TensorSpec
 
 COLUMN, ROW, REPLICATED, EXPERT_GATE_UP, EXPERT_DOWN = "column", "row", "replicated", "expert_gate_up", "expert_down"
@@ -65,10 +66,7 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
     if has_v:
         attn.append(Entry("self_attn.v_proj", "self_attn.v_proj.weight", COLUMN, quantize_attention))
     attn.append(Entry("self_attn.o_proj", "self_attn.o_proj.weight", ROW, quantize_attention))
-    norms = [Entry(n, f"{n}.weight", REPLICATED, False) for n in (
-        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
-        "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2",
-        "self_attn.q_norm", "self_attn.k_norm")]
+    norms = [Entry(n, f"{n}.weight", REPLICATED, False) for n in LAYER_NORMS + ATTENTION_NORMS]
     return norms + attn + [
         Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
         Entry("mlp.up_proj", "mlp.up_proj.weight", COLUMN, True),
@@ -88,56 +86,49 @@ MODEL_ENTRIES = [Entry("norm", "norm.weight", REPLICATED, False),
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes of a Gemma 4 MoE text model and a TP degree, validated.
-
-    ``kv_heads[L]``: KV heads of layer L in the source; ``kv_per_rank[L]``: heads each
-    rank holds (1 when replicated); ``kv_head_of_rank(L, r)``: the first source KV head
-    rank r holds.
+    """A Gemma 4 MoE :class:`~g4.convert.gemma4.Architecture` split over ``tp`` ranks: the
+    architecture's sizes under the names the layout uses, per-layer lists, and where the KV
+    heads go. ``kv_per_rank(L)``: heads each rank holds (1 when replicated);
+    ``kv_head_of_rank(L, r)``: the first source KV head rank r holds.
     """
 
+    arch: Architecture
     tp: int
-    hidden: int
-    heads: int
-    head_dim: list[int]
-    kv_heads: list[int]
-    has_v: list[bool]
-    intermediate: int
-    moe_intermediate: int
-    experts: int
-    vocab: int
-    layer_types: list[str]
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
+    hidden = property(lambda self: self.arch.hidden)
+    heads = property(lambda self: self.arch.heads)
+    intermediate = property(lambda self: self.arch.intermediate)
+    moe_intermediate = property(lambda self: self.arch.moe_intermediate)
+    experts = property(lambda self: self.arch.experts)
+    vocab = property(lambda self: self.arch.vocab)
+    num_layers = property(lambda self: self.arch.num_layers)
+    layer_types = property(lambda self: self.arch.layer_types)
+    head_dim = property(lambda self: [a.head_dim for a in self.arch.layers])
+    kv_heads = property(lambda self: [a.kv_heads for a in self.arch.layers])
+    has_v = property(lambda self: [a.has_v for a in self.arch.layers])
 
     def kv_per_rank(self, layer: int) -> int:
-        return max(1, self.kv_heads[layer] // self.tp)
+        return self.arch.kv_per_rank(layer, self.tp)
 
     def kv_head_of_rank(self, layer: int, rank: int) -> int:
         """First source KV head on ``rank``: the one its first query head attends with."""
-        q_per_rank = self.heads // self.tp
-        return (rank * q_per_rank) // (self.heads // self.kv_heads[layer])
+        return self.arch.kv_head_of_rank(layer, rank, self.tp)
 
 
 def geometry(config: dict, tp: int) -> Geometry:
-    """Sizes of ``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
+    """``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
 
-    Parsing and the TP rules are the memory planner's (``g4.convert.plan.text_geometry``,
-    ``tp_problems``), so the plan and the files cannot disagree.
+    Parsing and the TP rules are the memory planner's (:func:`g4.convert.gemma4.read_architecture`,
+    :func:`g4.convert.gemma4.tp_problems`), so the plan and the files cannot disagree.
 
     Raises:
         G4Error: not a Gemma 4 MoE config, or a TP degree the model cannot be split over.
     """
-    from g4.convert.plan import text_geometry, tp_problems
-
-    tg = text_geometry(config if "model_type" in config else {**config, "model_type": "gemma4_text"})
-    problems = tp_problems(tg, tp)
+    arch = read_architecture(config)
+    problems = tp_problems(arch, tp)
     if problems:
         raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems))
-    return Geometry(tp, tg.hidden, tg.heads, [a.head_dim for a in tg.layers], [a.kv_heads for a in tg.layers],
-                    [a.has_v for a in tg.layers], tg.intermediate, tg.moe_intermediate, tg.experts, tg.vocab,
-                    ["sliding_attention" if a.sliding else "full_attention" for a in tg.layers])
+    return Geometry(arch, tp)
 
 
 def _shape_for_rank(e: Entry, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
@@ -184,7 +175,7 @@ def check_embed_scale(manifest: dict, g: Geometry, where) -> float:
     """
     from g4.convert.errors import CheckpointError
 
-    expected = float(torch.tensor(g.hidden ** 0.5).to(torch.bfloat16))
+    expected = embed_scale(g.hidden)
     got = manifest.get("embed_scale")
     if not isinstance(got, (int, float)) or float(got) != expected:
         raise CheckpointError(f"{where}: embed_scale {got!r}, but hidden_size {g.hidden} needs "

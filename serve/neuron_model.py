@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from g4.convert.gemma4 import LAYER_NORMS
 from g4.serve.neuron_layout import Geometry, check_embed_scale, geometry
 
 
@@ -263,9 +264,7 @@ class NeuronDecoderLayer(nn.Module):
         self.mlp = _Mlp(g, ops, act)
         self.router = _Router(config, g, dtype)
         self.experts = _Experts(g, ops, act)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
-                  "post_feedforward_layernorm_2"):
+        for n in LAYER_NORMS:
             setattr(self, n, Gemma4RMSNorm(g.hidden, eps=config.rms_norm_eps))
         self.layer_scalar = nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False)
         self.all_reduce = ops.all_reduce

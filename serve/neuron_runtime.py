@@ -28,25 +28,7 @@ from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.exporters.safetensors_writer import TensorSpec
-from g4.serve.neuron_layout import MODEL_ENTRIES, Geometry, entry_specs, geometry, layer_entries
-
-
-def _source_shapes(g: Geometry, layer: int) -> dict[str, tuple[int, ...]]:
-    """Hugging Face shapes of one decoder layer's tensors, from the geometry alone."""
-    H, hd, E, I = g.hidden, g.head_dim[layer], g.experts, g.moe_intermediate
-    kv = g.kv_heads[layer] * hd
-    shapes = {
-        "self_attn.q_proj.weight": (g.heads * hd, H), "self_attn.k_proj.weight": (kv, H),
-        "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, g.heads * hd),
-        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (g.intermediate, H), "mlp.up_proj.weight": (g.intermediate, H),
-        "mlp.down_proj.weight": (H, g.intermediate),
-        "router.proj.weight": (E, H), "router.scale": (H,), "router.per_expert_scale": (E,),
-        "experts.gate_up_proj": (E, 2 * I, H), "experts.down_proj": (E, H, I), "layer_scalar": (1,),
-    }
-    return shapes | {f"{n}.weight": (H,) for n in (
-        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
-        "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")}
+from g4.serve.neuron_layout import MODEL_ENTRIES, entry_specs, geometry, layer_entries
 
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
@@ -59,10 +41,10 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
     g = geometry(config, tp)
     specs: list[TensorSpec] = []
     for L in range(g.num_layers):
-        shapes = _source_shapes(g, L)
+        shapes = g.arch.layer_tensor_shapes(L)
         for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
             specs += entry_specs(e, f"layers.{L}.", shapes[e.source], dtype, g, L)
-    model_shapes = {"norm.weight": (g.hidden,), "embed_tokens.weight": (g.vocab, g.hidden)}
+    model_shapes = g.arch.model_tensor_shapes()
     for e in MODEL_ENTRIES:
         specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
     return specs

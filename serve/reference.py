@@ -26,7 +26,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4_config import release_config
+from g4.convert.gemma4 import release_config
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.

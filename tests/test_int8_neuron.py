@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
 from g4.convert.errors import G4Error
-from g4.convert.int8_neuron import convert_int8_neuron, embed_scale, rank_file
+from g4.convert.gemma4 import embed_scale
+from g4.convert.int8_neuron import convert_int8_neuron, rank_file
 from g4.exporters.neuron_int8 import shard
 from g4.quantizers import int8
 from g4.serve.neuron_emulator import NeuronEmulator, greedy
