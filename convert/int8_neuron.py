@@ -3,7 +3,8 @@
 Output (layout and sources: ``g4.serve.neuron_layout``):
 
 - ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
-  MLP and vocabulary-sharded lm_head (built from the tied ``embed_tokens``) with fp32
+  MLP and vocabulary-sharded lm_head (built from ``embed_tokens`` when tied, from the
+  source's own ``lm_head.weight`` when ``tie_word_embeddings`` is false) with fp32
   per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms;
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
@@ -29,7 +30,7 @@ from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import shard
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
-from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
+from g4.serve.neuron_layout import LAYOUT_NAME, Entry, Geometry, entry_specs, geometry, layer_entries, model_entries
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
@@ -75,18 +76,22 @@ def _layer_plan(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     for ls in smap.layers:
         entries = layer_entries(has_v=g.has_v[ls.index], quantize_attention=quantize_attention)
         layers.append((ls.index, ls.tensors, entries))
-    return smap, layers
+    model_sources = {"norm.weight": ckpt.prefix + "norm.weight", "embed_tokens.weight": ckpt.prefix + "embed_tokens.weight"}
+    if smap.lm_head:
+        model_sources["lm_head.weight"] = smap.lm_head
+    model = [(e, model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
+    return smap, layers, model
 
 
-def rank_specs(ckpt: Checkpoint, g: Geometry, layers, embed_name: str) -> list[TensorSpec]:
+def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]:
     """Tensors of one rank file in write order (identical names and shapes on every rank)."""
     specs: list[TensorSpec] = []
     for L, src, entries in layers:
         for e in entries:
             info = ckpt.tensors[src[e.source]]
             specs += entry_specs(e, f"layers.{L}.", info.shape, info.dtype, g, L)
-    for e in MODEL_ENTRIES:
-        info = ckpt.tensors[embed_name if e.key == "lm_head" else ckpt.prefix + e.source]
+    for e, name in model:
+        info = ckpt.tensors[name]
         specs += entry_specs(e, "", info.shape, info.dtype, g, None)
     return specs
 
@@ -139,9 +144,9 @@ def convert_int8_neuron(
             log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
                         "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
                         plan.host_ram / 1e9)
-    smap, layers = _layer_plan(ckpt, g, quantize_attention)
+    smap, layers, model = _layer_plan(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
-    specs = rank_specs(ckpt, g, layers, embed_name)
+    specs = rank_specs(ckpt, g, layers, model)
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
 
     need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
@@ -158,9 +163,11 @@ def convert_int8_neuron(
                          " and attention" if quantize_attention else "", tp)
                 ckpt.close()  # unmap this layer's pages
             embed = ckpt.get_finite(embed_name)
-            for e in MODEL_ENTRIES:
-                tensor = embed if e.key == "lm_head" else ckpt.get_finite(ckpt.prefix + e.source)
+            for e, name in model:
+                tensor = embed if name == embed_name else ckpt.get_finite(name)
                 _write_entry(writers, e, tensor, g, None, "")
+                if name == smap.lm_head:
+                    bar.update(ckpt.tensors[name].nbytes)
             for w in writers:
                 w.close()
             host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],

@@ -29,7 +29,7 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
 
     Raises:
         MappingError: unmapped, missing or extra (``v_proj`` on a k_eq_v layer, a physical
-            ``lm_head.weight`` in a tied model) tensors.
+            ``lm_head.weight`` in a tied model, none in an untied one) tensors.
         CheckpointError: fused expert shapes that disagree with the config.
     """
     smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
@@ -37,6 +37,9 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     if smap.lm_head and ckpt.arch.tied:
         raise MappingError(f"tensor {smap.lm_head}: present although tie_word_embeddings is true (case P06: loaders "
                            "disagree on such checkpoints); remove it, or set tie_word_embeddings to false")
+    if not smap.lm_head and not ckpt.arch.tied:
+        raise MappingError("tensor lm_head.weight: missing although tie_word_embeddings is false (the model has its "
+                           "own lm_head; without it every target would get a wrong or random head)")
     attention = ckpt.arch.layers
     try:
         release_config(ckpt.config)  # refuse now a per_layer_config that OUT's release-form config cannot carry

@@ -236,17 +236,18 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     """
     from transformers import AutoConfig
 
-    from .reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model
+    from .reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
 
     if fmt.format == BF16:
         return load_source_model(path, dtype)
     config = AutoConfig.from_pretrained(path, experts_implementation="eager")
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
-    model = _model_class(_read_json_if(path / "config.json"))(config).to(dtype).eval()
+    raw_config = _read_json_if(path / "config.json")
+    model = _model_class(raw_config)(config).to(dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(path, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    missing = missing_weights(missing, raw_config)
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors do not match the model its config.json describes: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")

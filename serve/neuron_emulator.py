@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from g4.convert.errors import CheckpointError
-from g4.serve.neuron_layout import MODEL_ENTRIES, check_embed_scale, geometry, layer_entries
+from g4.serve.neuron_layout import check_embed_scale, model_entries, geometry, layer_entries
 
 
 def _dequant(sd: dict[str, torch.Tensor], key: str, int8: bool, suffix: str, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +91,7 @@ class NeuronEmulator(nn.Module):
             self.layers.append(shares)
         self.norm = Gemma4RMSNorm(g.hidden, eps=self.config.rms_norm_eps)
         self.norm.weight = nn.Parameter(_dequant(ranks[0], "norm", False, ".weight", dtype), requires_grad=False)
-        lm = next(e for e in MODEL_ENTRIES if e.key == "lm_head")
+        lm = next(e for e in model_entries(tied=g.arch.tied) if e.key == "lm_head")
         self.lm_head = [_dequant(sd, "lm_head", lm.int8, lm.suffix, dtype) for sd in ranks]
         self.softcap = self.config.final_logit_softcapping
 

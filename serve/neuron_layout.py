@@ -80,8 +80,12 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
     ]
 
 
-MODEL_ENTRIES = [Entry("norm", "norm.weight", REPLICATED, False),
-                 Entry("lm_head", "embed_tokens.weight", COLUMN, True)]
+def model_entries(*, tied: bool) -> list[Entry]:
+    """Entries outside the decoder layers, in file order: the final norm and the lm_head, built
+    from ``embed_tokens.weight`` when the model is tied and from its own top-level
+    ``lm_head.weight`` when it is not."""
+    return [Entry("norm", "norm.weight", REPLICATED, False),
+            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
 
 
 @dataclass(frozen=True)

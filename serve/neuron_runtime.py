@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.exporters.safetensors_writer import TensorSpec
-from g4.serve.neuron_layout import MODEL_ENTRIES, entry_specs, geometry, layer_entries
+from g4.serve.neuron_layout import entry_specs, model_entries, geometry, layer_entries
 
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
@@ -45,7 +45,7 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
         for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
             specs += entry_specs(e, f"layers.{L}.", shapes[e.source], dtype, g, L)
     model_shapes = g.arch.model_tensor_shapes()
-    for e in MODEL_ENTRIES:
+    for e in model_entries(tied=g.arch.tied):
         specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
     return specs
 

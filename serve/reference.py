@@ -26,7 +26,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import release_config
+from g4.convert.gemma4 import is_tied, release_config
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -132,6 +132,13 @@ def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
     return sd, input_scales
 
 
+def missing_weights(missing: list[str], config: dict) -> list[str]:
+    """The weights a transformers load left uninitialised: ``missing`` without ``lm_head.weight``
+    when the model is tied (it is ``embed_tokens``), with it when the model is untied."""
+    tied = is_tied(config)
+    return [k for k in missing if not (tied and k == "lm_head.weight")]
+
+
 def _model_class(config: dict):
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
@@ -145,9 +152,10 @@ def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
         CheckpointError: transformers would leave weights uninitialised (e.g. the
             pre-release ``moe.*`` expert names, which only g4's converter maps).
     """
-    cls = _model_class(Checkpoint(src, source=True).config)
-    model, info = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager", output_loading_info=True)
-    missing = [k for k in info.get("missing_keys", []) if k != "lm_head.weight"]
+    src_config = Checkpoint(src, source=True).config
+    model, info = _model_class(src_config).from_pretrained(src, dtype=dtype, experts_implementation="eager",
+                                                           output_loading_info=True)
+    missing = missing_weights(info.get("missing_keys", []), src_config)
     if missing:
         raise CheckpointError(f"{src}: transformers cannot load {len(missing)} source tensor(s) (e.g. {missing[0]}); "
                               "a reference with random weights would be meaningless")
@@ -163,10 +171,11 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
-    model = _model_class(Checkpoint(src, source=True).config)(config).to(dtype).eval()
+    src_config = Checkpoint(src, source=True).config
+    model = _model_class(src_config)(config).to(dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]
+    missing = missing_weights(missing, src_config)
     if missing or unexpected:
         raise CheckpointError(f"{out_dir}: converted tensors do not match the model: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
