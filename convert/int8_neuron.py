@@ -1,6 +1,6 @@
 """``g4convert int8-neuron``: int8 per-channel shards per TP rank for AWS Neuron (NxD).
 
-Output (layout and sources: ``g4.serve.neuron_layout``):
+Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 
 - ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
   MLP and vocabulary-sharded lm_head (built from ``embed_tokens`` when tied, from the
@@ -27,29 +27,31 @@ from pathlib import Path
 import torch
 
 from g4.exporters.model_card import write_model_card
-from g4.exporters.neuron_int8 import shard
+from g4.exporters.neuron_int8 import (
+    EMBED_FILE,
+    EMBED_TENSOR,
+    WEIGHTS_DIR,
+    Entry,
+    Geometry,
+    Manifest,
+    entry_specs,
+    geometry,
+    layer_entries,
+    model_entries,
+    rank_file,
+    shard,
+)
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
-from g4.serve.neuron_layout import LAYOUT_NAME, Entry, Geometry, entry_specs, geometry, layer_entries, model_entries
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4 import embed_scale, release_config
+from .gemma4 import release_config
 from .nvfp4 import peak_rss_bytes
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_DIR = "weights"
-EMBED_FILE = "embed_tokens.safetensors"
-MANIFEST = "manifest.json"
-
-
-def rank_file(rank: int) -> str:
-    """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
-    return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
-
 
 @dataclass
 class Int8Report:
@@ -170,46 +172,19 @@ def convert_int8_neuron(
                     bar.update(ckpt.tensors[name].nbytes)
             for w in writers:
                 w.close()
-            host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
+            host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed.dtype, tuple(embed.shape))],
                                             file_name=EMBED_FILE)
-            host.write("embed_tokens.weight", embed)  # unscaled: the runtime applies embed_scale
+            host.write(EMBED_TENSOR, embed)  # unscaled: the runtime applies embed_scale
             host.close()
             bar.update(ckpt.tensors[embed_name].nbytes)
         del embed
         ckpt.close()
-        manifest = {
-            "format": LAYOUT_NAME,
-            "tp_degree": tp,
-            "rank_files": [rank_file(r) for r in range(tp)],
-            "host_embedding": {"file": EMBED_FILE, "tensor": "embed_tokens.weight", "dtype": "bfloat16",
-                               "scaled": False},
-            "embed_scale": embed_scale(g.hidden, ckpt.tensors[embed_name].dtype),
-            "quantization": {"type": "per_channel_symmetric", "dtype": "int8", "scale_dtype": "float32",
-                             "scale": "absmax/127 per output channel, floored at float32 eps",
-                             "experts": "expert_wise_per_channel_symmetric (scales [E,1,out])",
-                             "quantized": ["experts", "mlp", "lm_head"] + (["attention"] if quantize_attention else []),
-                             "kept_bf16": (["attention"] if not quantize_attention else []) +
-                             ["router", "norms", "layer_scalar", "embed_tokens (host)"],
-                             "not_exported": [n.rstrip(".") for n in ("model.vision_tower.", "model.embed_vision.")
-                                              if any(k.startswith(n) for k in smap.model_keep)]},
-            "layout": {
-                "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
-                                        "stride 2), scale fp32 [E, 1, 2I/T]",
-                "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "
-                                     "replicated",
-                "column": "weight [out/T, in], scale [out/T, 1]: q/k/v, mlp.gate/up, lm_head",
-                "row": "weight [out, in/T], scale [out, 1] replicated: o_proj, mlp.down",
-                "source": "aws-neuron/neuronx-distributed trace/trace.py create_local_weight; "
-                          "quantization/quantization_layers.py",
-            },
-            "kv_heads": [{"layer": L, "source_kv_heads": g.kv_heads[L], "per_rank": g.kv_per_rank(L),
-                          "replicated": g.kv_heads[L] < tp,
-                          "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
-                         for L in range(g.num_layers)],
-            "source": {"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
-            "memory_plan": plan.to_dict() if plan is not None else None,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        Manifest.build(
+            g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
+            not_exported=[n.rstrip(".") for n in ("model.vision_tower.", "model.embed_vision.")
+                          if any(k.startswith(n) for k in smap.model_keep)],
+            source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
+            memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
         write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
@@ -221,7 +196,7 @@ def convert_int8_neuron(
 
 def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str) -> None:
     value = int8.quantize(tensor) if e.int8 else tensor
-    names = [f"{prefix}{e.key}.weight", f"{prefix}{e.key}.scale"] if e.int8 else [f"{prefix}{e.key}{e.suffix}"]
+    names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):
             w.write(n, t)

@@ -48,6 +48,8 @@ from g4.exporters.model_card import (
     write_card,
 )
 
+from g4.exporters.neuron_int8 import MANIFEST, Manifest
+
 from .errors import G4Error, exit_on_user_error
 from .options import ByteSize
 
@@ -146,8 +148,8 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
         elif facts["format"] == "nvfp4":
             needed.append("model.safetensors")
         if facts["format"] == "int8-neuron":
-            manifest = json.loads((out / "manifest.json").read_text())
-            needed += ["manifest.json", *manifest["rank_files"], manifest["host_embedding"]["file"]]
+            manifest = Manifest.from_dir(out)
+            needed += [MANIFEST, *manifest.rank_files, manifest.host_embedding["file"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HubError(f"{out}: unreadable index or manifest ({type(e).__name__}: {e})") from e
     missing = [n for n in needed if n not in names]

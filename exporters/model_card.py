@@ -349,8 +349,10 @@ def _nvfp4_facts(out: Path) -> dict:
 
 
 def _int8_facts(out: Path) -> dict:
-    manifest = json.loads((out / "manifest.json").read_text())
-    rank_files = manifest["rank_files"]
+    from g4.exporters.neuron_int8 import Manifest
+
+    manifest = Manifest.from_dir(out)
+    rank_files = manifest.rank_files
     tensors = _header(out / rank_files[0])
     by_name = {t.name: t for t in tensors}
     q8: dict[str, int] = Counter()
@@ -362,7 +364,7 @@ def _int8_facts(out: Path) -> dict:
             numel += t.numel
             qbytes += t.nbytes + (scale.nbytes if scale is not None else 0)
     rank_bytes = [(f, (out / f).stat().st_size) for f in rank_files]
-    host = manifest.get("host_embedding") or {}
+    host = manifest.host_embedding or {}
     return {"manifest": manifest, "int8_tensors": dict(q8), "numel": numel, "qbytes": qbytes,
             "rank_bytes": rank_bytes,
             "host_bytes": (out / host["file"]).stat().st_size if host.get("file") else 0}
@@ -507,8 +509,8 @@ def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
 
 def _int8_body(i8: dict) -> dict:
     m = i8["manifest"]
-    qz = m.get("quantization") or {}
-    plan = m.get("memory_plan") or {}
+    qz = m.quantization or {}
+    plan = m.memory_plan or {}
     prow = []
     for key, label in (("experts", "experts"), ("lm_head", "lm_head (vocabulary-sharded)"), ("dense_mlp", "dense MLP"),
                        ("attention", "attention"), ("norms_and_routers", "norms and routers"),
@@ -525,12 +527,12 @@ def _int8_body(i8: dict) -> dict:
         if plan.get("host_ram") is not None:
             summary.append(f"host RAM to load every rank file at once: {_size(plan.get('host_ram_need'))} of "
                            f"{_size(plan.get('host_ram'))}: {'fits' if plan.get('host_fits') else 'DOES NOT FIT'}")
-    return {"tp": m.get("tp_degree"), "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
+    return {"tp": m.tp_degree, "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
             "bpw": i8["qbytes"] * 8 / max(i8["numel"], 1), "rank_rows": [[f, _size(b)] for f, b in i8["rank_bytes"]],
             "host_bytes": i8["host_bytes"], "plan_rows": prow, "plan_summary": summary,
             # results made before g4 cited public sources have local spec paths in their notes
-            "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.get("embed_scale"), "layout": m.get("format")}
+            "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.embed_scale, "layout": m.format}
 
 
 def _verification_body(v: dict | None) -> dict | None:

@@ -282,7 +282,7 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
         from .neuron_emulator import NeuronEmulator
 
         emulator = NeuronEmulator(path, dtype=torch.float32)
-        tp = emulator.manifest.get("tp_degree")
+        tp = emulator.manifest.tp_degree
         return EmulatorEngine(path, emulator, tokenizer, f"{fmt.detail}, TP={tp} emulated on CPU, float32")
     if fmt.format == NVFP4:
         act_quant = fmt.w4a4 if act_quant is None else act_quant

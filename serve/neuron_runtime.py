@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.exporters.safetensors_writer import TensorSpec
-from g4.serve.neuron_layout import entry_specs, model_entries, geometry, layer_entries
+from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entries, model_entries
 
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
@@ -60,14 +60,14 @@ def load_rank_weights(out_dir: str | Path, ranks: list[int] | None = None) -> li
     """
     out_dir = Path(out_dir)
     try:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
+        manifest = Manifest.from_dir(out_dir)
         config = json.loads((out_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{out_dir}: not an int8-neuron result ({e})") from e
     expected = {s.name: s for s in expected_rank_specs(
-        config, manifest["tp_degree"], quantize_attention="attention" in manifest["quantization"]["quantized"])}
+        config, manifest.tp_degree, quantize_attention=manifest.quantize_attention)}
     weights = []
-    files = manifest["rank_files"]
+    files = manifest.rank_files
     for rank in range(len(files)) if ranks is None else ranks:
         if not 0 <= rank < len(files):
             raise CheckpointError(f"{out_dir}: no TP rank {rank} (TP degree {len(files)})")
@@ -202,12 +202,12 @@ def trace_neuron(out_dir: str | Path, compiled_dir: str | Path, *, seq_len: int,
     from g4.serve.neuron_model import NeuronTextModel
 
     try:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
+        manifest = Manifest.from_dir(out_dir)
         config = json.loads((out_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{out_dir}: not an int8-neuron result ({e})") from e
-    tp, hidden = manifest["tp_degree"], geometry(config, manifest["tp_degree"]).hidden
-    quantize_attention = "attention" in manifest["quantization"]["quantized"]
+    tp, hidden = manifest.tp_degree, geometry(config, manifest.tp_degree).hidden
+    quantize_attention = manifest.quantize_attention
 
     def build():
         return NeuronTextModel(config, NxdParallelOps(tp), quantize_attention=quantize_attention).eval()

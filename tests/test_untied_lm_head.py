@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 import tiny
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import MappingError
-from g4.convert.int8_neuron import convert_int8_neuron, rank_file
+from g4.convert.int8_neuron import convert_int8_neuron
+from g4.exporters.neuron_int8 import rank_file
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.quantizers import int8
 from g4.serve.neuron_emulator import NeuronEmulator
