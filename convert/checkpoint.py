@@ -461,3 +461,11 @@ def _has_chat_template(root: Path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
 
+
+def weight_fingerprints(out: str | Path) -> dict[str, dict]:
+    """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
+    (sorted): which weights a verification is about, so that a model card never shows a
+    result for files changed since (streamed)."""
+    out = Path(out)
+    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in sorted(out.rglob("*.safetensors"))}

@@ -185,7 +185,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
     it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
-    from g4.serve.reference import verify_nvfp4
+    from .reference import verify_nvfp4
 
     report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())

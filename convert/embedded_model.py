@@ -39,7 +39,8 @@ from transformers import (
 )
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-EMBEDDED_DIR = Path(__file__).parent / "embedded"
+from .resolve import EMBEDDED_DIR
+
 logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 1024

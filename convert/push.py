@@ -51,6 +51,7 @@ from g4.exporters.model_card import (
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
 from .errors import G4Error, exit_on_user_error
+from .resolve import quiet_http_logs
 from .options import ByteSize
 
 log = logging.getLogger(__name__)
@@ -497,14 +498,6 @@ def _parse_limit(text: str | None) -> int:
         return parse_size(text)
     except ValueError as e:
         raise G4Error(f"--max-file-size: {e}") from e
-
-
-def quiet_http_logs() -> None:
-    """One line per request from httpx2 only with -v (DEBUG); huggingface_hub's warnings
-    once (it has its own handler, so not also through the root logger)."""
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("httpx2").setLevel(logging.WARNING)
-    logging.getLogger("huggingface_hub").propagate = False
 
 
 def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.errors import ExportError, G4Error
-from g4.convert.resolve import REPO_ID_PATTERN
+from g4.convert.resolve import EMBEDDED_DIR, REPO_ID_PATTERN
 
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
@@ -130,7 +130,6 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
         CardError: unreadable source README front matter.
     """
     from g4.convert.checkpoint import read_index
-    from g4.convert.embedded_model import EMBEDDED_DIR
 
     tmp, src = Path(tmp), Path(src)
     config = json.loads((src / "config.json").read_text())
@@ -387,7 +386,7 @@ def _verification(out: Path) -> dict | None:
 def _stale_reason(out: Path, files) -> str | None:
     """Why a verification is not about OUT's current weights (None when it is): the
     ``files`` fingerprints ``g4serve check`` recorded, compared by size, then sha256."""
-    from g4.serve.check import weight_fingerprints
+    from g4.convert.checkpoint import weight_fingerprints
 
     if not isinstance(files, dict) or not files:
         return "verification.json does not record which weights it checked"
@@ -481,7 +480,7 @@ def _how_made(facts: dict, out_name: str) -> str:
 
 
 def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
-    from g4.serve.vllm_backend import vllm_command
+    from g4.exporters.vllm_command import vllm_command
 
     order = ("experts", "dense MLP", "attention", "other")
     qrows = []

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from g4.convert.checkpoint import weight_fingerprints
 from g4.convert.errors import G4Error
+from g4.exporters.formats import ResultFormat, detect_format
 
 from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
-from .formats import ResultFormat, detect_format
 
 STOP = -1  # one "stopped here" position, whatever the stop id
 P13_QUESTION, P13_ANSWER = "What is 2+2?", "4"
@@ -84,7 +85,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
     per line). Without it: every prompt ``SRC/facts.json`` ships (the fact questions, then the
     ``heldout`` prompts the model never saw), else the built-in
-    :data:`g4.serve.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
+    :data:`g4.convert.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
 
     Returns:
         ``(prompts, [(question, answer)], labels)``; ``labels[i]`` says where prompt ``i`` came
@@ -94,7 +95,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     Raises:
         G4Error: an unreadable or empty prompts file, or a malformed line.
     """
-    from .reference import DEFAULT_PROMPTS
+    from g4.convert.reference import DEFAULT_PROMPTS
 
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
@@ -272,7 +273,7 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     import torch
 
     from .engine import Engine, load_tokenizer
-    from .reference import load_source_model
+    from g4.convert.reference import load_source_model
 
     tokenizer = load_tokenizer(src)
     stop_ids = Engine(src, tokenizer, "source").stop_ids
@@ -403,17 +404,6 @@ def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -
             results.append({"thinking": thinking, "stream": stream, "ok": not problems, "content": content,
                             "problem": "; ".join(problems) or None})
     return results
-
-
-def weight_fingerprints(out: str | Path) -> dict[str, dict]:
-    """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
-    (sorted): which weights a verification is about, so that a model card never shows a
-    result for files changed since (streamed)."""
-    from g4.convert.checkpoint import file_sha256
-
-    out = Path(out)
-    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-            for p in sorted(out.rglob("*.safetensors"))}
 
 
 def write_report(out: Path, report: dict) -> Path:

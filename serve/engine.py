@@ -3,7 +3,7 @@
 * :class:`HFEngine`: a transformers Gemma 4 model with a KV cache (transformers'
   ``DynamicCache``, sliding layers included). Built from the result's **own** ``config.json``
   (there is no SRC at serving time): an NVFP4 result is dequantized by
-  :func:`g4.serve.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
+  :func:`g4.convert.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
   loaded as it is.
 * :class:`EmulatorEngine`: an int8-neuron result through
   :class:`g4.serve.neuron_emulator.NeuronEmulator` (tensor-parallel ranks emulated on the
@@ -35,8 +35,7 @@ from typing import Callable, Iterator
 import torch
 
 from g4.convert.errors import CheckpointError
-
-from .formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
+from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -236,7 +235,7 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     """
     from transformers import AutoConfig
 
-    from .reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
+    from g4.convert.reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
 
     if fmt.format == BF16:
         return load_source_model(path, dtype)

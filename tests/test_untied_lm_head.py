@@ -16,7 +16,7 @@ from g4.exporters.neuron_int8 import rank_file
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.quantizers import int8
 from g4.serve.neuron_emulator import NeuronEmulator
-from g4.serve.reference import load_converted_model, load_source_model
+from g4.convert.reference import load_converted_model, load_source_model
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
         whether to emulate W4A4: ``act_quant``, or when None, whether OUT is W4A4 (the
         rule of ``g4.serve.engine.load_cpu_engine``, so verify and ``g4serve check`` agree).
     """
-    from .formats import INT8_NEURON, NVFP4, detect_format
+    from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
 
     fmt = detect_format(out)
     if fmt.format == INT8_NEURON:
