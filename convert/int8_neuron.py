@@ -72,7 +72,7 @@ class Int8Report:
                 f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
 
 
-def _layer_plan(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
+def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     smap = checked_sources(ckpt)
     layers = []
     for ls in smap.layers:
@@ -146,7 +146,7 @@ def convert_int8_neuron(
             log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
                         "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
                         plan.host_ram / 1e9)
-    smap, layers, model = _layer_plan(ckpt, g, quantize_attention)
+    smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, model)
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())

@@ -88,7 +88,7 @@ def peak_rss_bytes() -> int:
 
 
 @dataclass
-class _LayerPlan:
+class _LayerJob:
     index: int
     prefix: str  # output key prefix of the layer
     sources: dict[str, str]  # canonical suffix -> source tensor name
@@ -114,18 +114,18 @@ def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
                               f"the NVFP4 block size {q.BLOCK_SIZE}; use a preset that leaves it bf16")
 
 
-def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPlan], list[str], str | None]:
+def layer_jobs(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerJob], list[str], str | None]:
     """Map every source tensor and check each layer's structure before anything is written.
 
     Returns:
-        (layer plans, kept model-level tensor names, untied lm_head name or None).
+        (layer jobs, kept model-level tensor names, untied lm_head name or None).
 
     Raises:
         MappingError: unmapped or missing tensors, a v_proj on a k_eq_v layer.
         CheckpointError: expert shapes that disagree with the config or are not NVFP4-able.
     """
     smap = checked_sources(ckpt)
-    plans = []
+    jobs = []
     for ls in smap.layers:
         L, src = ls.index, ls.tensors
         gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
@@ -140,15 +140,15 @@ def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPl
                 groups.append(LinearGroup(g.part, members))
             else:
                 keep.extend(f"{m}.weight" for m in members)
-        plans.append(_LayerPlan(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
-    return plans, smap.model_keep, smap.lm_head
+        jobs.append(_LayerJob(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
+    return jobs, smap.model_keep, smap.lm_head
 
 
-def output_specs(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], lm_head: str | None,
+def output_specs(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], lm_head: str | None,
                  *, with_input_scale: bool) -> list[TensorSpec]:
     """Every output tensor (name, dtype, shape) in the order :func:`convert_nvfp4` produces it."""
     specs: list[TensorSpec] = []
-    for p in plans:
+    for p in jobs:
         for suffix in p.keep:
             info = ckpt.tensors[p.sources[suffix]]
             specs.append(TensorSpec(p.prefix + suffix, info.dtype, info.shape))
@@ -198,7 +198,7 @@ def _emit_nvfp4(name: str, w: torch.Tensor, g: torch.Tensor, input_scale: torch.
         yield f"{name}.input_scale", input_scale
 
 
-def _produce_layer(p: _LayerPlan, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
+def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of one layer, in :func:`output_specs` order."""
     for suffix in p.keep:
@@ -278,12 +278,12 @@ def convert_nvfp4(
     parts = PRESETS[preset]
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
-    plans, model_keep, lm_head = plan_layers(ckpt, parts)
-    specs = output_specs(ckpt, plans, model_keep, lm_head, with_input_scale=not weight_only)
+    jobs, model_keep, lm_head = layer_jobs(ckpt, parts)
+    specs = output_specs(ckpt, jobs, model_keep, lm_head, with_input_scale=not weight_only)
     towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})
     excludes = exclude_modules(prefix=ckpt.prefix, num_layers=ckpt.num_layers, parts=parts, towers=towers)
 
-    _log_tensor_kinds(ckpt, plans, model_keep, weight_only)
+    _log_tensor_kinds(ckpt, jobs, model_keep, weight_only)
     calibrator, calib_tokens = None, 0
     if not weight_only:
         tokenizer = _load_tokenizer(ckpt.root)
@@ -301,7 +301,7 @@ def convert_nvfp4(
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            for p in plans:
+            for p in jobs:
                 w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
                 amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
                 for name, t in _produce_layer(p, w, amax):
@@ -333,11 +333,11 @@ def convert_nvfp4(
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
 
 
-def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], weight_only: bool) -> None:
+def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], weight_only: bool) -> None:
     """One log line per tensor kind and source shape: how many, and what is written for them."""
     act = "" if weight_only else " + input_scale"
     kinds: Counter = Counter()
-    for p in plans:
+    for p in jobs:
         for g in p.groups:
             for m in g.members:
                 info = ckpt.tensors[p.sources[f"{m}.weight"]]
@@ -353,8 +353,8 @@ def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: lis
         else:
             what = f"nvfp4 [{shape[0]}, {shape[1]}] (weight_scale_2 shared by {group})"
         log.info("%-22s x%-3d %s %-18s -> %s%s", kind, n, str(dtype).removeprefix("torch."), list(shape), what, act)
-    if plans:
-        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(plans), ", ".join(plans[0].keep))
+    if jobs:
+        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(jobs), ", ".join(jobs[0].keep))
     log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors", len(model_keep))
 
 

@@ -49,10 +49,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from .errors import G4Error, exit_on_user_error
-from .options import COUNT, ByteSize
+from .errors import G4Error
 from .gemma4 import LAYER_NORMS, NVFP4_BLOCK as _NVFP4_BLOCK, AttentionLayer, Architecture, read_architecture, tp_problems
 from .resolve import EMBEDDED, resolve_source, source_name
 
@@ -693,7 +690,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         notes=tuple(notes + _notes(g, tp, t, neuron, seq_len)))
 
 
-# --------------------------------------------------------------------------- sources and CLI
+# --------------------------------------------------------------------------- sources
 
 
 def load_source(src: str) -> tuple[str, dict, Path | None]:
@@ -731,49 +728,3 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise G4Error(f"{file}: invalid JSON: {e}") from e
     return (src if src == EMBEDDED else source_name(src) if directory else file.name), config, directory
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("src", metavar="SRC_OR_CONFIG")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
-@click.option("--tp", type=COUNT, default=1, show_default=True,
-              help="Tensor-parallel degree: one rank per NeuronCore or per GPU.")
-@click.option("--target", type=click.Choice(list(NEURON_TARGETS)), help="AWS Neuron instance (16 GiB HBM per core).")
-@click.option("--gpu-mem", type=ByteSize(), help="Memory of one GPU instead of --target, with its unit: 80GB "
-                                                 "(10**9 bytes) or 128GiB (2**30).")
-@click.option("--seq-len", type=COUNT, default=8192, show_default=True,
-              help="KV cache tokens per sequence (vLLM's --max-model-len).")
-@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences in the KV cache.")
-@click.option("--max-num-batched-tokens", type=COUNT,
-              help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
-                   "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
-                   "or more (2048 on an A100), else 2048.")
-@click.option("--lm-head", type=click.Choice(LM_HEADS),
-              help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
-@click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
-@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
-@exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
-         as_json):
-    """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
-
-    SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
-    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
-    Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
-    vLLM's rule on a GPU, NxDI's on Neuron.
-
-    \b
-    Examples:
-      g4convert plan gemma-4-26B-A4B --target inf2.xlarge --tp 2
-      g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
-      g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
-    """
-    from g4.exporters.safetensors_writer import parse_size
-
-    gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
-    name, config, directory = load_source(src)
-    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
-                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens)
-    click.echo(result.to_json() if as_json else result.summary())

@@ -41,7 +41,7 @@ from g4.exporters.model_card import (
     FACTS_FILE,
     INDEX_NAME,
     check_repo_id,
-    load_facts,
+    load_conversion_facts,
     render_card,
     repo_files,
     set_base_model,
@@ -50,9 +50,8 @@ from g4.exporters.model_card import (
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
-from .errors import G4Error, exit_on_user_error
+from .errors import G4Error, OptionError
 from .resolve import quiet_http_logs
-from .options import ByteSize
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +139,7 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
         HubError: naming the first problem.
     """
     out = Path(out)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     names = {f.rel for f in files}
     needed: list[str] = [CARD_FILE, FACTS_FILE, "config.json"]
     try:
@@ -299,7 +298,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     """
     out = Path(out)
     check_repo_id(repo_id)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     if base_model is not None:
         check_repo_id(base_model, what="--base-model")
     notes = []
@@ -496,8 +495,8 @@ def _parse_limit(text: str | None) -> int:
 
     try:
         return parse_size(text)
-    except ValueError as e:
-        raise G4Error(f"--max-file-size: {e}") from e
+    except OptionError as e:
+        raise OptionError(f"--max-file-size: {e}") from e
 
 
 def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:
@@ -522,34 +521,3 @@ def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:
         echo(f"committed {len(report.files)} files ({report.total_bytes:,} bytes) to {report.repo_id} "
              f"branch {report.revision} in one commit{': ' + report.commit_url if report.commit_url else ''}")
         echo(f"verified {where}: names, sizes and hashes of all {len(report.files)} files match {out}")
-
-
-@click.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("repo_id")
-@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
-@click.option("--revision", default="main", show_default=True, help="Branch to commit to (created from main if missing).")
-@click.option("--commit-message", help="Default: 'Upload <name> (<format>, g4 <version>)'.")
-@click.option("--dry-run", is_flag=True, help="List the files and print the model card; send nothing, need no token.")
-@click.option("--allow-existing", is_flag=True,
-              help="Replace the content of a repo that already holds other files (deleted in the same commit).")
-@click.option("--base-model", help="Hub repo id of the source model, for the card's base_model (when g4 could not "
-                                   "tell it from SRC).")
-@click.option("--max-file-size", type=ByteSize(), metavar="SIZE",
-              help="Per-file limit checked before upload, e.g. 50GB (GB = 10**9 bytes). Default: the Hub's, "
-                   "200GB (HUB_MAX_FILE_BYTES).")
-@exit_on_user_error
-def push(out, repo_id, private, revision, commit_message, dry_run, allow_existing, base_model, max_file_size):
-    """Publish the g4 result OUT to the Hugging Face Hub repo REPO_ID (namespace/name).
-
-    \b
-    One commit holds every file, so the repo never points at a missing shard; an
-    interrupted upload resumes on rerun without sending finished files again; the remote
-    files are then compared with OUT (names, sizes, hashes). The model card (README.md)
-    is re-rendered first. Token: HF_TOKEN or `hf auth login`.
-    """
-    quiet_http_logs()
-    report = push_result(out, repo_id, private=private, revision=revision, commit_message=commit_message,
-                         dry_run=dry_run, allow_existing=allow_existing, base_model=base_model,
-                         max_file_bytes=_parse_limit(max_file_size))
-    echo_report(report, out)

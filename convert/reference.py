@@ -66,9 +66,6 @@ class VerifyReport:
     facts_correct: int = 0
     answers: list[dict] = field(default_factory=list)
 
-    def passed(self, min_agreement: float) -> bool:
-        return not self.failures(min_agreement)
-
     def failures(self, min_agreement: float) -> list[str]:
         """Why the check fails at ``min_agreement`` (empty when it passes)."""
         why = []

@@ -172,7 +172,7 @@ def _g4_version() -> str:
         return CONVERTER["version"]
 
 
-def load_facts(out: str | Path) -> dict:
+def load_conversion_facts(out: str | Path) -> dict:
     """``OUT/g4_conversion.json``.
 
     Raises:
@@ -200,7 +200,7 @@ def set_base_model(out: str | Path, base_model: str) -> None:
         CardError: not a repo id, or OUT has no facts file.
     """
     check_repo_id(base_model, what="--base-model")
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     facts["base_model"] = base_model
     _write_json_atomic(Path(out) / FACTS_FILE, facts)
     write_card(out)
@@ -690,7 +690,7 @@ def render_card(out: str | Path, *, repo_id: str | None = None, name: str | None
     from huggingface_hub import ModelCard
 
     out = Path(out)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     if base_model is not None:
         facts["base_model"] = check_repo_id(base_model, what="--base-model")
     if repo_id is not None:

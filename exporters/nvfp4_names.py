@@ -142,12 +142,6 @@ def map_sources(names: list[str], *, prefix: str, num_layers: int) -> SourceMap:
     return SourceMap(layers, model_keep, lm_head)
 
 
-def expert_names(layer_prefix: str, expert: int, proj: str, *, with_input_scale: bool = True) -> list[str]:
-    """Output tensor names of one expert projection, e.g. ``…layers.0.experts.5.gate_proj.weight``."""
-    suffixes = QUANT_SUFFIXES if with_input_scale else QUANT_SUFFIXES[:3]
-    return [f"{layer_prefix}experts.{expert}.{proj}.{s}" for s in suffixes]
-
-
 def exclude_modules(*, prefix: str, num_layers: int, parts: frozenset[Part], towers: list[str]) -> list[str]:
     """modelopt-style exclusion list (``module*`` prefix wildcards), sorted.
 

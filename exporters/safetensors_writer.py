@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SINGLE_NAME
-from g4.convert.errors import ExportError
+from g4.convert.errors import ExportError, OptionError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def parse_size(text: str | int) -> int:
     as 80 bytes; ``"80B"`` is 80 bytes).
 
     Raises:
-        ValueError: not a positive number with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+        OptionError: not a positive number with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
     """
     if isinstance(text, int):
         value = text
@@ -56,13 +56,13 @@ def parse_size(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
         unit = m.group(2).upper() if m else None
         if not m or (unit and unit not in _SIZE_UNITS):
-            raise ValueError(f"cannot parse size {text!r}: use e.g. 5GB (10**9 bytes) or 4GiB (2**30 bytes)")
+            raise OptionError(f"cannot parse size {text!r}: use e.g. 5GB (10**9 bytes) or 4GiB (2**30 bytes)")
         value = int(float(m.group(1)) * _SIZE_UNITS.get(unit, 1))
         if value > 0 and not unit:
-            raise ValueError(f"size {text!r} has no unit: write e.g. {m.group(1)}GB (10**9 bytes), "
+            raise OptionError(f"size {text!r} has no unit: write e.g. {m.group(1)}GB (10**9 bytes), "
                              f"{m.group(1)}GiB (2**30 bytes) or {m.group(1)}B (bytes)")
     if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+        raise OptionError(f"size must be positive, got {text!r}")
     return value
 
 

@@ -64,3 +64,15 @@ def test_no_cycle_between_packages():
     edges = {(layer(m), layer(t)) for m, ts in graph.items() for t in ts
              if t.split(".")[0] in PACKAGES and layer(m) != layer(t)}
     assert not [(a, b) for a, b in edges if (b, a) in edges]
+
+
+def test_click_commands_only_in_the_cli_modules():
+    def is_command(d) -> bool:
+        f = d.func if isinstance(d, ast.Call) else d
+        return isinstance(f, ast.Attribute) and f.attr in ("command", "group")
+
+    found = [f"{package}/{path.name}:{node.lineno} {node.name}"
+             for package in PACKAGES for path in sorted((ROOT / package).glob("*.py")) if path.stem != "cli"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.FunctionDef) and any(is_command(d) for d in node.decorator_list)]
+    assert not found, found
