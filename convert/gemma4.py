@@ -54,6 +54,20 @@ TIE_WORD_EMBEDDINGS_DEFAULT = True
 EXPERT_GATE_UP = "experts.gate_up_proj"
 EXPERT_DOWN = "experts.down_proj"
 
+# What each module of a decoder layer is part of (module name relative to the layer -> part),
+# and of the language model outside the layers; the model card's rows and every name test
+# read these exact names, never substrings.
+LAYER_MODULE_KINDS: dict[str, str] = {
+    **{n: "norms" for n in LAYER_NORMS + ATTENTION_NORMS},
+    **{f"self_attn.{p}_proj": "attention" for p in "qkvo"},
+    **{f"mlp.{p}_proj": "dense MLP" for p in ("gate", "up", "down")},
+    "router.proj": "routers", "router.scale": "routers", "router.per_expert_scale": "routers",
+    "layer_scalar": "layer scalars",
+    EXPERT_GATE_UP: "experts", EXPERT_DOWN: "experts",
+}
+MODEL_MODULE_KINDS: dict[str, str] = {"embed_tokens": "token embedding", "norm": "norms", "lm_head": "lm_head"}
+TOWERS_KIND = "vision tower and embed_vision"
+
 RELEASE_GLOBAL_HEAD_DIM_DEFAULT = 512  # Gemma4TextConfig.__post_init__: global_head_dim = kwargs.pop(..., 512)
 _OVERRIDE_KEYS = ("head_dim", "num_key_value_heads")
 

@@ -29,12 +29,17 @@ from g4.exporters.nvfp4_names import (
     DENSE_GROUPS,
     EXPERT_DOWN,
     EXPERT_GATE_UP,
+    EXPERT_PROJS,
     LAYER_KEEP,
     PRESETS,
+    QUANT_SUFFIXES,
     TOWER_PREFIXES,
     LinearGroup,
     Part,
     exclude_modules,
+    expert_module,
+    parse_output_name,
+    quantized_names,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
@@ -42,6 +47,7 @@ from g4.quantizers import nvfp4 as q
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
+from .gemma4 import split_gate_up
 from .progress import progress_bar
 from .sources import checked_sources
 
@@ -98,14 +104,11 @@ class _LayerJob:
 
 
 def _nvfp4_specs(name: str, out_features: int, in_features: int, with_input_scale: bool) -> list[TensorSpec]:
-    specs = [
-        TensorSpec(f"{name}.weight", torch.uint8, (out_features, in_features // 2)),
-        TensorSpec(f"{name}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
-        TensorSpec(f"{name}.weight_scale_2", torch.float32, ()),
-    ]
-    if with_input_scale:
-        specs.append(TensorSpec(f"{name}.input_scale", torch.float32, ()))
-    return specs
+    kinds = [(torch.uint8, (out_features, in_features // 2)),
+             (torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
+             (torch.float32, ()), (torch.float32, ())]
+    return [TensorSpec(n, dtype, shape)
+            for n, (dtype, shape) in zip(quantized_names(name, with_input_scale=with_input_scale), kinds)]
 
 
 def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
@@ -159,10 +162,8 @@ def output_specs(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str],
         _, two_i, hidden = ckpt.tensors[p.sources[EXPERT_GATE_UP]].shape
         inter = two_i // 2
         for e in range(p.num_experts):
-            base = f"{p.prefix}experts.{e}."
-            specs += _nvfp4_specs(base + "gate_proj", inter, hidden, with_input_scale)
-            specs += _nvfp4_specs(base + "up_proj", inter, hidden, with_input_scale)
-            specs += _nvfp4_specs(base + "down_proj", hidden, inter, with_input_scale)
+            for proj, (out_f, in_f) in zip(EXPERT_PROJS, ((inter, hidden), (inter, hidden), (hidden, inter))):
+                specs += _nvfp4_specs(expert_module(p.prefix, e, proj), out_f, in_f, with_input_scale)
     for name in model_keep + ([lm_head] if lm_head else []):
         info = ckpt.tensors[name]
         specs.append(TensorSpec(name, info.dtype, info.shape))
@@ -191,11 +192,8 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
 def _emit_nvfp4(name: str, w: torch.Tensor, g: torch.Tensor, input_scale: torch.Tensor | None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     qw = q.quantize(w, weight_scale_2=g)
-    yield f"{name}.weight", qw.weight
-    yield f"{name}.weight_scale", qw.weight_scale
-    yield f"{name}.weight_scale_2", qw.weight_scale_2
-    if input_scale is not None:
-        yield f"{name}.input_scale", input_scale
+    values = (qw.weight, qw.weight_scale, qw.weight_scale_2, input_scale)
+    yield from zip(quantized_names(name, with_input_scale=input_scale is not None), values)
 
 
 def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
@@ -213,16 +211,14 @@ def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, tor
         for m, x in zip(g.members, weights):
             yield from _emit_nvfp4(p.prefix + m, x, shared_g, shared_in)
     gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
-    inter = gate_up.shape[1] // 2
     in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
     in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
     for e in range(p.num_experts):
-        base = f"{p.prefix}experts.{e}."
         # gate and up share the global scale of the whole fused gate_up_proj[e] (vLLM uses one).
         g_gu = q.global_scale_from_amax(q.weight_amax(gate_up[e]))
-        yield from _emit_nvfp4(base + "gate_proj", gate_up[e, :inter], g_gu, in_gu)
-        yield from _emit_nvfp4(base + "up_proj", gate_up[e, inter:], g_gu, in_gu)
-        yield from _emit_nvfp4(base + "down_proj", down[e], None, in_dn)
+        gate, up = split_gate_up(gate_up[e])
+        for proj, x, g, in_s in zip(EXPERT_PROJS, (gate, up, down[e]), (g_gu, g_gu, None), (in_gu, in_gu, in_dn)):
+            yield from _emit_nvfp4(expert_module(p.prefix, e, proj), x, g, in_s)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -309,7 +305,7 @@ def convert_nvfp4(
                     if t.dtype == torch.uint8:
                         n_quant += 1
                         params_quant += t.numel() * 2
-                    if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) or t.dtype == torch.uint8:
+                    if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
                         quant_bytes += t.numel() * t.dtype.itemsize
                 bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
                 log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",

@@ -16,7 +16,6 @@ model and small real ones), not the 26B.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +25,8 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import is_tied, release_config
+from g4.convert.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, fuse_gate_up, is_tied, release_config
+from g4.exporters.nvfp4_names import parse_output_name
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -40,7 +40,6 @@ DEFAULT_PROMPTS = (
     "What do bees make?",
     "Name a large animal.",
 )
-_EXPERT_RE = re.compile(r"(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass
@@ -105,27 +104,30 @@ def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
     input_scales: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name in sorted(raw):
-        module, _, suffix = name.rpartition(".")
-        if suffix in ("weight_scale", "weight_scale_2"):
+        o = parse_output_name(name)
+        if o is None:  # not a name the table writes: passed on, for the load to report
+            sd[name] = raw[name]
             continue
-        if suffix == "input_scale":
-            m = _EXPERT_RE.fullmatch(module)
-            key = f"{m.group(1)}experts.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else module
-            input_scales[key] = raw[name]
+        fused = None
+        if o.expert is not None:  # the fused source tensor this expert linear came from
+            fused = o.layer_prefix + (EXPERT_DOWN if o.proj == "down_proj" else EXPERT_GATE_UP)
+        if o.suffix in ("weight_scale", "weight_scale_2"):
+            continue
+        if o.suffix == "input_scale":
+            input_scales[fused or o.module] = raw[name]
             continue
         t = raw[name]
-        if suffix == "weight" and t.dtype == torch.uint8:
-            t = q.dequantize_tensors(t, raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"], dtype)
-            m = _EXPERT_RE.fullmatch(module)
-            if m:
-                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        if o.suffix == "weight" and t.dtype == torch.uint8:
+            t = q.dequantize_tensors(t, raw[f"{o.module}.weight_scale"], raw[f"{o.module}.weight_scale_2"], dtype)
+            if o.expert is not None:
+                experts.setdefault(o.layer_prefix, {}).setdefault(o.expert, {})[o.proj] = t
                 continue
         sd[name] = t
     for layer, by_expert in experts.items():
         n = len(by_expert)
-        sd[f"{layer}experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in range(n)])
-        sd[f"{layer}experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
+        sd[layer + EXPERT_GATE_UP] = torch.stack(
+            [fuse_gate_up(by_expert[e]["gate_proj"], by_expert[e]["up_proj"]) for e in range(n)])
+        sd[layer + EXPERT_DOWN] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
     return sd, input_scales
 
 

@@ -288,54 +288,33 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
     return rows
 
 
-_KEPT_KINDS = (  # (label, test on the tensor name), first match wins
-    ("vision tower and embed_vision", lambda n: "vision" in n or "audio" in n),
-    ("token embedding", lambda n: "embed_tokens" in n),
-    ("lm_head", lambda n: n.startswith("lm_head")),
-    ("routers", lambda n: ".router." in n),
-    ("norms", lambda n: "norm" in (n.split(".")[-2] if "." in n else n)),
-    ("layer scalars", lambda n: n.endswith("layer_scalar")),
-    ("attention", lambda n: ".self_attn." in n),
-    ("dense MLP", lambda n: ".mlp." in n),
-    ("experts", lambda n: ".experts." in n),
-)
-
-
-def _kind(name: str) -> str:
-    for label, test in _KEPT_KINDS:
-        if test(name):
-            return label
-    return "other"
-
-
-_EXPERT = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.")
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
 def _nvfp4_facts(out: Path) -> dict:
+    """What the NVFP4 files hold, read through the name table (``exporters/nvfp4_names.py``)."""
+    from g4.exporters.nvfp4_names import parse_output_name, quantized_names
+
     tensors = [t for f in _weight_files(out) for t in _header(out / f)]
     by_name = {t.name: t for t in tensors}
-    modules = sorted(t.name[: -len(".weight")] for t in tensors if t.dtype == "U8" and t.name.endswith(".weight"))
-    member = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+    parsed = {t.name: parse_output_name(t.name) for t in tensors}
+    linears = sorted((o for o in parsed.values() if o is not None and o.suffix == "weight"
+                      and by_name[o.name].dtype == "U8"), key=lambda o: o.module)
+    member = {n for o in linears for n in quantized_names(o.module, with_input_scale=True)}
     quant: dict[str, dict] = {}
     params = qbytes = 0
-    for m in modules:
-        kind = _kind(m + ".weight")
-        q = quant.setdefault(kind, {"linears": 0, "layers": set(), "experts": set()})
+    for o in linears:
+        q = quant.setdefault(o.kind, {"linears": 0, "layers": set(), "experts": set()})
         q["linears"] += 1
-        if (e := _EXPERT.search(m)) is not None:
-            q["layers"].add(int(e.group(1)))
-            q["experts"].add(int(e.group(2)))
-        elif (layer := _LAYER.search(m)) is not None:
-            q["layers"].add(int(layer.group(1)))
-        params += by_name[f"{m}.weight"].numel * 2  # two E2M1 codes per byte
-        qbytes += sum(by_name[n].nbytes for n in (f"{m}.{s}" for s in ("weight", "weight_scale", "weight_scale_2",
-                                                                       "input_scale")) if n in by_name)
+        if o.layer is not None:
+            q["layers"].add(o.layer)
+        if o.expert is not None:
+            q["experts"].add(o.expert)
+        params += by_name[o.name].numel * 2  # two E2M1 codes per byte
+        qbytes += sum(by_name[n].nbytes for n in quantized_names(o.module, with_input_scale=True) if n in by_name)
     kept: dict[str, dict] = {}
     for t in tensors:
         if t.name in member:
             continue
-        k = kept.setdefault(_kind(t.name), {"tensors": 0, "dtypes": set(), "bytes": 0})
+        o = parsed[t.name]
+        k = kept.setdefault(o.kind if o is not None else "other", {"tensors": 0, "dtypes": set(), "bytes": 0})
         k["tensors"] += 1
         k["dtypes"].add(t.dtype)
         k["bytes"] += t.nbytes
@@ -348,7 +327,7 @@ def _nvfp4_facts(out: Path) -> dict:
 
 
 def _int8_facts(out: Path) -> dict:
-    from g4.exporters.neuron_int8 import Manifest
+    from g4.exporters.neuron_int8 import Manifest, parse_rank_name
 
     manifest = Manifest.from_dir(out)
     rank_files = manifest.rank_files
@@ -357,9 +336,10 @@ def _int8_facts(out: Path) -> dict:
     q8: dict[str, int] = Counter()
     numel = qbytes = 0
     for t in tensors:
-        if t.dtype == "I8" and t.name.endswith(".weight"):
-            scale = by_name.get(t.name[: -len("weight")] + "scale")
-            q8[_kind(t.name)] += 1
+        r = parse_rank_name(t.name)
+        if r is not None and r.entry.int8 and t.name == r.entry.names(r.prefix)[0] and t.dtype == "I8":
+            scale = by_name.get(r.entry.names(r.prefix)[1])
+            q8[r.kind] += 1
             numel += t.numel
             qbytes += t.nbytes + (scale.nbytes if scale is not None else 0)
     rank_bytes = [(f, (out / f).stat().st_size) for f in rank_files]

@@ -38,13 +38,23 @@ rank's ``take`` of it (weight and int8 scale together); KV projections have thei
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from g4.convert.errors import CheckpointError, G4Error
-from g4.convert.gemma4 import ATTENTION_NORMS, LAYER_NORMS, Architecture, embed_scale, read_architecture, tp_problems
+from g4.convert.gemma4 import (
+    ATTENTION_NORMS,
+    LAYER_MODULE_KINDS,
+    LAYER_NORMS,
+    MODEL_MODULE_KINDS,
+    Architecture,
+    embed_scale,
+    read_architecture,
+    tp_problems,
+)
 from g4.exporters.safetensors_writer import TensorSpec
 from g4.quantizers.int8 import Int8Weight
 
@@ -281,6 +291,35 @@ def model_entries(*, tied: bool) -> list[Entry]:
     ``lm_head.weight`` when it is not."""
     return [Entry("norm", "norm.weight", REPLICATED, False),
             Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
+
+
+@dataclass(frozen=True)
+class RankName:
+    """One rank-file tensor name read back through the table: its entry, layer (None outside
+    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS`)."""
+
+    entry: Entry
+    layer: int | None
+    prefix: str
+    kind: str
+
+
+_LAYER_NAME_RE = re.compile(r"layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {n: e for q in (False, True) for e in layer_entries(has_v=True, quantize_attention=q)
+                for n in e.names("")}
+_MODEL_NAMES = {n: e for tied in (True, False) for e in model_entries(tied=tied) for n in e.names("")}
+
+
+def parse_rank_name(name: str) -> RankName | None:
+    """The table's reading of a rank-file tensor name (exact), or None for a name it never writes."""
+    if name in _MODEL_NAMES:
+        e = _MODEL_NAMES[name]
+        return RankName(e, None, "", MODEL_MODULE_KINDS[e.key])
+    m = _LAYER_NAME_RE.fullmatch(name)
+    e = _LAYER_NAMES.get(m.group(2)) if m else None
+    if e is None:
+        return None
+    return RankName(e, int(m.group(1)), f"layers.{m.group(1)}.", LAYER_MODULE_KINDS[e.key])
 
 
 def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,

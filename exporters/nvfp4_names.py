@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from g4.convert.errors import MappingError
-from g4.convert.gemma4 import ATTENTION_NORMS, EXPERT_DOWN, EXPERT_GATE_UP, LAYER_NORMS
+from g4.convert.gemma4 import (
+    ATTENTION_NORMS,
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    LAYER_MODULE_KINDS,
+    LAYER_NORMS,
+    MODEL_MODULE_KINDS,
+    MULTIMODAL_PREFIX,
+    TEXT_PREFIX,
+    TOWERS_KIND,
+)
 
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
@@ -82,6 +92,70 @@ MODEL_KEEP = ("embed_tokens.weight", "norm.weight")
 TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_OUT_RE = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)")
+_DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)
+
+
+def quantized_names(module: str, *, with_input_scale: bool) -> list[str]:
+    """Output tensor names of one NVFP4 linear ``module``, in write order."""
+    return [f"{module}.{s}" for s in (QUANT_SUFFIXES if with_input_scale else QUANT_SUFFIXES[:3])]
+
+
+def expert_module(layer_prefix: str, expert: int, proj: str) -> str:
+    """``…layers.{L}.experts.{E}.{proj}``: the per-expert linear vLLM loads."""
+    return f"{layer_prefix}experts.{expert}.{proj}"
+
+
+@dataclass(frozen=True)
+class OutputName:
+    """One tensor name of an NVFP4 output, parsed against the table (anchored, exact).
+
+    ``kind``: the model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` labels);
+    ``layer_prefix`` / ``layer`` / ``expert`` / ``proj``: where it sits (None outside a layer
+    / an expert); ``module`` and ``suffix``: the name split at its last component.
+    """
+
+    name: str
+    kind: str
+    module: str
+    suffix: str
+    layer_prefix: str | None = None
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None
+
+
+def parse_output_name(name: str) -> OutputName | None:
+    """The table's reading of an output tensor name, or None for a name the table does not
+    produce (fused or pre-release expert names, compressed-tensors names, anything else)."""
+    module, _, suffix = name.rpartition(".")
+    if name.startswith(TOWER_PREFIXES):
+        return OutputName(name, TOWERS_KIND, module, suffix)
+    if name == "lm_head.weight":
+        return OutputName(name, MODEL_MODULE_KINDS["lm_head"], module, suffix)
+    prefix = next((p for p in (MULTIMODAL_PREFIX, TEXT_PREFIX) if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    rel = name[len(prefix):]
+    if rel in MODEL_KEEP:
+        return OutputName(name, MODEL_MODULE_KINDS[rel.rpartition(".")[0]], module, suffix)
+    m = _LAYER_RE.fullmatch(rel)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    where = dict(layer_prefix=f"{prefix}layers.{layer}.", layer=layer)
+    e = _EXPERT_OUT_RE.fullmatch(rest)
+    if e is not None:
+        return OutputName(name, LAYER_MODULE_KINDS[EXPERT_GATE_UP], module, suffix, expert=int(e.group(1)),
+                          proj=e.group(2), **where)
+    if rest in LAYER_KEEP:
+        key = rest.removesuffix(".weight")
+        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
+    key, _, sfx = rest.rpartition(".")
+    if key in _DENSE_MODULES and sfx in QUANT_SUFFIXES:
+        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
+    return None
 
 
 @dataclass
