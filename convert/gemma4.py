@@ -67,6 +67,9 @@ LAYER_MODULE_KINDS: dict[str, str] = {
 }
 MODEL_MODULE_KINDS: dict[str, str] = {"embed_tokens": "token embedding", "norm": "norms", "lm_head": "lm_head"}
 TOWERS_KIND = "vision tower and embed_vision"
+# Sub-trees of a multimodal checkpoint outside the language model (vision first).
+TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+VISION_PREFIXES = TOWER_PREFIXES[:2]
 
 RELEASE_GLOBAL_HEAD_DIM_DEFAULT = 512  # Gemma4TextConfig.__post_init__: global_head_dim = kwargs.pop(..., 512)
 _OVERRIDE_KEYS = ("head_dim", "num_key_value_heads")
@@ -81,6 +84,10 @@ class AttentionLayer:
     head_dim: int
     kv_heads: int
     has_v: bool
+
+    def kv_per_rank(self, tp: int) -> int:
+        """KV heads each of ``tp`` ranks holds (1 when whole heads are replicated)."""
+        return max(1, self.kv_heads // tp)
 
 
 def text_config_of(config: dict) -> dict:
@@ -313,7 +320,7 @@ class Architecture:
 
     def kv_per_rank(self, layer: int, tp: int) -> int:
         """KV heads each of ``tp`` ranks holds for ``layer`` (1 when whole heads are replicated)."""
-        return max(1, self.layers[layer].kv_heads // tp)
+        return self.layers[layer].kv_per_rank(tp)
 
     def kv_head_of_rank(self, layer: int, rank: int, tp: int) -> int:
         """First source KV head on ``rank``: the one its first query head attends with."""

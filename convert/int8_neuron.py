@@ -46,7 +46,7 @@ from g4.quantizers import int8
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4 import release_config
+from .gemma4 import VISION_PREFIXES, release_config
 from .nvfp4 import peak_rss_bytes
 from .progress import progress_bar
 from .sources import checked_sources
@@ -129,23 +129,10 @@ def convert_int8_neuron(
             model cannot use, a result that does not fit ``target`` without ``force``,
             or an existing ``out``.
     """
-    from .plan import plan_memory
-
     t0 = time.perf_counter()
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
-    plan = None
-    if target is not None:
-        plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
-                           attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
-        if not plan.fits and not force:
-            raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
-                          f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
-                          f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
-        if plan.host_fits is False:
-            log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
-                        "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
-                        plan.host_ram / 1e9)
+    plan = _checked_plan(ckpt, tp, target, quantize_attention, force)
     smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, model)
@@ -153,45 +140,73 @@ def convert_int8_neuron(
 
     need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
-        (tmp / WEIGHTS_DIR).mkdir()
-        writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
         with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
-            for L, src_names, entries in layers:
-                for e in entries:
-                    name = src_names[e.source]
-                    _write_entry(writers, e, ckpt.get_finite(name), g, L, f"layers.{L}.")
-                bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
-                log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
-                         " and attention" if quantize_attention else "", tp)
-                ckpt.close()  # unmap this layer's pages
-            embed = ckpt.get_finite(embed_name)
-            for e, name in model:
-                tensor = embed if name == embed_name else ckpt.get_finite(name)
-                _write_entry(writers, e, tensor, g, None, "")
-                if name == smap.lm_head:
-                    bar.update(ckpt.tensors[name].nbytes)
-            for w in writers:
-                w.close()
-            host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed.dtype, tuple(embed.shape))],
-                                            file_name=EMBED_FILE)
-            host.write(EMBED_TENSOR, embed)  # unscaled: the runtime applies embed_scale
-            host.close()
-            bar.update(ckpt.tensors[embed_name].nbytes)
-        del embed
+            per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
         ckpt.close()
         Manifest.build(
             g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
-            not_exported=[n.rstrip(".") for n in ("model.vision_tower.", "model.embed_vision.")
-                          if any(k.startswith(n) for k in smap.model_keep)],
+            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
             source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
             memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
         write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
-        per_rank = writers[0].total_bytes
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())
+
+
+def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool):
+    """The memory plan for ``target`` (None without one); a result that does not fit is refused
+    unless ``force``, and host RAM that cannot hold every rank file at once is warned about.
+
+    Raises:
+        G4Error: does not fit ``target`` and not ``force``.
+    """
+    from .plan import plan_memory
+
+    if target is None:
+        return None
+    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
+                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
+    if not plan.fits and not force:
+        raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
+                      f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
+                      f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
+    if plan.host_fits is False:
+        log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
+                    "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
+                    plan.host_ram / 1e9)
+    return plan
+
+
+def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
+                   quantize_attention: bool) -> int:
+    """Every rank file, one decoder layer in RAM at a time, then the host embedding table.
+    Returns the bytes of one rank file (all are the same size)."""
+    embed_name = ckpt.prefix + "embed_tokens.weight"
+    (tmp / WEIGHTS_DIR).mkdir()
+    writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
+    for L, src_names, entries in layers:
+        for e in entries:
+            _write_entry(writers, e, ckpt.get_finite(src_names[e.source]), g, L, f"layers.{L}.")
+        bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
+        log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
+                 " and attention" if quantize_attention else "", g.tp)
+        ckpt.close()  # unmap this layer's pages
+    embed = ckpt.get_finite(embed_name)
+    for e, name in model:
+        _write_entry(writers, e, embed if name == embed_name else ckpt.get_finite(name), g, None, "")
+        if name != embed_name and e.key == "lm_head":  # an untied model's own head
+            bar.update(ckpt.tensors[name].nbytes)
+    for w in writers:
+        w.close()
+    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed.dtype, tuple(embed.shape))],
+                                    file_name=EMBED_FILE)
+    host.write(EMBED_TENSOR, embed)  # unscaled: the runtime applies embed_scale
+    host.close()
+    bar.update(ckpt.tensors[embed_name].nbytes)
+    return writers[0].total_bytes
 
 
 def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str) -> None:

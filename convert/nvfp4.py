@@ -282,39 +282,19 @@ def convert_nvfp4(
     _log_tensor_kinds(ckpt, jobs, model_keep, weight_only)
     calibrator, calib_tokens = None, 0
     if not weight_only:
-        tokenizer = _load_tokenizer(ckpt.root)
-        ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer),
-                                   samples=calib_samples, seq_len=calib_seq_len)
-        calib_tokens = ids.numel()
-        calibrator = LayerCalibrator(ckpt, ids, batch_size=calib_batch_size, compute_dtype=_CALIB_DTYPES[calib_dtype])
+        calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
+                                               _CALIB_DTYPES[calib_dtype])
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     for name in model_keep:  # fail before the long layer loop, not after it
         ckpt.get_finite(name)
         ckpt.close()
-    n_quant = params_quant = quant_bytes = 0
     need = sum(spec.nbytes for spec in specs)
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            for p in jobs:
-                w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
-                amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
-                for name, t in _produce_layer(p, w, amax):
-                    writer.write(name, t)
-                    if t.dtype == torch.uint8:
-                        n_quant += 1
-                        params_quant += t.numel() * 2
-                    if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
-                        quant_bytes += t.numel() * t.dtype.itemsize
-                bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
-                log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
-                         p.index, len(p.groups), p.num_experts, len(p.keep))
-                del w
-                ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
-            for name in model_keep + ([lm_head] if lm_head else []):
-                writer.write(name, ckpt.get_finite(name))
-                bar.update(ckpt.tensors[name].nbytes)
+            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, jobs, model_keep, lm_head, calibrator,
+                                                                bar)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
@@ -327,6 +307,44 @@ def convert_nvfp4(
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
+
+
+def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
+                compute_dtype: torch.dtype) -> tuple[LayerCalibrator, int]:
+    """The per-layer calibrator over the calibration text, and its number of tokens."""
+    tokenizer = _load_tokenizer(ckpt.root)
+    ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
+                               seq_len=seq_len)
+    return LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype), ids.numel()
+
+
+def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str],
+                   lm_head: str | None, calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
+    """Every output tensor in :func:`output_specs` order, one decoder layer in RAM at a time.
+
+    Returns:
+        (quantized linears, quantized parameters, bytes of their codes and scales).
+    """
+    n_quant = params_quant = quant_bytes = 0
+    for p in jobs:
+        w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
+        amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
+        for name, t in _produce_layer(p, w, amax):
+            writer.write(name, t)
+            if t.dtype == torch.uint8:
+                n_quant += 1
+                params_quant += t.numel() * 2
+            if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
+                quant_bytes += t.numel() * t.dtype.itemsize
+        bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
+        log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
+                 p.index, len(p.groups), p.num_experts, len(p.keep))
+        del w
+        ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
+    for name in model_keep + ([lm_head] if lm_head else []):
+        writer.write(name, ckpt.get_finite(name))
+        bar.update(ckpt.tensors[name].nbytes)
+    return n_quant, params_quant, quant_bytes
 
 
 def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], weight_only: bool) -> None:

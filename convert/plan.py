@@ -117,7 +117,8 @@ def _matrix_bytes(dtype: str, rows: int, cols: int, *, scales: int) -> int:
     ``dtype``: ``bf16`` (2 bytes per element), ``int8`` (1 byte per element plus
     ``scales`` fp32 per-channel scales held by this rank) or ``nvfp4`` (``n/2`` bytes of
     e2m1 codes, ``n/16`` float8_e4m3 block scales, plus the fp32 ``weight_scale_2`` and
-    ``input_scale`` of the linear; architecture spec §4.2).
+    ``input_scale`` of the linear; NVIDIA/Model-Optimizer
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``).
     """
     n = rows * cols
     if dtype == "bf16":
@@ -142,7 +143,8 @@ def _row(dtype: str, out: int, inp_per_rank: int) -> int:
 def _experts_bytes(g: Architecture, dtype: str, tp: int) -> int:
     """Per-rank bytes of every layer's experts.
 
-    int8: expert-wise fp32 scales ``[E, 1, out]`` (nxd spec §4.3): gate_up's ``[E, 1, 2I/tp]``
+    int8: expert-wise fp32 scales ``[E, 1, out]`` (aws-neuron/neuronx-distributed
+    ``quantization/quantization_layers.py``): gate_up's ``[E, 1, 2I/tp]``
     split with the weight, down's ``[E, 1, H]`` replicated. NVFP4: each expert is exported
     as separate gate/up/down linears (``exporters/nvfp4_names.py``), each with its scalars.
     """
@@ -163,16 +165,12 @@ def _dense_mlp_bytes(g: Architecture, dtype: str, tp: int) -> int:
     return len(g.layers) * (2 * _column(dtype, i, g.hidden) + _row(dtype, g.hidden, i))
 
 
-def _kv_per_rank(layer: AttentionLayer, tp: int) -> int:
-    return max(1, layer.kv_heads // tp)
-
-
 def _attention_bytes(g: Architecture, dtype: str, tp: int) -> int:
     """q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel."""
     total = 0
     for layer in g.layers:
         q = g.heads // tp * layer.head_dim
-        kv = _kv_per_rank(layer, tp) * layer.head_dim
+        kv = layer.kv_per_rank(tp) * layer.head_dim
         total += _column(dtype, q, g.hidden) + _column(dtype, kv, g.hidden) * (2 if layer.has_v else 1)
         total += _row(dtype, g.hidden, q)
     return total
@@ -221,7 +219,7 @@ class KvCache:
 def _kv_bytes_per_token(layer: AttentionLayer, tp: int) -> int:
     """bf16 K and V of one layer for one token on one rank (K and V are both cached on full
     layers with ``attention_k_eq_v`` too: they are normalised and roped differently)."""
-    return _kv_per_rank(layer, tp) * layer.head_dim * 2 * _BF16
+    return layer.kv_per_rank(tp) * layer.head_dim * 2 * _BF16
 
 
 def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_batched_tokens: int) -> KvCache:
@@ -361,7 +359,7 @@ class MemoryPlan:
         fits: device verdict (``margin >= 0``); None without a target.
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
         host_rank_files: bytes of all local ranks' weight files, which a Neuron runtime
-            holds in host RAM before ``initialize`` (nxd spec §3.3, §6); 0 for a GPU.
+            holds in host RAM before ``initialize`` (aws-neuron/neuronx-distributed-inference ``models/application_base.py``); 0 for a GPU.
         host_ram_need: ``host_rank_files + host_embedding``.
         host_ram: the instance's RAM (Neuron targets); None when not known.
         host_margin, host_fits: the host verdict; None when not checked.

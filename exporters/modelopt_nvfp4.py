@@ -94,7 +94,8 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     ``weight_scale`` fp8 ``[out, in/16]``, ``weight_scale_2`` f32 ``[]`` and, iff the
     config declares input activations, ``input_scale`` f32 ``[]`` (P05); every scale
     finite and > 0 (P04); one ``weight_scale_2`` per expert gate/up pair and per dense
-    q/k/v and gate/up group, one ``input_scale`` per dense group (spec §1.6); the
+    q/k/v and gate/up group, one ``input_scale`` per dense group (vLLM keeps one per merged layer:
+    vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``); the
     exclusion list matches the tensors (P07): no quantized module is excluded, every
     bf16 2-D linear weight is, every pattern matches something (``lm_head`` when tied).
 

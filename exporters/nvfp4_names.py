@@ -27,6 +27,7 @@ from g4.convert.gemma4 import (
     MODEL_MODULE_KINDS,
     MULTIMODAL_PREFIX,
     TEXT_PREFIX,
+    TOWER_PREFIXES,
     TOWERS_KIND,
 )
 
@@ -53,7 +54,8 @@ PRESETS: dict[str, frozenset[Part]] = {
 @dataclass(frozen=True)
 class LinearGroup:
     """Dense linears quantized together: one shared ``weight_scale_2`` and ``input_scale``
-    (the max over members), as vLLM's merged qkv / gate_up layers require (spec §1.6)."""
+    (the max over members), as vLLM's merged qkv / gate_up layers require (vllm-project/vllm
+    ``vllm/model_executor/layers/quantization/modelopt.py``)."""
 
     part: Part
     members: tuple[str, ...]  # module suffixes inside the layer, e.g. "self_attn.q_proj"
@@ -88,8 +90,8 @@ LAYER_KEEP = (
 )
 # Kept language-model tensors outside the layers (relative to the LM prefix).
 MODEL_KEEP = ("embed_tokens.weight", "norm.weight")
-# Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers).
-TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+# Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers):
+# g4.convert.gemma4.TOWER_PREFIXES.
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -221,7 +223,8 @@ def exclude_modules(*, prefix: str, num_layers: int, parts: frozenset[Part], tow
 
     ``lm_head`` is always excluded (tied: not written; untied: kept bf16), routers of
     every layer, present towers, and the attention / dense MLP of every layer when the
-    preset leaves them bf16 (spec §2.3).
+    preset leaves them bf16 (NVIDIA/Model-Optimizer ``modelopt/torch/quantization/config.py``,
+    the presets' disabled quantizers).
     """
     out = {"lm_head"} | {t.rstrip(".") + "*" for t in towers}
     for layer in range(num_layers):

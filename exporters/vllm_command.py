@@ -34,7 +34,7 @@ LINEAR_BACKEND_FLAG_SINCE = (0, 23, 0)
 NATIVE_FP4_CAPABILITY = (10, 0)
 """Compute capability from which vLLM has W4A4 NVFP4 kernels (Blackwell)."""
 LATEST_KNOWN_VLLM = "0.33.0"
-"""The newest vLLM whose flags were checked (spec §3); used when no version is given."""
+"""The newest vLLM whose flags were checked (the releases listed above); used when no version is given."""
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 

@@ -184,7 +184,7 @@ class NxdParallelOps:
 def trace_neuron(out_dir: str | Path, compiled_dir: str | Path, *, seq_len: int, batch: int = 1,
                  compiler_args: str = "--model-type=transformer -O1") -> Path:
     """Trace ``NeuronTextModel`` for this result with neuronx-distributed's ModelBuilder (V1,
-    ``neuronx_distributed.trace.model_builder``; spec §3.1) for inputs
+    aws-neuron/neuronx-distributed ``trace/model_builder.py``) for inputs
     ``inputs_embeds [batch, seq_len, H]`` bf16 and ``position_ids [batch, seq_len]`` int64,
     without weights (``initialize_model_weights=False``), and save ``compiled_dir/model.pt``.
     Weights are bound later by :func:`initialize_traced` from the rank files.
