@@ -306,35 +306,83 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         notes.append("the card names no base_model (g4 could not tell the source's Hub repo from SRC); "
                      "pass --base-model ORG/NAME to link it")
     if dry_run:
-        card = render_card(out, repo_id=repo_id, base_model=base_model)
-        files = local_files(out)
-        files = [f for f in files if f.rel != CARD_FILE] + [LocalFile(CARD_FILE, out / CARD_FILE,
-                                                                       len(card.encode("utf-8")))]
-        files.sort(key=lambda f: f.rel)
-        check_complete(out, files, max_file_bytes=max_file_bytes)
-        return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
+        return _dry_run(out, repo_id, revision, base_model, max_file_bytes, notes)
 
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
     token = token or _token()
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import RevisionNotFoundError
 
     from g4.exporters.model_card import _g4_version
 
     api = HfApi(endpoint=endpoint, token=token, library_name="g4", library_version=_g4_version())
     kw = dict(attempts=attempts, wait_s=retry_wait_s, repo_id=repo_id, token=token)
 
-    who = _retrying(lambda: api.whoami(), "checking the token", **kw)
-    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
-    if role == "read":
-        raise HubError(f"the token of {who.get('name')} is read-only; pushing to {repo_id} needs a write token")
-
+    _check_write_token(api, repo_id, kw)
     if base_model is not None:
         set_base_model(out, base_model)
     card = write_card(out, repo_id=repo_id)
     files = local_files(out)  # README.md changed
     check_complete(out, files, max_file_bytes=max_file_bytes)
+
+    def head() -> str | None:
+        try:
+            return api.repo_info(repo_id, revision=revision).sha
+        except RevisionNotFoundError:
+            return None
+
+    created, old_head = _ensure_repo_and_branch(api, repo_id, revision, private, head, echo, kw)
+    remote = _retrying(lambda: _remote_files(api, repo_id, old_head), f"listing {repo_id}@{revision}", **kw)
+    deletes = _plan_existing(remote, files, repo_id, revision, allow_existing)
+
+    ops = [CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.path)) for f in files]
+    for op, f in zip(ops, files):
+        op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once here; reused by the upload and the check
+    echo(f"uploading {len(files)} files ({_gb(sum(f.size for f in files))}) to {repo_id}@{revision}")
+    _retrying(lambda: api.preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=False),
+              f"uploading to {repo_id} (nothing committed; a rerun sends only what the Hub lacks)", **kw)
+
+    message = commit_message or f"Upload {repo_id.split('/', 1)[1]} ({facts['format']}, g4 {facts.get('g4_version')})"
+    description = (f"{len(files)} files, {sum(f.size for f in files)} bytes, written by `g4convert push` in one commit "
+                   "(shards, index and configs together).")
+    operations = ops + [CommitOperationDelete(path_in_repo=p) for p in deletes]
+    info = _commit_once(api, repo_id, revision, operations, message, description, old_head, head, attempts,
+                        retry_wait_s, kw)
+    new_head = info.oid if info is not None else _retrying(head, f"reading {repo_id}@{revision}", **kw)
+    unchanged = new_head == old_head
+    remote = _retrying(lambda: _remote_files(api, repo_id, new_head), f"listing {repo_id}@{new_head[:12]}", **kw)
+    problems = compare_remote(remote, files)
+    if problems:
+        raise HubError(f"{repo_id}@{new_head[:12]} differs from {out}: {len(problems)} problem(s): "
+                       + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+    url = info.commit_url if info is not None else None
+    return PushReport(repo_id, revision, files, card, created=created, commit_oid=new_head, commit_url=url,
+                      unchanged=unchanged, notes=notes)
+
+
+def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int,
+             notes: list[str]) -> PushReport:
+    """What a push would send: the card rendered in memory and OUT's files; nothing written."""
+    card = render_card(out, repo_id=repo_id, base_model=base_model)
+    files = [f for f in local_files(out) if f.rel != CARD_FILE]
+    files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
+    check_complete(out, files, max_file_bytes=max_file_bytes)
+    return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
+
+
+def _check_write_token(api, repo_id: str, kw: dict) -> None:
+    who = _retrying(lambda: api.whoami(), "checking the token", **kw)
+    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HubError(f"the token of {who.get('name')} is read-only; pushing to {repo_id} needs a write token")
+
+
+def _ensure_repo_and_branch(api, repo_id: str, revision: str, private: bool, head, echo, kw: dict
+                            ) -> tuple[bool, str]:
+    """Create the repo (``private``, else the namespace's default) and the branch when missing.
+    Returns ``(created, head commit of the branch)``."""
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     def exists() -> bool:
         try:
@@ -342,12 +390,6 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
             return True
         except RepositoryNotFoundError:
             return False
-
-    def head() -> str | None:
-        try:
-            return api.repo_info(repo_id, revision=revision).sha
-        except RevisionNotFoundError:
-            return None
 
     created = False
     if not _retrying(exists, f"reading {repo_id}", **kw):
@@ -366,46 +408,26 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         old_head = _retrying(head, f"reading {repo_id}@{revision}", **kw)
     if old_head is None:
         raise HubError(f"{repo_id}: branch {revision} cannot be read after creating it")
+    return created, old_head
 
-    remote = _retrying(lambda: _remote_files(api, repo_id, old_head), f"listing {repo_id}@{revision}", **kw)
-    deletes = _plan_existing(remote, files, repo_id, revision, allow_existing)
 
-    ops = [CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.path)) for f in files]
-    for op, f in zip(ops, files):
-        op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once here; reused by the upload and the check
-    echo(f"uploading {len(files)} files ({_gb(sum(f.size for f in files))}) to {repo_id}@{revision}")
-    _retrying(lambda: api.preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=False),
-              f"uploading to {repo_id} (nothing committed; a rerun sends only what the Hub lacks)", **kw)
-
-    message = commit_message or f"Upload {repo_id.split('/', 1)[1]} ({facts['format']}, g4 {facts.get('g4_version')})"
-    description = (f"{len(files)} files, {sum(f.size for f in files)} bytes, written by `g4convert push` in one commit "
-                   "(shards, index and configs together).")
-    operations = ops + [CommitOperationDelete(path_in_repo=p) for p in deletes]
-    info = None
+def _commit_once(api, repo_id: str, revision: str, operations, message: str, description: str, old_head: str,
+                 head, attempts: int, retry_wait_s: float, kw: dict):
+    """The one commit on top of ``old_head``, retried on network errors only while the branch has
+    not moved. Returns the commit info, or None when a retried request turned out to have landed."""
     for attempt in range(1, attempts + 1):
         try:
-            info = api.create_commit(repo_id, operations, commit_message=message, commit_description=description,
+            return api.create_commit(repo_id, operations, commit_message=message, commit_description=description,
                                      revision=revision, parent_commit=old_head)
-            break
         except Exception as e:
             if not _is_network(e) or _status(e) is not None or attempt == attempts:
-                raise _explain(e, f"committing to {repo_id}@{revision}", repo_id, token, attempt) from None
+                raise _explain(e, f"committing to {repo_id}@{revision}", repo_id, kw["token"], attempt) from None
             # The request may have reached the Hub: if the branch moved, check what is there.
             now = _retrying(head, f"reading {repo_id}@{revision}", **kw)
             if now != old_head:
-                info = None
-                break
+                return None
             time.sleep(retry_wait_s * 2 ** (attempt - 1))
-    new_head = info.oid if info is not None else _retrying(head, f"reading {repo_id}@{revision}", **kw)
-    unchanged = new_head == old_head
-    remote = _retrying(lambda: _remote_files(api, repo_id, new_head), f"listing {repo_id}@{new_head[:12]}", **kw)
-    problems = compare_remote(remote, files)
-    if problems:
-        raise HubError(f"{repo_id}@{new_head[:12]} differs from {out}: {len(problems)} problem(s): "
-                       + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
-    url = info.commit_url if info is not None else None
-    return PushReport(repo_id, revision, files, card, created=created, commit_oid=new_head, commit_url=url,
-                      unchanged=unchanged, notes=notes)
+    return None
 
 
 def _token() -> str:
