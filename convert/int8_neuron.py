@@ -37,6 +37,7 @@ from g4.exporters.neuron_int8 import (
     entry_specs,
     geometry,
     layer_entries,
+    layer_prefix,
     model_entries,
     rank_file,
     shard,
@@ -91,7 +92,7 @@ def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]
     for L, src, entries in layers:
         for e in entries:
             info = ckpt.tensors[src[e.source]]
-            specs += entry_specs(e, f"layers.{L}.", info.shape, info.dtype, g, L)
+            specs += entry_specs(e, layer_prefix(L), info.shape, info.dtype, g, L)
     for e, name in model:
         info = ckpt.tensors[name]
         specs += entry_specs(e, "", info.shape, info.dtype, g, None)
@@ -189,7 +190,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
     for L, src_names, entries in layers:
         for e in entries:
-            _write_entry(writers, e, ckpt.get_finite(src_names[e.source]), g, L, f"layers.{L}.")
+            _write_entry(writers, e, ckpt.get_finite(src_names[e.source]), g, L, layer_prefix(L))
         bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
         log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                  " and attention" if quantize_attention else "", g.tp)

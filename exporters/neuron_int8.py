@@ -65,6 +65,11 @@ EMBED_TENSOR = "embed_tokens.weight"
 MANIFEST = "manifest.json"
 
 
+def layer_prefix(layer: int) -> str:
+    """Key prefix of decoder layer ``layer`` in a rank file (NxDI: relative to the text model)."""
+    return f"layers.{layer}."
+
+
 def rank_file(rank: int) -> str:
     """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
     return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
@@ -319,7 +324,7 @@ def parse_rank_name(name: str) -> RankName | None:
     e = _LAYER_NAMES.get(m.group(2)) if m else None
     if e is None:
         return None
-    return RankName(e, int(m.group(1)), f"layers.{m.group(1)}.", LAYER_MODULE_KINDS[e.key])
+    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), LAYER_MODULE_KINDS[e.key])
 
 
 def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from g4.convert.errors import CheckpointError
-from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry, layer_entries, model_entries
+from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry, layer_entries, layer_prefix, model_entries
 
 
 def _dequant(sd: dict[str, torch.Tensor], key: str, int8: bool, suffix: str, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +83,7 @@ class NeuronEmulator(nn.Module):
                 with torch.device("meta"):
                     layer = Gemma4TextDecoderLayer(self.config, L)
                 for e in layer_entries(has_v=g.has_v[L], quantize_attention=self.manifest.quantize_attention):
-                    self._load(layer, e, sd, f"layers.{L}.", r)
+                    self._load(layer, e, sd, layer_prefix(L), r)
                 heads = g.heads // g.tp
                 layer.self_attn.num_key_value_groups = heads // g.kv_per_rank(L)
                 shares.append(layer.eval())

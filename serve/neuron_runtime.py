@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.exporters.safetensors_writer import TensorSpec
-from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entries, model_entries
+from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entries, layer_prefix, model_entries
 
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
@@ -43,7 +43,7 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
     for L in range(g.num_layers):
         shapes = g.arch.layer_tensor_shapes(L)
         for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
-            specs += entry_specs(e, f"layers.{L}.", shapes[e.source], dtype, g, L)
+            specs += entry_specs(e, layer_prefix(L), shapes[e.source], dtype, g, L)
     model_shapes = g.arch.model_tensor_shapes()
     for e in model_entries(tied=g.arch.tied):
         specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
