@@ -27,6 +27,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error
+from .gemma4 import embed_scale
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class LayerCalibrator:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.ckpt.get_rows(self.ckpt.prefix + "embed_tokens.weight", input_ids)
         # Gemma4TextScaledWordEmbedding: the scale is cast to the weight dtype (bf16(sqrt(2816)) = 53.0).
-        scale = torch.tensor(self.config.hidden_size**0.5).to(rows.dtype)
+        scale = torch.tensor(embed_scale(self.config.hidden_size, rows.dtype), dtype=rows.dtype)
         return rows * scale
 
     def _position_inputs(self, seq_len: int) -> dict[str, tuple]:

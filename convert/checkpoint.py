@@ -20,14 +20,12 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError
+from .errors import CheckpointError, G4Error
+from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture
 from .resolve import SRC_FORMS
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
-_REQUIRED_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "intermediate_size", "moe_intermediate_size", "num_experts", "top_k_experts", "vocab_size")
 
 _ST_DTYPES = {
     "BF16": torch.bfloat16,
@@ -246,6 +244,7 @@ class Checkpoint:
         root: the directory.
         config: ``config.json`` as a dict, unchanged.
         text_config: the text sub-config (``config["text_config"]`` or ``config`` itself).
+        arch: the model as :func:`g4.convert.gemma4.read_architecture` reads ``config``.
         prefix: key prefix of the language model, ``"model.language_model."`` for the
             multimodal layout (``Gemma4ForConditionalGeneration``) or ``"model."`` for the
             text-only one (``Gemma4ForCausalLM``).
@@ -295,16 +294,10 @@ class Checkpoint:
             raise CheckpointError(f"{path}: invalid JSON: {e}") from e
         if not isinstance(config, dict):
             raise CheckpointError(f"{path}: not a JSON object")
-        model_type = config.get("model_type")
-        if model_type not in GEMMA4_MODEL_TYPES:
-            raise CheckpointError(f"{path}: model_type is {model_type!r}, expected one of {GEMMA4_MODEL_TYPES} (Gemma 4)")
-        text = config.get("text_config") or config
-        if not isinstance(text, dict) or not text.get("enable_moe_block", False):
-            raise CheckpointError(f"{path}: text config has no MoE block (enable_moe_block is not true); g4 converts Gemma 4 MoE models")
-        for key in _REQUIRED_INT_KEYS:
-            value = text.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"{path}: text config {key} is {value!r}, expected a positive integer")
+        try:
+            self.arch: Architecture = read_architecture(config)
+        except G4Error as e:
+            raise CheckpointError(f"{path}: {e}") from e
         return config
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
@@ -336,15 +329,15 @@ class Checkpoint:
                     f"tensors as {ok} values only (quantized or integer-coded weights cannot be converted)")
 
     def _detect_prefix(self) -> str:
-        if any(n.startswith("model.language_model.") for n in self.tensors):
-            return "model.language_model."
-        if any(n.startswith("model.layers.") for n in self.tensors):
-            return "model."
+        if any(n.startswith(MULTIMODAL_PREFIX) for n in self.tensors):
+            return MULTIMODAL_PREFIX
+        if any(n.startswith(TEXT_PREFIX + "layers.") for n in self.tensors):
+            return TEXT_PREFIX
         raise CheckpointError(f"{self.root}: no Gemma 4 language-model tensors (model.language_model.* or model.layers.*)")
 
     @property
     def num_layers(self) -> int:
-        return int(self.text_config["num_hidden_layers"])
+        return self.arch.num_layers
 
     def layer_prefix(self, layer: int) -> str:
         """Key prefix of decoder layer ``layer``, e.g. ``model.language_model.layers.5.``."""
@@ -522,3 +515,11 @@ def _has_chat_template(root: Path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
 
+
+def weight_fingerprints(out: str | Path) -> dict[str, dict]:
+    """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
+    (sorted): which weights a verification is about, so that a model card never shows a
+    result for files changed since (streamed)."""
+    out = Path(out)
+    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in sorted(out.rglob("*.safetensors"))}

@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 
 from .errors import G4Error, exit_on_user_error, raise_terminated
-from .options import COUNT, SEED, SHARD_SIZE, act_quant_option, min_agreement_option
-from .plan import plan
+from .options import COUNT, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
+from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
 
@@ -123,14 +123,10 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len")
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
-    try:
-        report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
-                               calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                               calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
-                               max_shard_size=max_shard_size,
-                               overwrite=overwrite, progress=ctx.obj["progress"])
-    except ValueError as e:  # e.g. a bad --max-shard-size
-        raise G4Error(str(e)) from e
+    report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
+                           calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                           calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, max_shard_size=max_shard_size,
+                           overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 
@@ -185,7 +181,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
     it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
-    from g4.serve.reference import verify_nvfp4
+    from .reference import verify_nvfp4
 
     report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())
@@ -213,18 +209,90 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     (random bf16 weights) for benchmarks and dry runs on real shapes."""
     from .synth import write_synthetic
 
-    try:
-        path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
-                               max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
-    except ValueError as e:  # e.g. a bad --max-shard-size
-        raise G4Error(str(e)) from e
+    path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
+                           max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(f"wrote {path}")
 
 
-main.add_command(plan)
-from .push import push  # noqa: E402  (g4convert push; imports huggingface_hub only when run)
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", metavar="SRC_OR_CONFIG")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
+@click.option("--tp", type=COUNT, default=1, show_default=True,
+              help="Tensor-parallel degree: one rank per NeuronCore or per GPU.")
+@click.option("--target", type=click.Choice(list(NEURON_TARGETS)), help="AWS Neuron instance (16 GiB HBM per core).")
+@click.option("--gpu-mem", type=ByteSize(), help="Memory of one GPU instead of --target, with its unit: 80GB "
+                                                 "(10**9 bytes) or 128GiB (2**30).")
+@click.option("--seq-len", type=COUNT, default=8192, show_default=True,
+              help="KV cache tokens per sequence (vLLM's --max-model-len).")
+@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences in the KV cache.")
+@click.option("--max-num-batched-tokens", type=COUNT,
+              help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
+                   "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
+                   "or more (2048 on an A100), else 2048.")
+@click.option("--lm-head", type=click.Choice(LM_HEADS),
+              help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
+@click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
+@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
+@exit_on_user_error
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
+         as_json):
+    """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
-main.add_command(push)
+    SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
+    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
+    Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
+    vLLM's rule on a GPU, NxDI's on Neuron.
+
+    \b
+    Examples:
+      g4convert plan gemma-4-26B-A4B --target inf2.xlarge --tp 2
+      g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
+      g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
+    """
+    from g4.exporters.safetensors_writer import parse_size
+
+    from .plan import load_source, plan_memory
+
+    gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
+    name, config, directory = load_source(src)
+    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
+                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
+                         model=name, max_num_batched_tokens=max_num_batched_tokens)
+    click.echo(result.to_json() if as_json else result.summary())
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--revision", default="main", show_default=True, help="Branch to commit to (created from main if missing).")
+@click.option("--commit-message", help="Default: 'Upload <name> (<format>, g4 <version>)'.")
+@click.option("--dry-run", is_flag=True, help="List the files and print the model card; send nothing, need no token.")
+@click.option("--allow-existing", is_flag=True,
+              help="Replace the content of a repo that already holds other files (deleted in the same commit).")
+@click.option("--base-model", help="Hub repo id of the source model, for the card's base_model (when g4 could not "
+                                   "tell it from SRC).")
+@click.option("--max-file-size", type=ByteSize(), metavar="SIZE",
+              help="Per-file limit checked before upload, e.g. 50GB (GB = 10**9 bytes). Default: the Hub's, "
+                   "200GB (HUB_MAX_FILE_BYTES).")
+@exit_on_user_error
+def push(out, repo_id, private, revision, commit_message, dry_run, allow_existing, base_model, max_file_size):
+    """Publish the g4 result OUT to the Hugging Face Hub repo REPO_ID (namespace/name).
+
+    \b
+    One commit holds every file, so the repo never points at a missing shard; an
+    interrupted upload resumes on rerun without sending finished files again; the remote
+    files are then compared with OUT (names, sizes, hashes). The model card (README.md)
+    is re-rendered first. Token: HF_TOKEN or `hf auth login`.
+    """
+    from .push import _parse_limit, echo_report, push_result, quiet_http_logs
+
+    quiet_http_logs()
+    report = push_result(out, repo_id, private=private, revision=revision, commit_message=commit_message,
+                         dry_run=dry_run, allow_existing=allow_existing, base_model=base_model,
+                         max_file_bytes=_parse_limit(max_file_size))
+    echo_report(report, out)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from transformers import (
 )
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-EMBEDDED_DIR = Path(__file__).parent / "embedded"
+from .resolve import EMBEDDED_DIR
+
 logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 1024
@@ -498,7 +499,7 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
 def _write_release_config(out_dir: Path) -> None:
     """Rewrite `config.json` as Gemma 4 checkpoints ship it: the full-attention overrides as
     `global_head_dim` / `num_global_key_value_heads` instead of transformers' `per_layer_config`."""
-    from .gemma4_config import release_config
+    from .gemma4 import release_config
 
     path = out_dir / "config.json"
     config = release_config(json.loads(path.read_text()))

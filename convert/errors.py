@@ -1,6 +1,9 @@
 """Error types. Every message names the file and/or tensor and what is wrong, in one line.
 
-The CLI prints ``error: <message>`` and exits with status 2 for any :class:`G4Error`.
+The CLI prints ``error: <message>`` and exits with status 2 for any :class:`G4Error` (and
+for an ``OSError``: a file that cannot be read or written). Any other exception is a broken
+internal invariant and stays a traceback: the CLI never turns a bare ``ValueError`` into a
+user error.
 """
 
 import functools
@@ -21,6 +24,10 @@ class MappingError(G4Error, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class OptionError(G4Error, ValueError):
+    """A value given for an option or argument cannot be used (e.g. a size without its unit)."""
 
 
 class ExportError(G4Error, ValueError):

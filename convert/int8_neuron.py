@@ -1,14 +1,15 @@
 """``g4convert int8-neuron``: int8 per-channel shards per TP rank for AWS Neuron (NxD).
 
-Output (layout and sources: ``g4.serve.neuron_layout``):
+Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 
 - ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
-  MLP and vocabulary-sharded lm_head (built from the tied ``embed_tokens``) with fp32
+  MLP and vocabulary-sharded lm_head (built from ``embed_tokens`` when tied, from the
+  source's own ``lm_head.weight`` when ``tie_word_embeddings`` is false) with fp32
   per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms;
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
-- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4_config.release_config`),
+- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4.release_config`),
   tokenizer, chat template and generation config copied from SRC.
 
 Streaming as in the NVFP4 path: one decoder layer in RAM at a time; output written into a
@@ -26,35 +27,32 @@ from pathlib import Path
 import torch
 
 from g4.exporters.model_card import write_model_card
-from g4.exporters.neuron_int8 import shard
+from g4.exporters.neuron_int8 import (
+    EMBED_FILE,
+    EMBED_TENSOR,
+    WEIGHTS_DIR,
+    Entry,
+    Geometry,
+    Manifest,
+    entry_specs,
+    geometry,
+    layer_entries,
+    layer_prefix,
+    model_entries,
+    rank_file,
+    shard,
+)
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
-from g4.serve.neuron_layout import LAYOUT_NAME, MODEL_ENTRIES, Entry, Geometry, entry_specs, geometry, layer_entries
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4_config import release_config
+from .gemma4 import VISION_PREFIXES, release_config
 from .nvfp4 import peak_rss_bytes
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_DIR = "weights"
-EMBED_FILE = "embed_tokens.safetensors"
-MANIFEST = "manifest.json"
-
-
-def rank_file(rank: int) -> str:
-    """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
-    return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
-
-
-def embed_scale(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> float:
-    """The embedding scale as Gemma4TextScaledWordEmbedding applies it: ``sqrt(H)`` cast to
-    the weight dtype (53.0 for H=2816 in bf16, not 53.066)."""
-    return float(torch.tensor(hidden_size**0.5).to(dtype))
-
 
 @dataclass
 class Int8Report:
@@ -75,24 +73,28 @@ class Int8Report:
                 f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
 
 
-def _layer_plan(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
+def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     smap = checked_sources(ckpt)
     layers = []
     for ls in smap.layers:
         entries = layer_entries(has_v=g.has_v[ls.index], quantize_attention=quantize_attention)
         layers.append((ls.index, ls.tensors, entries))
-    return smap, layers
+    model_sources = {"norm.weight": ckpt.prefix + "norm.weight", "embed_tokens.weight": ckpt.prefix + "embed_tokens.weight"}
+    if smap.lm_head:
+        model_sources["lm_head.weight"] = smap.lm_head
+    model = [(e, model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
+    return smap, layers, model
 
 
-def rank_specs(ckpt: Checkpoint, g: Geometry, layers, embed_name: str) -> list[TensorSpec]:
+def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]:
     """Tensors of one rank file in write order (identical names and shapes on every rank)."""
     specs: list[TensorSpec] = []
     for L, src, entries in layers:
         for e in entries:
             info = ckpt.tensors[src[e.source]]
-            specs += entry_specs(e, f"layers.{L}.", info.shape, info.dtype, g, L)
-    for e in MODEL_ENTRIES:
-        info = ckpt.tensors[embed_name if e.key == "lm_head" else ckpt.prefix + e.source]
+            specs += entry_specs(e, layer_prefix(L), info.shape, info.dtype, g, L)
+    for e, name in model:
+        info = ckpt.tensors[name]
         specs += entry_specs(e, "", info.shape, info.dtype, g, None)
     return specs
 
@@ -128,99 +130,89 @@ def convert_int8_neuron(
             model cannot use, a result that does not fit ``target`` without ``force``,
             or an existing ``out``.
     """
-    from .plan import plan_memory
-
     t0 = time.perf_counter()
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
-    plan = None
-    if target is not None:
-        plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
-                           attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
-        if not plan.fits and not force:
-            raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
-                          f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
-                          f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
-        if plan.host_fits is False:
-            log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
-                        "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
-                        plan.host_ram / 1e9)
-    smap, layers = _layer_plan(ckpt, g, quantize_attention)
+    plan = _checked_plan(ckpt, tp, target, quantize_attention, force)
+    smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
-    specs = rank_specs(ckpt, g, layers, embed_name)
+    specs = rank_specs(ckpt, g, layers, model)
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
 
     need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
-        (tmp / WEIGHTS_DIR).mkdir()
-        writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(tp)]
         with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
-            for L, src_names, entries in layers:
-                for e in entries:
-                    name = src_names[e.source]
-                    _write_entry(writers, e, ckpt.get_finite(name), g, L, f"layers.{L}.")
-                bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
-                log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
-                         " and attention" if quantize_attention else "", tp)
-                ckpt.close()  # unmap this layer's pages
-            embed = ckpt.get_finite(embed_name)
-            for e in MODEL_ENTRIES:
-                tensor = embed if e.key == "lm_head" else ckpt.get_finite(ckpt.prefix + e.source)
-                _write_entry(writers, e, tensor, g, None, "")
-            for w in writers:
-                w.close()
-            host = ShardedSafetensorsWriter(tmp, [TensorSpec("embed_tokens.weight", embed.dtype, tuple(embed.shape))],
-                                            file_name=EMBED_FILE)
-            host.write("embed_tokens.weight", embed)  # unscaled: the runtime applies embed_scale
-            host.close()
-            bar.update(ckpt.tensors[embed_name].nbytes)
-        del embed
+            per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
         ckpt.close()
-        manifest = {
-            "format": LAYOUT_NAME,
-            "tp_degree": tp,
-            "rank_files": [rank_file(r) for r in range(tp)],
-            "host_embedding": {"file": EMBED_FILE, "tensor": "embed_tokens.weight", "dtype": "bfloat16",
-                               "scaled": False},
-            "embed_scale": embed_scale(g.hidden, ckpt.tensors[embed_name].dtype),
-            "quantization": {"type": "per_channel_symmetric", "dtype": "int8", "scale_dtype": "float32",
-                             "scale": "absmax/127 per output channel, floored at float32 eps",
-                             "experts": "expert_wise_per_channel_symmetric (scales [E,1,out])",
-                             "quantized": ["experts", "mlp", "lm_head"] + (["attention"] if quantize_attention else []),
-                             "kept_bf16": (["attention"] if not quantize_attention else []) +
-                             ["router", "norms", "layer_scalar", "embed_tokens (host)"],
-                             "not_exported": [n.rstrip(".") for n in ("model.vision_tower.", "model.embed_vision.")
-                                              if any(k.startswith(n) for k in smap.model_keep)]},
-            "layout": {
-                "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
-                                        "stride 2), scale fp32 [E, 1, 2I/T]",
-                "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "
-                                     "replicated",
-                "column": "weight [out/T, in], scale [out/T, 1]: q/k/v, mlp.gate/up, lm_head",
-                "row": "weight [out, in/T], scale [out, 1] replicated: o_proj, mlp.down",
-                "source": "aws-neuron/neuronx-distributed trace/trace.py create_local_weight; "
-                          "quantization/quantization_layers.py",
-            },
-            "kv_heads": [{"layer": L, "source_kv_heads": g.kv_heads[L], "per_rank": g.kv_per_rank(L),
-                          "replicated": g.kv_heads[L] < tp,
-                          "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
-                         for L in range(g.num_layers)],
-            "source": {"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
-            "memory_plan": plan.to_dict() if plan is not None else None,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        Manifest.build(
+            g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
+            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
+            source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
+            memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
         write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
-        per_rank = writers[0].total_bytes
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())
 
 
+def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool):
+    """The memory plan for ``target`` (None without one); a result that does not fit is refused
+    unless ``force``, and host RAM that cannot hold every rank file at once is warned about.
+
+    Raises:
+        G4Error: does not fit ``target`` and not ``force``.
+    """
+    from .plan import plan_memory
+
+    if target is None:
+        return None
+    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
+                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
+    if not plan.fits and not force:
+        raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
+                      f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
+                      f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
+    if plan.host_fits is False:
+        log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
+                    "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
+                    plan.host_ram / 1e9)
+    return plan
+
+
+def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
+                   quantize_attention: bool) -> int:
+    """Every rank file, one decoder layer in RAM at a time, then the host embedding table.
+    Returns the bytes of one rank file (all are the same size)."""
+    embed_name = ckpt.prefix + "embed_tokens.weight"
+    (tmp / WEIGHTS_DIR).mkdir()
+    writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
+    for L, src_names, entries in layers:
+        for e in entries:
+            _write_entry(writers, e, ckpt.get_finite(src_names[e.source]), g, L, layer_prefix(L))
+        bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
+        log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
+                 " and attention" if quantize_attention else "", g.tp)
+        ckpt.close()  # unmap this layer's pages
+    embed = ckpt.get_finite(embed_name)
+    for e, name in model:
+        _write_entry(writers, e, embed if name == embed_name else ckpt.get_finite(name), g, None, "")
+        if name != embed_name and e.key == "lm_head":  # an untied model's own head
+            bar.update(ckpt.tensors[name].nbytes)
+    for w in writers:
+        w.close()
+    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed.dtype, tuple(embed.shape))],
+                                    file_name=EMBED_FILE)
+    host.write(EMBED_TENSOR, embed)  # unscaled: the runtime applies embed_scale
+    host.close()
+    bar.update(ckpt.tensors[embed_name].nbytes)
+    return writers[0].total_bytes
+
+
 def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str) -> None:
     value = int8.quantize(tensor) if e.int8 else tensor
-    names = [f"{prefix}{e.key}.weight", f"{prefix}{e.key}.scale"] if e.int8 else [f"{prefix}{e.key}{e.suffix}"]
+    names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):
             w.write(n, t)

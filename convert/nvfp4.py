@@ -29,12 +29,17 @@ from g4.exporters.nvfp4_names import (
     DENSE_GROUPS,
     EXPERT_DOWN,
     EXPERT_GATE_UP,
+    EXPERT_PROJS,
     LAYER_KEEP,
     PRESETS,
+    QUANT_SUFFIXES,
     TOWER_PREFIXES,
     LinearGroup,
     Part,
     exclude_modules,
+    expert_module,
+    parse_output_name,
+    quantized_names,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
@@ -42,6 +47,7 @@ from g4.quantizers import nvfp4 as q
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
+from .gemma4 import split_gate_up
 from .progress import progress_bar
 from .sources import checked_sources
 
@@ -88,7 +94,7 @@ def peak_rss_bytes() -> int:
 
 
 @dataclass
-class _LayerPlan:
+class _LayerJob:
     index: int
     prefix: str  # output key prefix of the layer
     sources: dict[str, str]  # canonical suffix -> source tensor name
@@ -98,14 +104,11 @@ class _LayerPlan:
 
 
 def _nvfp4_specs(name: str, out_features: int, in_features: int, with_input_scale: bool) -> list[TensorSpec]:
-    specs = [
-        TensorSpec(f"{name}.weight", torch.uint8, (out_features, in_features // 2)),
-        TensorSpec(f"{name}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
-        TensorSpec(f"{name}.weight_scale_2", torch.float32, ()),
-    ]
-    if with_input_scale:
-        specs.append(TensorSpec(f"{name}.input_scale", torch.float32, ()))
-    return specs
+    kinds = [(torch.uint8, (out_features, in_features // 2)),
+             (torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
+             (torch.float32, ()), (torch.float32, ())]
+    return [TensorSpec(n, dtype, shape)
+            for n, (dtype, shape) in zip(quantized_names(name, with_input_scale=with_input_scale), kinds)]
 
 
 def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
@@ -114,18 +117,18 @@ def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
                               f"the NVFP4 block size {q.BLOCK_SIZE}; use a preset that leaves it bf16")
 
 
-def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPlan], list[str], str | None]:
+def layer_jobs(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerJob], list[str], str | None]:
     """Map every source tensor and check each layer's structure before anything is written.
 
     Returns:
-        (layer plans, kept model-level tensor names, untied lm_head name or None).
+        (layer jobs, kept model-level tensor names, untied lm_head name or None).
 
     Raises:
         MappingError: unmapped or missing tensors, a v_proj on a k_eq_v layer.
         CheckpointError: expert shapes that disagree with the config or are not NVFP4-able.
     """
     smap = checked_sources(ckpt)
-    plans = []
+    jobs = []
     for ls in smap.layers:
         L, src = ls.index, ls.tensors
         gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
@@ -140,15 +143,15 @@ def plan_layers(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerPl
                 groups.append(LinearGroup(g.part, members))
             else:
                 keep.extend(f"{m}.weight" for m in members)
-        plans.append(_LayerPlan(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
-    return plans, smap.model_keep, smap.lm_head
+        jobs.append(_LayerJob(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
+    return jobs, smap.model_keep, smap.lm_head
 
 
-def output_specs(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], lm_head: str | None,
+def output_specs(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], lm_head: str | None,
                  *, with_input_scale: bool) -> list[TensorSpec]:
     """Every output tensor (name, dtype, shape) in the order :func:`convert_nvfp4` produces it."""
     specs: list[TensorSpec] = []
-    for p in plans:
+    for p in jobs:
         for suffix in p.keep:
             info = ckpt.tensors[p.sources[suffix]]
             specs.append(TensorSpec(p.prefix + suffix, info.dtype, info.shape))
@@ -159,10 +162,8 @@ def output_specs(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str
         _, two_i, hidden = ckpt.tensors[p.sources[EXPERT_GATE_UP]].shape
         inter = two_i // 2
         for e in range(p.num_experts):
-            base = f"{p.prefix}experts.{e}."
-            specs += _nvfp4_specs(base + "gate_proj", inter, hidden, with_input_scale)
-            specs += _nvfp4_specs(base + "up_proj", inter, hidden, with_input_scale)
-            specs += _nvfp4_specs(base + "down_proj", hidden, inter, with_input_scale)
+            for proj, (out_f, in_f) in zip(EXPERT_PROJS, ((inter, hidden), (inter, hidden), (hidden, inter))):
+                specs += _nvfp4_specs(expert_module(p.prefix, e, proj), out_f, in_f, with_input_scale)
     for name in model_keep + ([lm_head] if lm_head else []):
         info = ckpt.tensors[name]
         specs.append(TensorSpec(name, info.dtype, info.shape))
@@ -191,14 +192,11 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
 def _emit_nvfp4(name: str, w: torch.Tensor, g: torch.Tensor, input_scale: torch.Tensor | None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     qw = q.quantize(w, weight_scale_2=g)
-    yield f"{name}.weight", qw.weight
-    yield f"{name}.weight_scale", qw.weight_scale
-    yield f"{name}.weight_scale_2", qw.weight_scale_2
-    if input_scale is not None:
-        yield f"{name}.input_scale", input_scale
+    values = (qw.weight, qw.weight_scale, qw.weight_scale_2, input_scale)
+    yield from zip(quantized_names(name, with_input_scale=input_scale is not None), values)
 
 
-def _produce_layer(p: _LayerPlan, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
+def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of one layer, in :func:`output_specs` order."""
     for suffix in p.keep:
@@ -213,16 +211,14 @@ def _produce_layer(p: _LayerPlan, w: dict[str, torch.Tensor], amax: dict[str, to
         for m, x in zip(g.members, weights):
             yield from _emit_nvfp4(p.prefix + m, x, shared_g, shared_in)
     gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
-    inter = gate_up.shape[1] // 2
     in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
     in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
     for e in range(p.num_experts):
-        base = f"{p.prefix}experts.{e}."
         # gate and up share the global scale of the whole fused gate_up_proj[e] (vLLM uses one).
         g_gu = q.global_scale_from_amax(q.weight_amax(gate_up[e]))
-        yield from _emit_nvfp4(base + "gate_proj", gate_up[e, :inter], g_gu, in_gu)
-        yield from _emit_nvfp4(base + "up_proj", gate_up[e, inter:], g_gu, in_gu)
-        yield from _emit_nvfp4(base + "down_proj", down[e], None, in_dn)
+        gate, up = split_gate_up(gate_up[e])
+        for proj, x, g, in_s in zip(EXPERT_PROJS, (gate, up, down[e]), (g_gu, g_gu, None), (in_gu, in_gu, in_dn)):
+            yield from _emit_nvfp4(expert_module(p.prefix, e, proj), x, g, in_s)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -278,47 +274,27 @@ def convert_nvfp4(
     parts = PRESETS[preset]
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
-    plans, model_keep, lm_head = plan_layers(ckpt, parts)
-    specs = output_specs(ckpt, plans, model_keep, lm_head, with_input_scale=not weight_only)
+    jobs, model_keep, lm_head = layer_jobs(ckpt, parts)
+    specs = output_specs(ckpt, jobs, model_keep, lm_head, with_input_scale=not weight_only)
     towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})
     excludes = exclude_modules(prefix=ckpt.prefix, num_layers=ckpt.num_layers, parts=parts, towers=towers)
 
-    _log_tensor_kinds(ckpt, plans, model_keep, weight_only)
+    _log_tensor_kinds(ckpt, jobs, model_keep, weight_only)
     calibrator, calib_tokens = None, 0
     if not weight_only:
-        tokenizer = _load_tokenizer(ckpt.root)
-        ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer),
-                                   samples=calib_samples, seq_len=calib_seq_len)
-        calib_tokens = ids.numel()
-        calibrator = LayerCalibrator(ckpt, ids, batch_size=calib_batch_size, compute_dtype=_CALIB_DTYPES[calib_dtype])
+        calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
+                                               _CALIB_DTYPES[calib_dtype])
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     for name in model_keep:  # fail before the long layer loop, not after it
         ckpt.get_finite(name)
         ckpt.close()
-    n_quant = params_quant = quant_bytes = 0
     need = sum(spec.nbytes for spec in specs)
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            for p in plans:
-                w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
-                amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
-                for name, t in _produce_layer(p, w, amax):
-                    writer.write(name, t)
-                    if t.dtype == torch.uint8:
-                        n_quant += 1
-                        params_quant += t.numel() * 2
-                    if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) or t.dtype == torch.uint8:
-                        quant_bytes += t.numel() * t.dtype.itemsize
-                bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
-                log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
-                         p.index, len(p.groups), p.num_experts, len(p.keep))
-                del w
-                ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
-            for name in model_keep + ([lm_head] if lm_head else []):
-                writer.write(name, ckpt.get_finite(name))
-                bar.update(ckpt.tensors[name].nbytes)
+            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, jobs, model_keep, lm_head, calibrator,
+                                                                bar)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
@@ -333,11 +309,49 @@ def convert_nvfp4(
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
 
 
-def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: list[str], weight_only: bool) -> None:
+def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
+                compute_dtype: torch.dtype) -> tuple[LayerCalibrator, int]:
+    """The per-layer calibrator over the calibration text, and its number of tokens."""
+    tokenizer = _load_tokenizer(ckpt.root)
+    ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
+                               seq_len=seq_len)
+    return LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype), ids.numel()
+
+
+def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str],
+                   lm_head: str | None, calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
+    """Every output tensor in :func:`output_specs` order, one decoder layer in RAM at a time.
+
+    Returns:
+        (quantized linears, quantized parameters, bytes of their codes and scales).
+    """
+    n_quant = params_quant = quant_bytes = 0
+    for p in jobs:
+        w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
+        amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
+        for name, t in _produce_layer(p, w, amax):
+            writer.write(name, t)
+            if t.dtype == torch.uint8:
+                n_quant += 1
+                params_quant += t.numel() * 2
+            if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
+                quant_bytes += t.numel() * t.dtype.itemsize
+        bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
+        log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
+                 p.index, len(p.groups), p.num_experts, len(p.keep))
+        del w
+        ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
+    for name in model_keep + ([lm_head] if lm_head else []):
+        writer.write(name, ckpt.get_finite(name))
+        bar.update(ckpt.tensors[name].nbytes)
+    return n_quant, params_quant, quant_bytes
+
+
+def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], weight_only: bool) -> None:
     """One log line per tensor kind and source shape: how many, and what is written for them."""
     act = "" if weight_only else " + input_scale"
     kinds: Counter = Counter()
-    for p in plans:
+    for p in jobs:
         for g in p.groups:
             for m in g.members:
                 info = ckpt.tensors[p.sources[f"{m}.weight"]]
@@ -353,8 +367,8 @@ def _log_tensor_kinds(ckpt: Checkpoint, plans: list[_LayerPlan], model_keep: lis
         else:
             what = f"nvfp4 [{shape[0]}, {shape[1]}] (weight_scale_2 shared by {group})"
         log.info("%-22s x%-3d %s %-18s -> %s%s", kind, n, str(dtype).removeprefix("torch."), list(shape), what, act)
-    if plans:
-        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(plans), ", ".join(plans[0].keep))
+    if jobs:
+        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(jobs), ", ".join(jobs[0].keep))
     log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors", len(model_keep))
 
 

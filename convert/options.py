@@ -11,6 +11,8 @@ import math
 
 import click
 
+from .errors import OptionError
+
 #: How many of something (samples, sequences, decoder layers, tokens to generate): at least 1.
 COUNT = click.IntRange(min=1)
 
@@ -62,7 +64,7 @@ class ByteSize(click.ParamType):
 
         try:
             n = parse_size(value)
-        except ValueError as e:
+        except OptionError as e:
             self.fail(str(e), param, ctx)
         if n < self.minimum:
             self.fail(f"{value!r} is {n:,} bytes, less than the minimum of {self.minimum:,} bytes"

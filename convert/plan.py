@@ -15,7 +15,7 @@ Sources:
 - geometry, ``attention_k_eq_v``, the ``per_layer_config`` form and the tensors each layer
   has (hence parameter groups, bytes per format and KV cache per token): huggingface/transformers
   5.24 ``src/transformers/models/gemma4/configuration_gemma4.py`` and ``modeling_gemma4.py``
-  (read through ``g4.convert.gemma4_config``);
+  (read through ``g4.convert.gemma4``);
 - which int8 layers split which dim, which fp32 scales are split or replicated, expert-wise
   scales ``[E, 1, out]``: aws-neuron/neuronx-distributed
   ``src/neuronx_distributed/quantization/quantization_layers.py`` and ``trace/trace.py``
@@ -49,11 +49,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from .errors import G4Error, exit_on_user_error
-from .options import COUNT, ByteSize
-from .gemma4_config import AttentionLayer, attention_layers
+from .errors import G4Error
+from .gemma4 import LAYER_NORMS, NVFP4_BLOCK as _NVFP4_BLOCK, AttentionLayer, Architecture, read_architecture, tp_problems
 from .resolve import EMBEDDED, resolve_source, source_name
 
 GB = 10**9
@@ -67,7 +64,6 @@ KNOWN_MODELS = ("gemma-4-26B-A4B",)  # convert/synth.py PRESETS
 
 _BF16 = 2  # bytes per bf16 element
 _FP32 = 4  # bytes per int8 per-channel scale
-_NVFP4_BLOCK = 16  # inputs per float8_e4m3 block scale
 _NVFP4_SCALARS = 8  # fp32 weight_scale_2 + fp32 input_scale per exported linear (W4A4)
 _QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of the experts and dense MLP
 
@@ -107,86 +103,7 @@ NEURON_TARGETS: dict[str, NeuronTarget] = {t.name: t for t in (
 # --------------------------------------------------------------------------- geometry
 
 
-@dataclass(frozen=True)
-class TextGeometry:
-    """The sizes of a Gemma 4 MoE text model that the plan needs (element counts)."""
-
-    hidden: int
-    heads: int
-    layers: tuple[AttentionLayer, ...]
-    intermediate: int
-    moe_intermediate: int
-    experts: int
-    vocab: int
-    tied: bool
-    sliding_window: int
-    max_positions: int | None
-
-
-def text_geometry(config: dict) -> TextGeometry:
-    """Read the geometry from a config in the release form or transformers' ``per_layer_config``
-    form (per-layer attention sizes: :func:`g4.convert.gemma4_config.attention_layers`).
-
-    ``config`` may be the multimodal config (with ``text_config``) or a text config.
-
-    Raises:
-        G4Error: not a Gemma 4 MoE config, a missing size, or a layout the plan does not
-            model (per-layer embeddings, KV-shared layers).
-    """
-    if not isinstance(config, dict):
-        raise G4Error(f"config must be a JSON object, got {type(config).__name__}")
-    model_type = config.get("model_type")
-    if model_type not in ("gemma4", "gemma4_text"):
-        raise G4Error(f"model_type is {model_type!r}, expected 'gemma4' or 'gemma4_text' (Gemma 4)")
-    tc = config.get("text_config") or config
-    if not tc.get("enable_moe_block", False):
-        raise G4Error("text config has no MoE block (enable_moe_block is not true); g4 plans Gemma 4 MoE models")
-    if tc.get("hidden_size_per_layer_input") or tc.get("num_kv_shared_layers"):
-        raise G4Error("per-layer embeddings (hidden_size_per_layer_input) and KV-shared layers "
-                      "(num_kv_shared_layers) are not modelled by the planner")
-
-    def need(key: str) -> int:
-        value = tc.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise G4Error(f"text config: {key} is {value!r}, expected a positive integer")
-        return value
-
-    layers = attention_layers(tc)
-    return TextGeometry(
-        hidden=need("hidden_size"), heads=need("num_attention_heads"), layers=tuple(layers),
-        intermediate=need("intermediate_size"), moe_intermediate=need("moe_intermediate_size"),
-        experts=need("num_experts"), vocab=need("vocab_size"),
-        tied=bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", True))),
-        sliding_window=need("sliding_window"), max_positions=tc.get("max_position_embeddings"))
-
-
-def tp_problems(g: TextGeometry, tp: int, *, fmt: str = "bf16") -> list[str]:
-    """Why ``tp`` cannot be mapped onto ``g`` (empty when it can).
-
-    Heads, dense and expert intermediate sizes and the vocabulary must divide by ``tp``;
-    a layer's KV heads must divide by ``tp`` or, when fewer, divide ``tp`` (replication).
-    For NVFP4 each rank's share of a row-parallel input must be whole 16-element blocks.
-    """
-    if tp < 1:
-        return [f"must be >= 1, got {tp}"]
-    problems = [f"{name} {n} is not divisible by {tp}" for name, n in (
-        ("num_attention_heads", g.heads), ("intermediate_size", g.intermediate),
-        ("moe_intermediate_size", g.moe_intermediate), ("vocab_size", g.vocab)) if n % tp]
-    for kv in sorted({layer.kv_heads for layer in g.layers}):
-        if tp <= kv and kv % tp:
-            problems.append(f"{kv} KV heads cannot be split evenly over {tp} ranks")
-        elif tp > kv and tp % kv:
-            problems.append(f"{kv} KV heads cannot be replicated over {tp} ranks ({tp} is not a multiple of {kv})")
-    if fmt == "nvfp4" and not problems:
-        rows = [("moe_intermediate_size", g.moe_intermediate // tp), ("intermediate_size", g.intermediate // tp),
-                ("hidden_size", g.hidden)]
-        rows += [(f"attention heads x head_dim {layer.head_dim}", g.heads // tp * layer.head_dim) for layer in g.layers]
-        problems += sorted({f"{what}: {n} inputs per rank is not a multiple of the NVFP4 block of {_NVFP4_BLOCK}"
-                            for what, n in rows if n % _NVFP4_BLOCK})
-    return problems
-
-
-def valid_tp_degrees(g: TextGeometry, *, fmt: str = "bf16") -> list[int]:
+def valid_tp_degrees(g: Architecture, *, fmt: str = "bf16") -> list[int]:
     """Every TP degree from 1 to the number of attention heads that ``g`` can be split over."""
     return [t for t in range(1, g.heads + 1) if not tp_problems(g, t, fmt=fmt)]
 
@@ -200,7 +117,8 @@ def _matrix_bytes(dtype: str, rows: int, cols: int, *, scales: int) -> int:
     ``dtype``: ``bf16`` (2 bytes per element), ``int8`` (1 byte per element plus
     ``scales`` fp32 per-channel scales held by this rank) or ``nvfp4`` (``n/2`` bytes of
     e2m1 codes, ``n/16`` float8_e4m3 block scales, plus the fp32 ``weight_scale_2`` and
-    ``input_scale`` of the linear; architecture spec §4.2).
+    ``input_scale`` of the linear; NVIDIA/Model-Optimizer
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``).
     """
     n = rows * cols
     if dtype == "bf16":
@@ -222,10 +140,11 @@ def _row(dtype: str, out: int, inp_per_rank: int) -> int:
     return _matrix_bytes(dtype, out, inp_per_rank, scales=out)
 
 
-def _experts_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+def _experts_bytes(g: Architecture, dtype: str, tp: int) -> int:
     """Per-rank bytes of every layer's experts.
 
-    int8: expert-wise fp32 scales ``[E, 1, out]`` (nxd spec §4.3): gate_up's ``[E, 1, 2I/tp]``
+    int8: expert-wise fp32 scales ``[E, 1, out]`` (aws-neuron/neuronx-distributed
+    ``quantization/quantization_layers.py``): gate_up's ``[E, 1, 2I/tp]``
     split with the weight, down's ``[E, 1, H]`` replicated. NVFP4: each expert is exported
     as separate gate/up/down linears (``exporters/nvfp4_names.py``), each with its scalars.
     """
@@ -241,31 +160,27 @@ def _experts_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
     return len(g.layers) * (gate_up + down)
 
 
-def _dense_mlp_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+def _dense_mlp_bytes(g: Architecture, dtype: str, tp: int) -> int:
     i = g.intermediate // tp
     return len(g.layers) * (2 * _column(dtype, i, g.hidden) + _row(dtype, g.hidden, i))
 
 
-def _kv_per_rank(layer: AttentionLayer, tp: int) -> int:
-    return max(1, layer.kv_heads // tp)
-
-
-def _attention_bytes(g: TextGeometry, dtype: str, tp: int) -> int:
+def _attention_bytes(g: Architecture, dtype: str, tp: int) -> int:
     """q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel."""
     total = 0
     for layer in g.layers:
         q = g.heads // tp * layer.head_dim
-        kv = _kv_per_rank(layer, tp) * layer.head_dim
+        kv = layer.kv_per_rank(tp) * layer.head_dim
         total += _column(dtype, q, g.hidden) + _column(dtype, kv, g.hidden) * (2 if layer.has_v else 1)
         total += _row(dtype, g.hidden, q)
     return total
 
 
-def _norms_and_routers_bytes(g: TextGeometry) -> int:
+def _norms_and_routers_bytes(g: Architecture) -> int:
     """Replicated bf16: 7 hidden-size norms per MoE layer, q_norm and k_norm (head_dim; v_norm
     has no weight), ``layer_scalar`` [1], router ``proj`` [E, H], ``scale`` [H] and
     ``per_expert_scale`` [E], and the final norm [H]."""
-    per_layer = sum(7 * g.hidden + 2 * layer.head_dim + 1 for layer in g.layers)
+    per_layer = sum(len(LAYER_NORMS) * g.hidden + 2 * layer.head_dim + 1 for layer in g.layers)
     routers = len(g.layers) * (g.experts * g.hidden + g.hidden + g.experts)
     return (per_layer + routers + g.hidden) * _BF16
 
@@ -304,10 +219,10 @@ class KvCache:
 def _kv_bytes_per_token(layer: AttentionLayer, tp: int) -> int:
     """bf16 K and V of one layer for one token on one rank (K and V are both cached on full
     layers with ``attention_k_eq_v`` too: they are normalised and roped differently)."""
-    return _kv_per_rank(layer, tp) * layer.head_dim * 2 * _BF16
+    return layer.kv_per_rank(tp) * layer.head_dim * 2 * _BF16
 
 
-def kv_cache_vllm(g: TextGeometry, tp: int, seq_len: int, batch: int, max_num_batched_tokens: int) -> KvCache:
+def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_batched_tokens: int) -> KvCache:
     """The KV cache vLLM reserves per rank, in bytes, for ``batch`` sequences of ``seq_len``
     tokens (its ``--max-model-len``) at ``max_num_batched_tokens`` tokens per scheduler step.
 
@@ -337,7 +252,7 @@ def kv_cache_vllm(g: TextGeometry, tp: int, seq_len: int, batch: int, max_num_ba
     return KvCache(sliding * batch, full * batch)
 
 
-def kv_cache_nxdi(g: TextGeometry, tp: int, seq_len: int, batch: int) -> KvCache:
+def kv_cache_nxdi(g: Architecture, tp: int, seq_len: int, batch: int) -> KvCache:
     """The KV cache NxDI allocates per rank, in bytes: ``seq_len`` tokens on every layer,
     sliding or not, for each of ``batch`` sequences.
 
@@ -444,7 +359,7 @@ class MemoryPlan:
         fits: device verdict (``margin >= 0``); None without a target.
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
         host_rank_files: bytes of all local ranks' weight files, which a Neuron runtime
-            holds in host RAM before ``initialize`` (nxd spec §3.3, §6); 0 for a GPU.
+            holds in host RAM before ``initialize`` (aws-neuron/neuronx-distributed-inference ``models/application_base.py``); 0 for a GPU.
         host_ram_need: ``host_rank_files + host_embedding``.
         host_ram: the instance's RAM (Neuron targets); None when not known.
         host_margin, host_fits: the host verdict; None when not checked.
@@ -586,7 +501,7 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
                       "(aws-neuron-sdk about-neuron/arch/neuron-hardware/neuron-core-v2.rst); use --format int8-neuron")
 
 
-def _check_options(fmt: str, neuron: bool, g: TextGeometry, lm_head: str, attention: str, embedding: str) -> None:
+def _check_options(fmt: str, neuron: bool, g: Architecture, lm_head: str, attention: str, embedding: str) -> None:
     for what, value, known in (("lm_head", lm_head, LM_HEADS), ("attention", attention, ATTENTIONS),
                                ("embedding", embedding, EMBEDDINGS)):
         if value not in known:
@@ -603,7 +518,7 @@ def _check_options(fmt: str, neuron: bool, g: TextGeometry, lm_head: str, attent
                       "embedding the lm_head is its own copy (int8-sharded, bf16-sharded or bf16-replicated)")
 
 
-def _check_tp(g: TextGeometry, tp: int, fmt: str, t: NeuronTarget | None) -> None:
+def _check_tp(g: Architecture, tp: int, fmt: str, t: NeuronTarget | None) -> None:
     problems = tp_problems(g, tp, fmt=fmt)
     if problems:
         good = ", ".join(map(str, valid_tp_degrees(g, fmt=fmt)))
@@ -617,7 +532,7 @@ def _check_tp(g: TextGeometry, tp: int, fmt: str, t: NeuronTarget | None) -> Non
 
 
 
-def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: TextGeometry,
+def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: Architecture,
             batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How each group is stored and split, for the report."""
     name = "int8 + fp32 per-channel scales" if quant == "int8" else quant
@@ -638,7 +553,7 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
     }
 
 
-def _kv_layout(g: TextGeometry, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
+def _kv_layout(g: Architecture, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How the KV cache was sized: which engine's rule, in words, for the report."""
     if batched_tokens is None:
         return {"kv_cache": "bf16 K and V; NxDI's rule: every layer holds seq_len tokens",
@@ -651,7 +566,7 @@ def _kv_layout(g: TextGeometry, batched_tokens: int | None, seq_len: int) -> dic
             "kv_cache_full": f"{seq_len} tokens in blocks"}
 
 
-def _notes(g: TextGeometry, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int) -> list[str]:
+def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int) -> list[str]:
     notes = []
     if g.max_positions and seq_len > g.max_positions:
         notes.append(f"seq_len {seq_len} is longer than the model's max_position_embeddings {g.max_positions}")
@@ -727,7 +642,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         raise G4Error(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
     batched = None if on_neuron else max_num_batched_tokens or vllm_default_batched_tokens(gpu_mem_bytes)
     t = NEURON_TARGETS[target] if neuron else None
-    g = text_geometry(config)
+    g = read_architecture(config)
     lm_head, attention, embedding = _with_defaults(fmt, neuron, g.tied, lm_head, attention, embedding)
     _check_options(fmt, neuron, g, lm_head, attention, embedding)
     _check_tp(g, tp, fmt, t)
@@ -773,7 +688,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         notes=tuple(notes + _notes(g, tp, t, neuron, seq_len)))
 
 
-# --------------------------------------------------------------------------- sources and CLI
+# --------------------------------------------------------------------------- sources
 
 
 def load_source(src: str) -> tuple[str, dict, Path | None]:
@@ -811,49 +726,3 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise G4Error(f"{file}: invalid JSON: {e}") from e
     return (src if src == EMBEDDED else source_name(src) if directory else file.name), config, directory
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("src", metavar="SRC_OR_CONFIG")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
-@click.option("--tp", type=COUNT, default=1, show_default=True,
-              help="Tensor-parallel degree: one rank per NeuronCore or per GPU.")
-@click.option("--target", type=click.Choice(list(NEURON_TARGETS)), help="AWS Neuron instance (16 GiB HBM per core).")
-@click.option("--gpu-mem", type=ByteSize(), help="Memory of one GPU instead of --target, with its unit: 80GB "
-                                                 "(10**9 bytes) or 128GiB (2**30).")
-@click.option("--seq-len", type=COUNT, default=8192, show_default=True,
-              help="KV cache tokens per sequence (vLLM's --max-model-len).")
-@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences in the KV cache.")
-@click.option("--max-num-batched-tokens", type=COUNT,
-              help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
-                   "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
-                   "or more (2048 on an A100), else 2048.")
-@click.option("--lm-head", type=click.Choice(LM_HEADS),
-              help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
-@click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
-@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
-@exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
-         as_json):
-    """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
-
-    SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
-    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
-    Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
-    vLLM's rule on a GPU, NxDI's on Neuron.
-
-    \b
-    Examples:
-      g4convert plan gemma-4-26B-A4B --target inf2.xlarge --tp 2
-      g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
-      g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
-    """
-    from g4.exporters.safetensors_writer import parse_size
-
-    gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
-    name, config, directory = load_source(src)
-    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
-                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens)
-    click.echo(result.to_json() if as_json else result.summary())

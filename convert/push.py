@@ -41,15 +41,17 @@ from g4.exporters.model_card import (
     FACTS_FILE,
     INDEX_NAME,
     check_repo_id,
-    load_facts,
+    load_conversion_facts,
     render_card,
     repo_files,
     set_base_model,
     write_card,
 )
 
-from .errors import G4Error, exit_on_user_error
-from .options import ByteSize
+from g4.exporters.neuron_int8 import MANIFEST, Manifest
+
+from .errors import G4Error, OptionError
+from .resolve import quiet_http_logs
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
         HubError: naming the first problem.
     """
     out = Path(out)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     names = {f.rel for f in files}
     needed: list[str] = [CARD_FILE, FACTS_FILE, "config.json"]
     try:
@@ -146,8 +148,8 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
         elif facts["format"] == "nvfp4":
             needed.append("model.safetensors")
         if facts["format"] == "int8-neuron":
-            manifest = json.loads((out / "manifest.json").read_text())
-            needed += ["manifest.json", *manifest["rank_files"], manifest["host_embedding"]["file"]]
+            manifest = Manifest.from_dir(out)
+            needed += [MANIFEST, *manifest.rank_files, manifest.host_embedding["file"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HubError(f"{out}: unreadable index or manifest ({type(e).__name__}: {e})") from e
     missing = [n for n in needed if n not in names]
@@ -296,7 +298,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     """
     out = Path(out)
     check_repo_id(repo_id)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     if base_model is not None:
         check_repo_id(base_model, what="--base-model")
     notes = []
@@ -304,35 +306,83 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         notes.append("the card names no base_model (g4 could not tell the source's Hub repo from SRC); "
                      "pass --base-model ORG/NAME to link it")
     if dry_run:
-        card = render_card(out, repo_id=repo_id, base_model=base_model)
-        files = local_files(out)
-        files = [f for f in files if f.rel != CARD_FILE] + [LocalFile(CARD_FILE, out / CARD_FILE,
-                                                                       len(card.encode("utf-8")))]
-        files.sort(key=lambda f: f.rel)
-        check_complete(out, files, max_file_bytes=max_file_bytes)
-        return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
+        return _dry_run(out, repo_id, revision, base_model, max_file_bytes, notes)
 
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
     token = token or _token()
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import RevisionNotFoundError
 
     from g4.exporters.model_card import _g4_version
 
     api = HfApi(endpoint=endpoint, token=token, library_name="g4", library_version=_g4_version())
     kw = dict(attempts=attempts, wait_s=retry_wait_s, repo_id=repo_id, token=token)
 
-    who = _retrying(lambda: api.whoami(), "checking the token", **kw)
-    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
-    if role == "read":
-        raise HubError(f"the token of {who.get('name')} is read-only; pushing to {repo_id} needs a write token")
-
+    _check_write_token(api, repo_id, kw)
     if base_model is not None:
         set_base_model(out, base_model)
     card = write_card(out, repo_id=repo_id)
     files = local_files(out)  # README.md changed
     check_complete(out, files, max_file_bytes=max_file_bytes)
+
+    def head() -> str | None:
+        try:
+            return api.repo_info(repo_id, revision=revision).sha
+        except RevisionNotFoundError:
+            return None
+
+    created, old_head = _ensure_repo_and_branch(api, repo_id, revision, private, head, echo, kw)
+    remote = _retrying(lambda: _remote_files(api, repo_id, old_head), f"listing {repo_id}@{revision}", **kw)
+    deletes = _plan_existing(remote, files, repo_id, revision, allow_existing)
+
+    ops = [CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.path)) for f in files]
+    for op, f in zip(ops, files):
+        op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once here; reused by the upload and the check
+    echo(f"uploading {len(files)} files ({_gb(sum(f.size for f in files))}) to {repo_id}@{revision}")
+    _retrying(lambda: api.preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=False),
+              f"uploading to {repo_id} (nothing committed; a rerun sends only what the Hub lacks)", **kw)
+
+    message = commit_message or f"Upload {repo_id.split('/', 1)[1]} ({facts['format']}, g4 {facts.get('g4_version')})"
+    description = (f"{len(files)} files, {sum(f.size for f in files)} bytes, written by `g4convert push` in one commit "
+                   "(shards, index and configs together).")
+    operations = ops + [CommitOperationDelete(path_in_repo=p) for p in deletes]
+    info = _commit_once(api, repo_id, revision, operations, message, description, old_head, head, attempts,
+                        retry_wait_s, kw)
+    new_head = info.oid if info is not None else _retrying(head, f"reading {repo_id}@{revision}", **kw)
+    unchanged = new_head == old_head
+    remote = _retrying(lambda: _remote_files(api, repo_id, new_head), f"listing {repo_id}@{new_head[:12]}", **kw)
+    problems = compare_remote(remote, files)
+    if problems:
+        raise HubError(f"{repo_id}@{new_head[:12]} differs from {out}: {len(problems)} problem(s): "
+                       + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+    url = info.commit_url if info is not None else None
+    return PushReport(repo_id, revision, files, card, created=created, commit_oid=new_head, commit_url=url,
+                      unchanged=unchanged, notes=notes)
+
+
+def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int,
+             notes: list[str]) -> PushReport:
+    """What a push would send: the card rendered in memory and OUT's files; nothing written."""
+    card = render_card(out, repo_id=repo_id, base_model=base_model)
+    files = [f for f in local_files(out) if f.rel != CARD_FILE]
+    files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
+    check_complete(out, files, max_file_bytes=max_file_bytes)
+    return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
+
+
+def _check_write_token(api, repo_id: str, kw: dict) -> None:
+    who = _retrying(lambda: api.whoami(), "checking the token", **kw)
+    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HubError(f"the token of {who.get('name')} is read-only; pushing to {repo_id} needs a write token")
+
+
+def _ensure_repo_and_branch(api, repo_id: str, revision: str, private: bool, head, echo, kw: dict
+                            ) -> tuple[bool, str]:
+    """Create the repo (``private``, else the namespace's default) and the branch when missing.
+    Returns ``(created, head commit of the branch)``."""
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     def exists() -> bool:
         try:
@@ -340,12 +390,6 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
             return True
         except RepositoryNotFoundError:
             return False
-
-    def head() -> str | None:
-        try:
-            return api.repo_info(repo_id, revision=revision).sha
-        except RevisionNotFoundError:
-            return None
 
     created = False
     if not _retrying(exists, f"reading {repo_id}", **kw):
@@ -364,46 +408,26 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         old_head = _retrying(head, f"reading {repo_id}@{revision}", **kw)
     if old_head is None:
         raise HubError(f"{repo_id}: branch {revision} cannot be read after creating it")
+    return created, old_head
 
-    remote = _retrying(lambda: _remote_files(api, repo_id, old_head), f"listing {repo_id}@{revision}", **kw)
-    deletes = _plan_existing(remote, files, repo_id, revision, allow_existing)
 
-    ops = [CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.path)) for f in files]
-    for op, f in zip(ops, files):
-        op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once here; reused by the upload and the check
-    echo(f"uploading {len(files)} files ({_gb(sum(f.size for f in files))}) to {repo_id}@{revision}")
-    _retrying(lambda: api.preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=False),
-              f"uploading to {repo_id} (nothing committed; a rerun sends only what the Hub lacks)", **kw)
-
-    message = commit_message or f"Upload {repo_id.split('/', 1)[1]} ({facts['format']}, g4 {facts.get('g4_version')})"
-    description = (f"{len(files)} files, {sum(f.size for f in files)} bytes, written by `g4convert push` in one commit "
-                   "(shards, index and configs together).")
-    operations = ops + [CommitOperationDelete(path_in_repo=p) for p in deletes]
-    info = None
+def _commit_once(api, repo_id: str, revision: str, operations, message: str, description: str, old_head: str,
+                 head, attempts: int, retry_wait_s: float, kw: dict):
+    """The one commit on top of ``old_head``, retried on network errors only while the branch has
+    not moved. Returns the commit info, or None when a retried request turned out to have landed."""
     for attempt in range(1, attempts + 1):
         try:
-            info = api.create_commit(repo_id, operations, commit_message=message, commit_description=description,
+            return api.create_commit(repo_id, operations, commit_message=message, commit_description=description,
                                      revision=revision, parent_commit=old_head)
-            break
         except Exception as e:
             if not _is_network(e) or _status(e) is not None or attempt == attempts:
-                raise _explain(e, f"committing to {repo_id}@{revision}", repo_id, token, attempt) from None
+                raise _explain(e, f"committing to {repo_id}@{revision}", repo_id, kw["token"], attempt) from None
             # The request may have reached the Hub: if the branch moved, check what is there.
             now = _retrying(head, f"reading {repo_id}@{revision}", **kw)
             if now != old_head:
-                info = None
-                break
+                return None
             time.sleep(retry_wait_s * 2 ** (attempt - 1))
-    new_head = info.oid if info is not None else _retrying(head, f"reading {repo_id}@{revision}", **kw)
-    unchanged = new_head == old_head
-    remote = _retrying(lambda: _remote_files(api, repo_id, new_head), f"listing {repo_id}@{new_head[:12]}", **kw)
-    problems = compare_remote(remote, files)
-    if problems:
-        raise HubError(f"{repo_id}@{new_head[:12]} differs from {out}: {len(problems)} problem(s): "
-                       + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
-    url = info.commit_url if info is not None else None
-    return PushReport(repo_id, revision, files, card, created=created, commit_oid=new_head, commit_url=url,
-                      unchanged=unchanged, notes=notes)
+    return None
 
 
 def _token() -> str:
@@ -493,16 +517,8 @@ def _parse_limit(text: str | None) -> int:
 
     try:
         return parse_size(text)
-    except ValueError as e:
-        raise G4Error(f"--max-file-size: {e}") from e
-
-
-def quiet_http_logs() -> None:
-    """One line per request from httpx2 only with -v (DEBUG); huggingface_hub's warnings
-    once (it has its own handler, so not also through the root logger)."""
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("httpx2").setLevel(logging.WARNING)
-    logging.getLogger("huggingface_hub").propagate = False
+    except OptionError as e:
+        raise OptionError(f"--max-file-size: {e}") from e
 
 
 def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:
@@ -527,34 +543,3 @@ def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:
         echo(f"committed {len(report.files)} files ({report.total_bytes:,} bytes) to {report.repo_id} "
              f"branch {report.revision} in one commit{': ' + report.commit_url if report.commit_url else ''}")
         echo(f"verified {where}: names, sizes and hashes of all {len(report.files)} files match {out}")
-
-
-@click.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("repo_id")
-@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
-@click.option("--revision", default="main", show_default=True, help="Branch to commit to (created from main if missing).")
-@click.option("--commit-message", help="Default: 'Upload <name> (<format>, g4 <version>)'.")
-@click.option("--dry-run", is_flag=True, help="List the files and print the model card; send nothing, need no token.")
-@click.option("--allow-existing", is_flag=True,
-              help="Replace the content of a repo that already holds other files (deleted in the same commit).")
-@click.option("--base-model", help="Hub repo id of the source model, for the card's base_model (when g4 could not "
-                                   "tell it from SRC).")
-@click.option("--max-file-size", type=ByteSize(), metavar="SIZE",
-              help="Per-file limit checked before upload, e.g. 50GB (GB = 10**9 bytes). Default: the Hub's, "
-                   "200GB (HUB_MAX_FILE_BYTES).")
-@exit_on_user_error
-def push(out, repo_id, private, revision, commit_message, dry_run, allow_existing, base_model, max_file_size):
-    """Publish the g4 result OUT to the Hugging Face Hub repo REPO_ID (namespace/name).
-
-    \b
-    One commit holds every file, so the repo never points at a missing shard; an
-    interrupted upload resumes on rerun without sending finished files again; the remote
-    files are then compared with OUT (names, sizes, hashes). The model card (README.md)
-    is re-rendered first. Token: HF_TOKEN or `hf auth login`.
-    """
-    quiet_http_logs()
-    report = push_result(out, repo_id, private=private, revision=revision, commit_message=commit_message,
-                         dry_run=dry_run, allow_existing=allow_existing, base_model=base_model,
-                         max_file_bytes=_parse_limit(max_file_size))
-    echo_report(report, out)

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from .errors import G4Error
 
+EMBEDDED_DIR = Path(__file__).parent / "embedded"
+"""The embedded tiny Gemma 4 (``SRC`` ``embedded``; trained by ``g4.convert.embedded_model``)."""
+
 EMBEDDED = "embedded"
 EMBEDDED_OUT_NAME = "gemma4-tiny"
 REPO_ID_PATTERN = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
@@ -75,8 +78,6 @@ def resolve_source(text: str, *, config_only: bool = False) -> Path:
             ``HF_HUB_OFFLINE=1`` is set or the Hub cannot be reached. One line each.
     """
     if text == EMBEDDED:
-        from .embedded_model import EMBEDDED_DIR
-
         return EMBEDDED_DIR
     ref = parse_repo_ref(text)
     if ref is None:
@@ -98,7 +99,6 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
     )
 
     from .checkpoint import SOURCE_META_FILES, refuse_quantized, weight_files
-    from .push import quiet_http_logs
 
     quiet_http_logs()
     top_level_only = ["*/*"]  # fnmatch's * crosses "/": allow-listed names must not match inside folders
@@ -170,3 +170,11 @@ def _cached_listing(repo_id: str, commit: str) -> set[str] | None:
 def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__
+
+
+def quiet_http_logs() -> None:
+    """One line per request from httpx2 only with -v (DEBUG); huggingface_hub's warnings
+    once (it has its own handler, so not also through the root logger)."""
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+    logging.getLogger("huggingface_hub").propagate = False

@@ -18,6 +18,7 @@ import torch
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 
 from .errors import G4Error
+from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
 from .progress import progress_bar
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
@@ -88,13 +89,19 @@ def synthetic_specs(config: dict) -> list[TensorSpec]:
     as ``save_pretrained`` writes them (persistent buffers included, tied lm_head dropped)."""
     from transformers import AutoConfig, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
+    arch = read_architecture(config)
     hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    cls = Gemma4ForConditionalGeneration if config["model_type"] == "gemma4" else Gemma4ForCausalLM
+    cls = Gemma4ForConditionalGeneration if arch.multimodal else Gemma4ForCausalLM
     with torch.device("meta"):
         model = cls(hf)
-    tied = config.get("tie_word_embeddings", True)
-    return [TensorSpec(name, torch.bfloat16, tuple(t.shape)) for name, t in model.state_dict().items()
-            if not (tied and name == "lm_head.weight")]
+    specs = [TensorSpec(name, torch.bfloat16, tuple(t.shape)) for name, t in model.state_dict().items()
+             if not (arch.tied and name == "lm_head.weight")]
+    prefix = MULTIMODAL_PREFIX if arch.multimodal else TEXT_PREFIX
+    shapes = {s.name: s.shape for s in specs}
+    for L in range(arch.num_layers):  # transformers' model and g4's inventory of it agree
+        for suffix, shape in arch.layer_tensor_shapes(L).items():
+            assert shapes[f"{prefix}layers.{L}.{suffix}"] == shape, (L, suffix)
+    return specs
 
 
 def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.errors import ExportError, G4Error
-from g4.convert.resolve import REPO_ID_PATTERN
+from g4.convert.resolve import EMBEDDED_DIR, REPO_ID_PATTERN
 
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
@@ -130,7 +130,6 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
         CardError: unreadable source README front matter.
     """
     from g4.convert.checkpoint import read_index
-    from g4.convert.embedded_model import EMBEDDED_DIR
 
     tmp, src = Path(tmp), Path(src)
     config = json.loads((src / "config.json").read_text())
@@ -173,7 +172,7 @@ def _g4_version() -> str:
         return CONVERTER["version"]
 
 
-def load_facts(out: str | Path) -> dict:
+def load_conversion_facts(out: str | Path) -> dict:
     """``OUT/g4_conversion.json``.
 
     Raises:
@@ -201,7 +200,7 @@ def set_base_model(out: str | Path, base_model: str) -> None:
         CardError: not a repo id, or OUT has no facts file.
     """
     check_repo_id(base_model, what="--base-model")
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     facts["base_model"] = base_model
     _write_json_atomic(Path(out) / FACTS_FILE, facts)
     write_card(out)
@@ -289,54 +288,33 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
     return rows
 
 
-_KEPT_KINDS = (  # (label, test on the tensor name), first match wins
-    ("vision tower and embed_vision", lambda n: "vision" in n or "audio" in n),
-    ("token embedding", lambda n: "embed_tokens" in n),
-    ("lm_head", lambda n: n.startswith("lm_head")),
-    ("routers", lambda n: ".router." in n),
-    ("norms", lambda n: "norm" in (n.split(".")[-2] if "." in n else n)),
-    ("layer scalars", lambda n: n.endswith("layer_scalar")),
-    ("attention", lambda n: ".self_attn." in n),
-    ("dense MLP", lambda n: ".mlp." in n),
-    ("experts", lambda n: ".experts." in n),
-)
-
-
-def _kind(name: str) -> str:
-    for label, test in _KEPT_KINDS:
-        if test(name):
-            return label
-    return "other"
-
-
-_EXPERT = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.")
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
 def _nvfp4_facts(out: Path) -> dict:
+    """What the NVFP4 files hold, read through the name table (``exporters/nvfp4_names.py``)."""
+    from g4.exporters.nvfp4_names import parse_output_name, quantized_names
+
     tensors = [t for f in _weight_files(out) for t in _header(out / f)]
     by_name = {t.name: t for t in tensors}
-    modules = sorted(t.name[: -len(".weight")] for t in tensors if t.dtype == "U8" and t.name.endswith(".weight"))
-    member = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+    parsed = {t.name: parse_output_name(t.name) for t in tensors}
+    linears = sorted((o for o in parsed.values() if o is not None and o.suffix == "weight"
+                      and by_name[o.name].dtype == "U8"), key=lambda o: o.module)
+    member = {n for o in linears for n in quantized_names(o.module, with_input_scale=True)}
     quant: dict[str, dict] = {}
     params = qbytes = 0
-    for m in modules:
-        kind = _kind(m + ".weight")
-        q = quant.setdefault(kind, {"linears": 0, "layers": set(), "experts": set()})
+    for o in linears:
+        q = quant.setdefault(o.kind, {"linears": 0, "layers": set(), "experts": set()})
         q["linears"] += 1
-        if (e := _EXPERT.search(m)) is not None:
-            q["layers"].add(int(e.group(1)))
-            q["experts"].add(int(e.group(2)))
-        elif (layer := _LAYER.search(m)) is not None:
-            q["layers"].add(int(layer.group(1)))
-        params += by_name[f"{m}.weight"].numel * 2  # two E2M1 codes per byte
-        qbytes += sum(by_name[n].nbytes for n in (f"{m}.{s}" for s in ("weight", "weight_scale", "weight_scale_2",
-                                                                       "input_scale")) if n in by_name)
+        if o.layer is not None:
+            q["layers"].add(o.layer)
+        if o.expert is not None:
+            q["experts"].add(o.expert)
+        params += by_name[o.name].numel * 2  # two E2M1 codes per byte
+        qbytes += sum(by_name[n].nbytes for n in quantized_names(o.module, with_input_scale=True) if n in by_name)
     kept: dict[str, dict] = {}
     for t in tensors:
         if t.name in member:
             continue
-        k = kept.setdefault(_kind(t.name), {"tensors": 0, "dtypes": set(), "bytes": 0})
+        o = parsed[t.name]
+        k = kept.setdefault(o.kind if o is not None else "other", {"tensors": 0, "dtypes": set(), "bytes": 0})
         k["tensors"] += 1
         k["dtypes"].add(t.dtype)
         k["bytes"] += t.nbytes
@@ -349,20 +327,23 @@ def _nvfp4_facts(out: Path) -> dict:
 
 
 def _int8_facts(out: Path) -> dict:
-    manifest = json.loads((out / "manifest.json").read_text())
-    rank_files = manifest["rank_files"]
+    from g4.exporters.neuron_int8 import Manifest, parse_rank_name
+
+    manifest = Manifest.from_dir(out)
+    rank_files = manifest.rank_files
     tensors = _header(out / rank_files[0])
     by_name = {t.name: t for t in tensors}
     q8: dict[str, int] = Counter()
     numel = qbytes = 0
     for t in tensors:
-        if t.dtype == "I8" and t.name.endswith(".weight"):
-            scale = by_name.get(t.name[: -len("weight")] + "scale")
-            q8[_kind(t.name)] += 1
+        r = parse_rank_name(t.name)
+        if r is not None and r.entry.int8 and t.name == r.entry.names(r.prefix)[0] and t.dtype == "I8":
+            scale = by_name.get(r.entry.names(r.prefix)[1])
+            q8[r.kind] += 1
             numel += t.numel
             qbytes += t.nbytes + (scale.nbytes if scale is not None else 0)
     rank_bytes = [(f, (out / f).stat().st_size) for f in rank_files]
-    host = manifest.get("host_embedding") or {}
+    host = manifest.host_embedding or {}
     return {"manifest": manifest, "int8_tensors": dict(q8), "numel": numel, "qbytes": qbytes,
             "rank_bytes": rank_bytes,
             "host_bytes": (out / host["file"]).stat().st_size if host.get("file") else 0}
@@ -385,7 +366,7 @@ def _verification(out: Path) -> dict | None:
 def _stale_reason(out: Path, files) -> str | None:
     """Why a verification is not about OUT's current weights (None when it is): the
     ``files`` fingerprints ``g4serve check`` recorded, compared by size, then sha256."""
-    from g4.serve.check import weight_fingerprints
+    from g4.convert.checkpoint import weight_fingerprints
 
     if not isinstance(files, dict) or not files:
         return "verification.json does not record which weights it checked"
@@ -479,7 +460,7 @@ def _how_made(facts: dict, out_name: str) -> str:
 
 
 def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
-    from g4.serve.vllm_backend import vllm_command
+    from g4.exporters.vllm_command import vllm_command
 
     order = ("experts", "dense MLP", "attention", "other")
     qrows = []
@@ -507,8 +488,8 @@ def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
 
 def _int8_body(i8: dict) -> dict:
     m = i8["manifest"]
-    qz = m.get("quantization") or {}
-    plan = m.get("memory_plan") or {}
+    qz = m.quantization or {}
+    plan = m.memory_plan or {}
     prow = []
     for key, label in (("experts", "experts"), ("lm_head", "lm_head (vocabulary-sharded)"), ("dense_mlp", "dense MLP"),
                        ("attention", "attention"), ("norms_and_routers", "norms and routers"),
@@ -525,12 +506,12 @@ def _int8_body(i8: dict) -> dict:
         if plan.get("host_ram") is not None:
             summary.append(f"host RAM to load every rank file at once: {_size(plan.get('host_ram_need'))} of "
                            f"{_size(plan.get('host_ram'))}: {'fits' if plan.get('host_fits') else 'DOES NOT FIT'}")
-    return {"tp": m.get("tp_degree"), "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
+    return {"tp": m.tp_degree, "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
             "bpw": i8["qbytes"] * 8 / max(i8["numel"], 1), "rank_rows": [[f, _size(b)] for f, b in i8["rank_bytes"]],
             "host_bytes": i8["host_bytes"], "plan_rows": prow, "plan_summary": summary,
             # results made before g4 cited public sources have local spec paths in their notes
-            "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.get("embed_scale"), "layout": m.get("format")}
+            "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.embed_scale, "layout": m.format}
 
 
 def _verification_body(v: dict | None) -> dict | None:
@@ -689,7 +670,7 @@ def render_card(out: str | Path, *, repo_id: str | None = None, name: str | None
     from huggingface_hub import ModelCard
 
     out = Path(out)
-    facts = load_facts(out)
+    facts = load_conversion_facts(out)
     if base_model is not None:
         facts["base_model"] = check_repo_id(base_model, what="--base-model")
     if repo_id is not None:

@@ -22,7 +22,14 @@ import torch
 
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import ExportError
-from g4.exporters.nvfp4_names import QUANT_SUFFIXES
+from g4.convert.gemma4 import MODEL_MODULE_KINDS, is_tied
+from g4.exporters.nvfp4_names import (
+    DENSE_GROUPS,
+    QUANT_SUFFIXES,
+    OutputName,
+    expert_module,
+    parse_output_name,
+)
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
 MODELOPT_COMPAT_VERSION = "0.47.0"
@@ -65,9 +72,9 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
 
     Raises:
         G4Error: a ``per_layer_config`` the release form cannot express
-            (:func:`g4.convert.gemma4_config.release_config`).
+            (:func:`g4.convert.gemma4.release_config`).
     """
-    from g4.convert.gemma4_config import release_config
+    from g4.convert.gemma4 import release_config
 
     config = release_config(src_config)
     config["quantization_config"] = quantization_config(excludes, weight_only=weight_only)
@@ -87,7 +94,8 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     ``weight_scale`` fp8 ``[out, in/16]``, ``weight_scale_2`` f32 ``[]`` and, iff the
     config declares input activations, ``input_scale`` f32 ``[]`` (P05); every scale
     finite and > 0 (P04); one ``weight_scale_2`` per expert gate/up pair and per dense
-    q/k/v and gate/up group, one ``input_scale`` per dense group (spec §1.6); the
+    q/k/v and gate/up group, one ``input_scale`` per dense group (vLLM keeps one per merged layer:
+    vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``); the
     exclusion list matches the tensors (P07): no quantized module is excluded, every
     bf16 2-D linear weight is, every pattern matches something (``lm_head`` when tied).
 
@@ -116,13 +124,15 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     modules: dict[str, dict[str, tuple]] = defaultdict(dict)
     kept: dict[str, tuple] = {}
     ckpt = Checkpoint(out_dir)  # the same header/index validation as any source
+    parsed: dict[str, OutputName] = {}
     for name, info in ckpt.tensors.items():
-        if ".moe." in name or name.endswith(("gate_up_proj", "experts.down_proj")) or "_global_scale" in name \
-                or name.endswith("weight_packed"):
-            raise ExportError(f"tensor {name}: name vLLM does not load for modelopt NVFP4 (fused, .moe. or compressed-tensors)")
-        module, _, suffix = name.rpartition(".")
-        if suffix in QUANT_SUFFIXES:
-            modules[module][suffix] = (info.dtype, info.shape)
+        o = parse_output_name(name)
+        if o is None:  # fused 3-D experts, .moe., compressed-tensors or any name the table does not write
+            raise ExportError(f"tensor {name}: name vLLM does not load for modelopt NVFP4 (fused, .moe. or "
+                              "compressed-tensors, or not in the name table)")
+        parsed[name] = o
+        if o.suffix in QUANT_SUFFIXES:
+            modules[o.module][o.suffix] = (info.dtype, info.shape)
         kept[name] = (info.dtype, info.shape)
     quantized = {m: t for m, t in modules.items() if t.get("weight", (None,))[0] == torch.uint8}
     expected = set(QUANT_SUFFIXES) if w4a4 else set(QUANT_SUFFIXES[:3])
@@ -150,12 +160,13 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
             raise ExportError(f"module {module}: is quantized but matches the exclusion list")
         for name in (f"{module}.{s}" for s in ts):
             kept.pop(name)
-    _check_shared(quantized, scalars, w4a4)
+    _check_shared({m: parsed[f"{m}.weight"] for m in quantized}, scalars, w4a4)
     for name, (dtype, shape) in kept.items():
-        if len(shape) == 2 and name.endswith(".weight") and not name.endswith("embed_tokens.weight") \
-                and not _excluded(name.rpartition(".")[0], excludes):
+        o = parsed[name]
+        if len(shape) == 2 and o.suffix == "weight" and o.kind != MODEL_MODULE_KINDS["embed_tokens"] \
+                and not _excluded(o.module, excludes):
             raise ExportError(f"tensor {name}: kept {dtype} but its module is not in the exclusion list")
-    tied = (config.get("text_config") or config).get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    tied = is_tied(config)
     for p in excludes:
         if p == "lm_head" and tied:
             continue
@@ -164,15 +175,18 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     return {"quantized_modules": len(quantized), "kept_tensors": len(kept)}
 
 
-def _check_shared(quantized: dict, scalars: dict[str, torch.Tensor], w4a4: bool) -> None:
-    """Fused partners must carry identical global (and input) scales."""
+def _check_shared(quantized: dict[str, OutputName], scalars: dict[str, torch.Tensor], w4a4: bool) -> None:
+    """Fused partners must carry identical global (and input) scales: an expert's gate and up,
+    and every multi-member dense group of the table (q/k/v, gate/up)."""
     groups = []
-    for module in quantized:
-        if module.endswith(".gate_proj"):
-            groups.append((module, module[: -len("gate_proj")] + "up_proj"))
-        elif module.endswith(".self_attn.q_proj"):
-            base = module[: -len("q_proj")]
-            groups.append(tuple(base + p for p in ("q_proj", "k_proj", "v_proj") if base + p in quantized))
+    for module, o in quantized.items():
+        if o.expert is not None and o.proj == "gate_proj":
+            groups.append((module, expert_module(o.layer_prefix, o.expert, "up_proj")))
+        elif o.expert is None and o.layer_prefix is not None:
+            for g in DENSE_GROUPS:
+                if len(g.members) > 1 and module == o.layer_prefix + g.members[0]:
+                    groups.append(tuple(o.layer_prefix + m for m in g.members
+                                        if o.layer_prefix + m in quantized or m not in g.optional))
     suffixes = ("weight_scale_2", "input_scale") if w4a4 else ("weight_scale_2",)
     for group in groups:
         for s in suffixes:

@@ -1,36 +1,340 @@
-"""Per-TP-rank slices of int8-neuron tensors (layout: ``g4.serve.neuron_layout``).
+"""The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
+names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
+the CPU emulator (``g4.serve.neuron_emulator``), the Neuron module tree
+(``g4.serve.neuron_model``) and the runtime loader read it from here, so file keys, module
+names, per-rank shapes and manifest fields cannot drift apart.
 
-Slicing follows aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight``
-and ``quantization/quantization_layers.py``: column layers split output
-rows and their scales, row layers split input columns and replicate their scales, fused
-expert gate/up is split with stride 2 (``[gate_r | up_r]``), expert down on its input
-dim with the scale replicated. KV projections take whole KV heads, replicated when there
-are fewer KV heads than ranks.
+Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
+are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
+aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight`` and the quantized
+parallel layers (``quantization/quantization_layers.py``):
+
+- column-parallel (q/k/v, dense gate/up, lm_head): output rows split; int8 ``weight``
+  ``[out/T, in]`` and fp32 ``scale`` ``[out/T, 1]`` split with them;
+- row-parallel (o_proj, dense down): input columns split, ``weight`` ``[out, in/T]``,
+  ``scale`` ``[out, 1]`` replicated on every rank;
+- experts in NxD's fused layout (``ExpertFusedColumnParallelLinear`` /
+  ``ExpertFusedRowParallelLinear``, expert-wise per-channel scales):
+  ``experts.gate_up_proj.weight`` int8 ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2:
+  rank r gets its slice of the gate columns and its slice of the up columns, never a slice
+  of the fused dimension), ``.scale`` fp32 ``[E, 1, 2I/T]`` split the same way;
+  ``experts.down_proj.weight`` int8 ``[E, I/T, H]``, ``.scale`` fp32 ``[E, 1, H]``
+  replicated. (Hugging Face stores ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``;
+  the NxD layout is their ``transpose(1, 2)``.)
+- KV heads: a layer with fewer KV heads than ranks replicates whole KV heads so that each
+  rank holds the KV head its query heads use; full-attention layers with
+  ``attention_k_eq_v`` have no ``v_proj`` (V is taken from K).
+- everything else (norms, router, ``layer_scalar``) is replicated in bf16.
+
+The host keeps the unscaled bf16 embedding table (``embed_tokens.safetensors``); the
+runtime multiplies looked-up rows by ``embed_scale = bf16(sqrt(hidden_size))``
+(:func:`g4.convert.gemma4.embed_scale`), which :meth:`Manifest.check_embed_scale` checks.
+
+Each sharding rule is an object with the rank-local shape of a source tensor and the
+rank's ``take`` of it (weight and int8 scale together); KV projections have their own rule
+(:data:`KV_HEADS`), not a test on the key name.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 import torch
 
+from g4.convert.errors import CheckpointError, G4Error
+from g4.convert.gemma4 import (
+    ATTENTION_NORMS,
+    LAYER_MODULE_KINDS,
+    LAYER_NORMS,
+    MODEL_MODULE_KINDS,
+    Architecture,
+    embed_scale,
+    read_architecture,
+    tp_problems,
+)
+from g4.exporters.safetensors_writer import TensorSpec
 from g4.quantizers.int8 import Int8Weight
-from g4.serve.neuron_layout import COLUMN, EXPERT_DOWN, EXPERT_GATE_UP, REPLICATED, ROW, Entry, Geometry
+
+LAYOUT_NAME = "g4-int8-neuron/1"
+WEIGHTS_DIR = "weights"
+EMBED_FILE = "embed_tokens.safetensors"
+EMBED_TENSOR = "embed_tokens.weight"
+MANIFEST = "manifest.json"
 
 
-def _column_rows(e: Entry, rows: int, g: Geometry, layer: int | None, rank: int) -> slice:
-    if layer is not None and e.key in ("self_attn.k_proj", "self_attn.v_proj"):
-        hd, n = g.head_dim[layer], g.kv_per_rank(layer)
-        first = g.kv_head_of_rank(layer, rank)
-        return slice(first * hd, (first + n) * hd)
-    per = rows // g.tp
-    return slice(rank * per, (rank + 1) * per)
+def layer_prefix(layer: int) -> str:
+    """Key prefix of decoder layer ``layer`` in a rank file (NxDI: relative to the text model)."""
+    return f"layers.{layer}."
 
 
-def _gate_up_index(two_i: int, tp: int, rank: int) -> torch.Tensor:
-    """Fused-row indices of rank ``rank``: its gate rows then its up rows (never a slice
-    of the fused dimension; case P11)."""
-    inter, per = two_i // 2, two_i // 2 // tp
-    own = torch.arange(rank * per, (rank + 1) * per)
-    return torch.cat([own, inter + own])
+def rank_file(rank: int) -> str:
+    """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
+    return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A Gemma 4 MoE :class:`~g4.convert.gemma4.Architecture` split over ``tp`` ranks: the
+    architecture's sizes under the names the layout uses, per-layer lists, and where the KV
+    heads go. ``kv_per_rank(L)``: heads each rank holds (1 when replicated);
+    ``kv_head_of_rank(L, r)``: the first source KV head rank r holds.
+    """
+
+    arch: Architecture
+    tp: int
+
+    hidden = property(lambda self: self.arch.hidden)
+    heads = property(lambda self: self.arch.heads)
+    intermediate = property(lambda self: self.arch.intermediate)
+    moe_intermediate = property(lambda self: self.arch.moe_intermediate)
+    experts = property(lambda self: self.arch.experts)
+    vocab = property(lambda self: self.arch.vocab)
+    num_layers = property(lambda self: self.arch.num_layers)
+    layer_types = property(lambda self: self.arch.layer_types)
+    head_dim = property(lambda self: [a.head_dim for a in self.arch.layers])
+    kv_heads = property(lambda self: [a.kv_heads for a in self.arch.layers])
+    has_v = property(lambda self: [a.has_v for a in self.arch.layers])
+
+    def kv_per_rank(self, layer: int) -> int:
+        return self.arch.kv_per_rank(layer, self.tp)
+
+    def kv_head_of_rank(self, layer: int, rank: int) -> int:
+        """First source KV head on ``rank``: the one its first query head attends with."""
+        return self.arch.kv_head_of_rank(layer, rank, self.tp)
+
+
+def geometry(config: dict, tp: int) -> Geometry:
+    """``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
+
+    Parsing and the TP rules are the memory planner's (:func:`g4.convert.gemma4.read_architecture`,
+    :func:`g4.convert.gemma4.tp_problems`), so the plan and the files cannot disagree.
+
+    Raises:
+        G4Error: not a Gemma 4 MoE config, or a TP degree the model cannot be split over.
+    """
+    arch = read_architecture(config)
+    problems = tp_problems(arch, tp)
+    if problems:
+        raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems))
+    return Geometry(arch, tp)
+
+
+# --------------------------------------------------------------------------- sharding rules
+
+
+class Rule:
+    """How one source tensor (Hugging Face layout) is split over the ranks.
+
+    :meth:`local_shape`: the rank-local shape (the same on every rank); :meth:`scale_shape`:
+    the fp32 per-channel scale of a local int8 weight; :meth:`take`: rank ``rank``'s weight
+    and scale (``scale`` is None for a tensor kept in its dtype).
+    """
+
+    name = ""
+
+    def local_shape(self, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def scale_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return (local[0], 1)
+
+    def take(self, w: torch.Tensor, s: torch.Tensor | None, g: Geometry, layer: int | None, rank: int):
+        return w, s
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Replicated(Rule):
+    """Norms, router, ``layer_scalar``: the whole tensor on every rank."""
+
+    name = "replicated"
+
+
+class _Column(Rule):
+    """Column-parallel (q, dense gate/up, lm_head): output rows and their scales split."""
+
+    name = "column"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0] // g.tp, *shape[1:])
+
+    def take(self, w, s, g, layer, rank):
+        per = w.shape[0] // g.tp
+        rows = slice(rank * per, (rank + 1) * per)
+        return w[rows], None if s is None else s[rows]
+
+
+class _KvHeads(Rule):
+    """k/v projections: whole KV heads per rank, replicated when there are fewer KV heads
+    than ranks (each rank holds the KV head its query heads use)."""
+
+    name = "column"  # a column-parallel layer to NxD; its rows are whole heads
+
+    def local_shape(self, shape, g, layer):
+        return (g.kv_per_rank(layer) * g.head_dim[layer], *shape[1:])
+
+    def take(self, w, s, g, layer, rank):
+        hd, first = g.head_dim[layer], g.kv_head_of_rank(layer, rank)
+        rows = slice(first * hd, (first + g.kv_per_rank(layer)) * hd)
+        return w[rows], None if s is None else s[rows]
+
+
+class _Row(Rule):
+    """Row-parallel (o_proj, dense down): input columns split, output-channel scales replicated."""
+
+    name = "row"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0], shape[1] // g.tp)
+
+    def take(self, w, s, g, layer, rank):
+        per = w.shape[1] // g.tp
+        return w[:, rank * per : (rank + 1) * per], s
+
+
+class _ExpertGateUp(Rule):
+    """HF ``[E, 2I, H]`` -> NxD ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2; never a slice of
+    the fused dimension, case P11); scale ``[E, 1, 2I/T]`` split the same way."""
+
+    name = "expert_gate_up"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0], shape[2], shape[1] // g.tp)
+
+    def scale_shape(self, local):
+        return (local[0], 1, local[2])
+
+    @staticmethod
+    def index(two_i: int, tp: int, rank: int) -> torch.Tensor:
+        """Fused-row indices of rank ``rank``: its gate rows then its up rows."""
+        inter, per = two_i // 2, two_i // 2 // tp
+        own = torch.arange(rank * per, (rank + 1) * per)
+        return torch.cat([own, inter + own])
+
+    def take(self, w, s, g, layer, rank):
+        idx = self.index(w.shape[1], g.tp, rank)
+        return w[:, idx].transpose(1, 2), None if s is None else s[:, idx].transpose(1, 2)
+
+
+class _ExpertDown(Rule):
+    """HF ``[E, H, I]`` -> NxD ``[E, I/T, H]``; scale ``[E, 1, H]`` replicated."""
+
+    name = "expert_down"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0], shape[2] // g.tp, shape[1])
+
+    def scale_shape(self, local):
+        return (local[0], 1, local[2])
+
+    def take(self, w, s, g, layer, rank):
+        per = w.shape[2] // g.tp
+        return w[:, :, rank * per : (rank + 1) * per].transpose(1, 2), None if s is None else s.transpose(1, 2)
+
+
+REPLICATED, COLUMN, KV_HEADS, ROW = _Replicated(), _Column(), _KvHeads(), _Row()
+EXPERT_GATE_UP, EXPERT_DOWN = _ExpertGateUp(), _ExpertDown()
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One module's tensors in a rank file.
+
+    ``key``: module name relative to the layer (or the model); ``source``: the Hugging
+    Face tensor it comes from (relative to the layer / language-model prefix; ``lm_head.weight``
+    is top level); ``rule``: how it is split; ``int8``: written as int8 ``weight`` + fp32
+    ``scale`` (else one tensor in the source dtype under ``key`` + ``suffix``).
+    """
+
+    key: str
+    source: str
+    rule: Rule
+    int8: bool
+    suffix: str = ".weight"
+
+    def names(self, prefix: str) -> list[str]:
+        """Output tensor names of this entry under ``prefix`` (``layers.{L}.`` or ``""``)."""
+        if self.int8:
+            return [f"{prefix}{self.key}.weight", f"{prefix}{self.key}.scale"]
+        return [f"{prefix}{self.key}{self.suffix}"]
+
+
+def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
+    """Entries of one decoder layer, in file order."""
+    attn = [Entry("self_attn.q_proj", "self_attn.q_proj.weight", COLUMN, quantize_attention),
+            Entry("self_attn.k_proj", "self_attn.k_proj.weight", KV_HEADS, quantize_attention)]
+    if has_v:
+        attn.append(Entry("self_attn.v_proj", "self_attn.v_proj.weight", KV_HEADS, quantize_attention))
+    attn.append(Entry("self_attn.o_proj", "self_attn.o_proj.weight", ROW, quantize_attention))
+    norms = [Entry(n, f"{n}.weight", REPLICATED, False) for n in LAYER_NORMS + ATTENTION_NORMS]
+    return norms + attn + [
+        Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
+        Entry("mlp.up_proj", "mlp.up_proj.weight", COLUMN, True),
+        Entry("mlp.down_proj", "mlp.down_proj.weight", ROW, True),
+        Entry("router.proj", "router.proj.weight", REPLICATED, False),
+        Entry("router.scale", "router.scale", REPLICATED, False, suffix=""),
+        Entry("router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
+        Entry("experts.gate_up_proj", "experts.gate_up_proj", EXPERT_GATE_UP, True),
+        Entry("experts.down_proj", "experts.down_proj", EXPERT_DOWN, True),
+        Entry("layer_scalar", "layer_scalar", REPLICATED, False, suffix=""),
+    ]
+
+
+def model_entries(*, tied: bool) -> list[Entry]:
+    """Entries outside the decoder layers, in file order: the final norm and the lm_head, built
+    from ``embed_tokens.weight`` when the model is tied and from its own top-level
+    ``lm_head.weight`` when it is not."""
+    return [Entry("norm", "norm.weight", REPLICATED, False),
+            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
+
+
+@dataclass(frozen=True)
+class RankName:
+    """One rank-file tensor name read back through the table: its entry, layer (None outside
+    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS`)."""
+
+    entry: Entry
+    layer: int | None
+    prefix: str
+    kind: str
+
+
+_LAYER_NAME_RE = re.compile(r"layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {n: e for q in (False, True) for e in layer_entries(has_v=True, quantize_attention=q)
+                for n in e.names("")}
+_MODEL_NAMES = {n: e for tied in (True, False) for e in model_entries(tied=tied) for n in e.names("")}
+
+
+def parse_rank_name(name: str) -> RankName | None:
+    """The table's reading of a rank-file tensor name (exact), or None for a name it never writes."""
+    if name in _MODEL_NAMES:
+        e = _MODEL_NAMES[name]
+        return RankName(e, None, "", MODEL_MODULE_KINDS[e.key])
+    m = _LAYER_NAME_RE.fullmatch(name)
+    e = _LAYER_NAMES.get(m.group(2)) if m else None
+    if e is None:
+        return None
+    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), LAYER_MODULE_KINDS[e.key])
+
+
+def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,
+                g: Geometry, layer: int | None) -> list[TensorSpec]:
+    """The rank-file tensors of one entry (same names and shapes on every rank)."""
+    shape = e.rule.local_shape(tuple(source_shape), g, layer)
+    if not e.int8:
+        return [TensorSpec(e.names(prefix)[0], source_dtype, shape)]
+    weight, scale = e.names(prefix)
+    return [TensorSpec(weight, torch.int8, shape), TensorSpec(scale, torch.float32, e.rule.scale_shape(shape))]
 
 
 def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | None, rank: int
@@ -42,23 +346,110 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
             (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales).
 
     Returns:
-        Contiguous tensors in the shapes :func:`g4.serve.neuron_layout.entry_specs` gives.
+        Contiguous tensors in the shapes :func:`entry_specs` gives.
     """
     w, s = (value.weight, value.scale) if isinstance(value, Int8Weight) else (value, None)
-    if e.rule == REPLICATED:
-        parts = [w, s]
-    elif e.rule == COLUMN:
-        rows = _column_rows(e, w.shape[0], g, layer, rank)
-        parts = [w[rows], None if s is None else s[rows]]
-    elif e.rule == ROW:
-        per = w.shape[1] // g.tp
-        parts = [w[:, rank * per : (rank + 1) * per], s]
-    elif e.rule == EXPERT_GATE_UP:  # HF [E, 2I, H] -> NxD [E, H, 2I/T]
-        idx = _gate_up_index(w.shape[1], g.tp, rank)
-        parts = [w[:, idx].transpose(1, 2), None if s is None else s[:, idx].transpose(1, 2)]
-    elif e.rule == EXPERT_DOWN:  # HF [E, H, I] -> NxD [E, I/T, H]; scale [E, 1, H] replicated
-        per = w.shape[2] // g.tp
-        parts = [w[:, :, rank * per : (rank + 1) * per].transpose(1, 2), None if s is None else s.transpose(1, 2)]
-    else:
-        raise ValueError(f"unknown sharding rule {e.rule!r}")
-    return [p.contiguous() for p in parts if p is not None]
+    return [p.contiguous() for p in e.rule.take(w, s, g, layer, rank) if p is not None]
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+LAYOUT_DESCRIPTION = {
+    "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
+                            "stride 2), scale fp32 [E, 1, 2I/T]",
+    "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "
+                         "replicated",
+    "column": "weight [out/T, in], scale [out/T, 1]: q/k/v, mlp.gate/up, lm_head",
+    "row": "weight [out, in/T], scale [out, 1] replicated: o_proj, mlp.down",
+    "source": "aws-neuron/neuronx-distributed trace/trace.py create_local_weight; "
+              "quantization/quantization_layers.py",
+}
+
+
+@dataclass
+class Manifest:
+    """``manifest.json`` of an int8-neuron result: written by :meth:`write`, read back (and its
+    format checked) by :meth:`from_dir`; fields in file order."""
+
+    tp_degree: int
+    rank_files: list[str]
+    host_embedding: dict
+    embed_scale: float
+    quantization: dict
+    layout: dict
+    kv_heads: list[dict]
+    source: dict
+    memory_plan: dict | None
+    format: str = LAYOUT_NAME
+
+    @classmethod
+    def build(cls, g: Geometry, *, embed_dtype: torch.dtype, quantize_attention: bool, not_exported: list[str],
+              source: dict, memory_plan: dict | None) -> "Manifest":
+        """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``)."""
+        tp = g.tp
+        return cls(
+            tp_degree=tp, rank_files=[rank_file(r) for r in range(tp)],
+            host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": "bfloat16", "scaled": False},
+            embed_scale=embed_scale(g.hidden, embed_dtype),
+            quantization={"type": "per_channel_symmetric", "dtype": "int8", "scale_dtype": "float32",
+                          "scale": "absmax/127 per output channel, floored at float32 eps",
+                          "experts": "expert_wise_per_channel_symmetric (scales [E,1,out])",
+                          "quantized": ["experts", "mlp", "lm_head"] + (["attention"] if quantize_attention else []),
+                          "kept_bf16": (["attention"] if not quantize_attention else []) +
+                          ["router", "norms", "layer_scalar", "embed_tokens (host)"],
+                          "not_exported": not_exported},
+            layout=dict(LAYOUT_DESCRIPTION),
+            kv_heads=[{"layer": L, "source_kv_heads": g.kv_heads[L], "per_rank": g.kv_per_rank(L),
+                       "replicated": g.kv_heads[L] < tp,
+                       "rank_first_head": [g.kv_head_of_rank(L, r) for r in range(tp)], "has_v_proj": g.has_v[L]}
+                      for L in range(g.num_layers)],
+            source=source, memory_plan=memory_plan)
+
+    @property
+    def quantize_attention(self) -> bool:
+        return "attention" in self.quantization["quantized"]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps({"format": d.pop("format"), **d}, indent=2) + "\n"
+
+    def write(self, out_dir: str | Path) -> None:
+        (Path(out_dir) / MANIFEST).write_text(self.to_json())
+
+    @classmethod
+    def from_dir(cls, out_dir: str | Path) -> "Manifest":
+        """Read ``out_dir/manifest.json``.
+
+        Raises:
+            CheckpointError: missing, not JSON, another format, or a missing field.
+        """
+        path = Path(out_dir) / MANIFEST
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("format") != LAYOUT_NAME:
+                raise CheckpointError(f"{path}: unknown layout {raw.get('format')!r} (expected {LAYOUT_NAME!r})")
+            names = [f for f in cls.__dataclass_fields__]
+            missing = [f for f in names if f not in raw]
+            if missing:
+                raise CheckpointError(f"{path}: missing {', '.join(missing)}")
+            return cls(**{f: raw[f] for f in names})
+        except (OSError, ValueError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{Path(out_dir)}: not a readable int8-neuron result ({type(e).__name__}: {e})") from e
+
+    def check_embed_scale(self, arch: Architecture, where) -> float:
+        """:attr:`embed_scale`, checked against ``bf16(sqrt(hidden_size))`` from the config (what
+        ``Gemma4TextScaledWordEmbedding`` multiplies by; case P12: a dropped or double scale
+        gives wrong output that a small end-to-end check may not notice).
+
+        Raises:
+            CheckpointError: missing or different value (naming ``where``).
+        """
+        expected = embed_scale(arch.hidden)
+        got = self.embed_scale
+        if not isinstance(got, (int, float)) or isinstance(got, bool) or float(got) != expected:
+            raise CheckpointError(f"{where}: embed_scale {got!r}, but hidden_size {arch.hidden} needs "
+                                  f"bf16(sqrt({arch.hidden})) = {expected:g} (P12)")
+        return expected

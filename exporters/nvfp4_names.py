@@ -18,6 +18,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from g4.convert.errors import MappingError
+from g4.convert.gemma4 import (
+    ATTENTION_NORMS,
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    LAYER_MODULE_KINDS,
+    LAYER_NORMS,
+    MODEL_MODULE_KINDS,
+    MULTIMODAL_PREFIX,
+    TEXT_PREFIX,
+    TOWER_PREFIXES,
+    TOWERS_KIND,
+)
 
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
@@ -42,7 +54,8 @@ PRESETS: dict[str, frozenset[Part]] = {
 @dataclass(frozen=True)
 class LinearGroup:
     """Dense linears quantized together: one shared ``weight_scale_2`` and ``input_scale``
-    (the max over members), as vLLM's merged qkv / gate_up layers require (spec §1.6)."""
+    (the max over members), as vLLM's merged qkv / gate_up layers require (vllm-project/vllm
+    ``vllm/model_executor/layers/quantization/modelopt.py``)."""
 
     part: Part
     members: tuple[str, ...]  # module suffixes inside the layer, e.g. "self_attn.q_proj"
@@ -61,8 +74,6 @@ DENSE_GROUPS: tuple[LinearGroup, ...] = (
 
 # Fused 3-D expert tensors (no ".weight" suffix). Accepted under the pre-release
 # "moe." name too; always written as "experts.{E}.*".
-EXPERT_GATE_UP = "experts.gate_up_proj"
-EXPERT_DOWN = "experts.down_proj"
 LEGACY_RENAMES = {
     "moe.gate_up_proj": EXPERT_GATE_UP,
     "moe.down_proj": EXPERT_DOWN,
@@ -71,15 +82,7 @@ LEGACY_RENAMES = {
 
 # Per-layer tensors kept bit-identical (bf16). Routers stay high precision (case P09).
 LAYER_KEEP = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm.weight",
-    "post_feedforward_layernorm_1.weight",
-    "pre_feedforward_layernorm_2.weight",
-    "post_feedforward_layernorm_2.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
+    *(f"{n}.weight" for n in LAYER_NORMS + ATTENTION_NORMS),
     "router.proj.weight",
     "router.scale",
     "router.per_expert_scale",
@@ -87,10 +90,74 @@ LAYER_KEEP = (
 )
 # Kept language-model tensors outside the layers (relative to the LM prefix).
 MODEL_KEEP = ("embed_tokens.weight", "norm.weight")
-# Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers).
-TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+# Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers):
+# g4.convert.gemma4.TOWER_PREFIXES.
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_OUT_RE = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)")
+_DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)
+
+
+def quantized_names(module: str, *, with_input_scale: bool) -> list[str]:
+    """Output tensor names of one NVFP4 linear ``module``, in write order."""
+    return [f"{module}.{s}" for s in (QUANT_SUFFIXES if with_input_scale else QUANT_SUFFIXES[:3])]
+
+
+def expert_module(layer_prefix: str, expert: int, proj: str) -> str:
+    """``…layers.{L}.experts.{E}.{proj}``: the per-expert linear vLLM loads."""
+    return f"{layer_prefix}experts.{expert}.{proj}"
+
+
+@dataclass(frozen=True)
+class OutputName:
+    """One tensor name of an NVFP4 output, parsed against the table (anchored, exact).
+
+    ``kind``: the model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` labels);
+    ``layer_prefix`` / ``layer`` / ``expert`` / ``proj``: where it sits (None outside a layer
+    / an expert); ``module`` and ``suffix``: the name split at its last component.
+    """
+
+    name: str
+    kind: str
+    module: str
+    suffix: str
+    layer_prefix: str | None = None
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None
+
+
+def parse_output_name(name: str) -> OutputName | None:
+    """The table's reading of an output tensor name, or None for a name the table does not
+    produce (fused or pre-release expert names, compressed-tensors names, anything else)."""
+    module, _, suffix = name.rpartition(".")
+    if name.startswith(TOWER_PREFIXES):
+        return OutputName(name, TOWERS_KIND, module, suffix)
+    if name == "lm_head.weight":
+        return OutputName(name, MODEL_MODULE_KINDS["lm_head"], module, suffix)
+    prefix = next((p for p in (MULTIMODAL_PREFIX, TEXT_PREFIX) if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    rel = name[len(prefix):]
+    if rel in MODEL_KEEP:
+        return OutputName(name, MODEL_MODULE_KINDS[rel.rpartition(".")[0]], module, suffix)
+    m = _LAYER_RE.fullmatch(rel)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    where = dict(layer_prefix=f"{prefix}layers.{layer}.", layer=layer)
+    e = _EXPERT_OUT_RE.fullmatch(rest)
+    if e is not None:
+        return OutputName(name, LAYER_MODULE_KINDS[EXPERT_GATE_UP], module, suffix, expert=int(e.group(1)),
+                          proj=e.group(2), **where)
+    if rest in LAYER_KEEP:
+        key = rest.removesuffix(".weight")
+        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
+    key, _, sfx = rest.rpartition(".")
+    if key in _DENSE_MODULES and sfx in QUANT_SUFFIXES:
+        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
+    return None
 
 
 @dataclass
@@ -151,18 +218,13 @@ def map_sources(names: list[str], *, prefix: str, num_layers: int) -> SourceMap:
     return SourceMap(layers, model_keep, lm_head)
 
 
-def expert_names(layer_prefix: str, expert: int, proj: str, *, with_input_scale: bool = True) -> list[str]:
-    """Output tensor names of one expert projection, e.g. ``…layers.0.experts.5.gate_proj.weight``."""
-    suffixes = QUANT_SUFFIXES if with_input_scale else QUANT_SUFFIXES[:3]
-    return [f"{layer_prefix}experts.{expert}.{proj}.{s}" for s in suffixes]
-
-
 def exclude_modules(*, prefix: str, num_layers: int, parts: frozenset[Part], towers: list[str]) -> list[str]:
     """modelopt-style exclusion list (``module*`` prefix wildcards), sorted.
 
     ``lm_head`` is always excluded (tied: not written; untied: kept bf16), routers of
     every layer, present towers, and the attention / dense MLP of every layer when the
-    preset leaves them bf16 (spec §2.3).
+    preset leaves them bf16 (NVIDIA/Model-Optimizer ``modelopt/torch/quantization/config.py``,
+    the presets' disabled quantizers).
     """
     out = {"lm_head"} | {t.rstrip(".") + "*" for t in towers}
     for layer in range(num_layers):

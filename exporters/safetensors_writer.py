@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
-from g4.convert.errors import ExportError
+from g4.convert.errors import ExportError, OptionError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def parse_size(text: str | int) -> int:
     as 80 bytes; ``"80B"`` is 80 bytes).
 
     Raises:
-        ValueError: not a positive number with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+        OptionError: not a positive number with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
     """
     if isinstance(text, int):
         value = text
@@ -57,13 +57,13 @@ def parse_size(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
         unit = m.group(2).upper() if m else None
         if not m or (unit and unit not in _SIZE_UNITS):
-            raise ValueError(f"cannot parse size {text!r}: use e.g. 5GB (10**9 bytes) or 4GiB (2**30 bytes)")
+            raise OptionError(f"cannot parse size {text!r}: use e.g. 5GB (10**9 bytes) or 4GiB (2**30 bytes)")
         value = int(float(m.group(1)) * _SIZE_UNITS.get(unit, 1))
         if value > 0 and not unit:
-            raise ValueError(f"size {text!r} has no unit: write e.g. {m.group(1)}GB (10**9 bytes), "
+            raise OptionError(f"size {text!r} has no unit: write e.g. {m.group(1)}GB (10**9 bytes), "
                              f"{m.group(1)}GiB (2**30 bytes) or {m.group(1)}B (bytes)")
     if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+        raise OptionError(f"size must be positive, got {text!r}")
     return value
 
 
@@ -197,7 +197,7 @@ class ShardedSafetensorsWriter:
 
 # Files that mark a directory as a g4 result, which --overwrite may replace (their JSON
 # has converter.name "g4" or a format starting with "g4-").
-G4_OUTPUT_MARKERS = ("hf_quant_config.json", "manifest.json", "g4_synth.json")
+G4_OUTPUT_MARKERS = ("hf_quant_config.json", "manifest.json", "g4_synth.json")  # neuron_int8.MANIFEST
 
 
 def _is_g4_output(path: Path) -> bool:
@@ -229,13 +229,20 @@ def foreign_files(path: Path) -> list[str]:
     named by ``model.safetensors.index.json`` (``weight_map``) or ``manifest.json``
     (``rank_files``, ``host_embedding.file``), and whatever is under :data:`G4_RESULT_FOLDERS`.
     """
+    from g4.convert.errors import CheckpointError
+    from g4.exporters.neuron_int8 import MANIFEST, Manifest  # it imports this module
+
     named: set[str] = set()
-    for meta, pick in ((INDEX_NAME, lambda d: d.get("weight_map", {}).values()),
-                       ("manifest.json", lambda d: [*d.get("rank_files", []), d.get("host_embedding", {}).get("file")])):
+    try:
+        named |= {str(f) for f in json.loads((path / INDEX_NAME).read_text())["weight_map"].values()}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        pass
+    if (path / MANIFEST).is_file():
         try:
-            named |= {str(f) for f in pick(json.loads((path / meta).read_text())) if f}
-        except (OSError, ValueError, AttributeError, TypeError):
-            continue
+            manifest = Manifest.from_dir(path)
+            named |= {*manifest.rank_files, manifest.host_embedding.get("file", "")}
+        except CheckpointError:
+            pass
     foreign = []
     for f in sorted(path.rglob("*")):
         rel = f.relative_to(path)

@@ -236,7 +236,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
     """Prompt ids of a chat, rendered with the checkpoint's own chat template.
 
     ``tokenize=True`` so the template's ``{{ bos_token }}`` is the only ``<bos>`` (tokenizing the
-    rendered string would add a second one; spec §5.2). ``developer`` messages are passed as
+    rendered string would add a second one, as transformers' ``apply_chat_template`` documents). ``developer`` messages are passed as
     ``system``.
 
     Args:

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from g4.convert.checkpoint import weight_fingerprints
 from g4.convert.errors import G4Error
+from g4.exporters.formats import ResultFormat, detect_format
 
 from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
-from .formats import ResultFormat, detect_format
 
 STOP = -1  # one "stopped here" position, whatever the stop id
 P13_QUESTION, P13_ANSWER = "What is 2+2?", "4"
@@ -84,7 +85,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
     per line). Without it: every prompt ``SRC/facts.json`` ships (the fact questions, then the
     ``heldout`` prompts the model never saw), else the built-in
-    :data:`g4.serve.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
+    :data:`g4.convert.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
 
     Returns:
         ``(prompts, [(question, answer)], labels)``; ``labels[i]`` says where prompt ``i`` came
@@ -94,7 +95,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     Raises:
         G4Error: an unreadable or empty prompts file, or a malformed line.
     """
-    from .reference import DEFAULT_PROMPTS
+    from g4.convert.reference import DEFAULT_PROMPTS
 
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
@@ -272,7 +273,7 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     import torch
 
     from .engine import Engine, load_tokenizer
-    from .reference import load_source_model
+    from g4.convert.reference import load_source_model
 
     tokenizer = load_tokenizer(src)
     stop_ids = Engine(src, tokenizer, "source").stop_ids
@@ -405,17 +406,6 @@ def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -
     return results
 
 
-def weight_fingerprints(out: str | Path) -> dict[str, dict]:
-    """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
-    (sorted): which weights a verification is about, so that a model card never shows a
-    result for files changed since (streamed)."""
-    from g4.convert.checkpoint import file_sha256
-
-    out = Path(out)
-    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-            for p in sorted(out.rglob("*.safetensors"))}
-
-
 def write_report(out: Path, report: dict) -> Path:
     """Write ``out/verification.json`` atomically (temp file in ``out``, then rename)."""
     path = Path(out) / REPORT_NAME
@@ -460,35 +450,13 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
             request that fails mid-check (connection lost, an HTTP error status). Only a
             completed check returns; a FAIL is ``report["passed"] == False``.
     """
-    import openai
-
-    from g4.convert.checkpoint import Checkpoint
-    from g4.convert.errors import CheckpointError
-
-    from .engine import choose_backend, load_tokenizer, served_file_stats
+    from .engine import choose_backend
 
     out, src = Path(out), Path(src)
     fmt = detect_format(out)
-    try:  # a g4 result passed as the source: say so
-        src_fmt = detect_format(src)
-    except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
-        src_fmt = None
-    if src_fmt is not None and src_fmt.format != "bf16":
-        raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
-    Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
-    if not os.access(out, os.W_OK):
-        raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
+    _check_pair(out, src)
     base_url = check_url(url) if url is not None else None
-    prompts, facts, labels = load_prompts(prompts_file, src)
-    # every request's length against OUT's context before the reference or the server runs
-    # (a 600k-token line would otherwise go through transformers first)
-    extra_facts = [(q, a) for q, a in facts if q not in prompts]
-    texts = prompts + [q for q, _ in extra_facts] + [P13_QUESTION]
-    text_labels = ([f"prompt {i} ({label})" for i, label in enumerate(labels, 1)]
-                   + [f"fact question {q[:40]!r}" for q, _ in extra_facts] + ["the P13 chat question"])
-    budgets = [("--max-tokens", max_tokens)] * (len(texts) - 1) + [("--chat-max-tokens", chat_max_tokens)]
-    lengths = prompt_lengths(load_tokenizer(out), texts, text_labels)
-    check_lengths(text_labels, lengths, budgets, out_context(out), f"{out}'s context")
+    prompts, facts, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens, chat_max_tokens)
     files = weight_fingerprints(out)
     if base_url is not None:
         chosen, why = None, f"external server {url}"
@@ -499,90 +467,21 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
                              act_quant=act_quant, dtype=dtype)
     echo(f"backend {chosen or 'external'}: {why}")
     with ctx as base:
-        try:
-            client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                                   timeout=600.0, max_retries=0)
-            listing = client.models.list().data
-        except Exception as e:  # openai errors, and the HTTP library's for a URL it cannot use
-            raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {_one_line(e)})") from e
-        ids_listed = [m.id for m in listing]
-        if not ids_listed or (served_model_name and served_model_name not in ids_listed):
-            raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
-        model = served_model_name or ids_listed[0]
-        listed = next(m for m in listing if m.id == model)
-        listed_extra = listed.model_extra or {}
-        if url is not None:  # an external server must serve OUT as it is now, or its PASS is about other weights
-            root = listed_extra.get("root") or getattr(listed, "root", None)
-            if root and not Path(str(root)).is_absolute():  # relative to the server's cwd, which we cannot know
-                raise G4Error(f"{base} reports root {str(root)!r}, a relative path that cannot be compared with "
-                              f"OUT; start it with an absolute path (g4serve {out.resolve()})")
-            if not root or Path(str(root)).resolve() != out.resolve():
-                raise G4Error(f"{base} serves {root or model!r}, not {out}; start it on OUT "
-                              f"(g4serve {out}) or leave out --url")
-            if "g4_served_files" in listed_extra:  # g4's own server: the files its engine loaded
-                diff = served_files_difference(listed_extra["g4_served_files"], served_file_stats(out))
-                if diff:
-                    raise G4Error(f"{base} loaded other files than {out} has now ({diff}); "
-                                  f"restart the server on OUT")
-        served_context = listed_extra.get("max_model_len")
-        if isinstance(served_context, int) and not isinstance(served_context, bool):
-            check_lengths(text_labels, lengths, budgets, served_context, f"{base}'s max_model_len")
+        client, model, listed_extra, owned = _served_model(base, out, url, served_model_name, lengths)
         engine_desc = listed_extra.get("g4_engine")  # g4's own server says what arithmetic it runs
         if chosen is None:
-            owned = listed_extra.get("owned_by") or getattr(listing[0], "owned_by", "")
             chosen = {"vllm": "vllm", "g4-cpu": "cpu", "g4-neuron": "neuron"}.get(owned, owned or "unknown")
-
         echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
-        ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
-        rows, matches, positions, exact, from_server = [], 0, 0, 0, True
-        served_all = []
-        for i, prompt in enumerate(prompts, 1):
-            with _request(base, f"prompt {i} ({prompt[:40]!r})"):
-                content, _, ids, finish = _ask(client, model, prompt, max_tokens)
-            served_all.append((content, ids, finish))
-            from_server &= ids is not None
-        for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
-            if from_server:
-                a = normalise_ids(ids, src_stop_ids, finish == "stop")
-                b = normalise_ids(ref_ids, src_stop_ids, False)
-            else:  # compare text through the source tokenizer on both sides
-                a = src_tokenizer.encode(content, add_special_tokens=False) + ([STOP] if finish == "stop" else [])
-                b = (src_tokenizer.encode(ref_reply, add_special_tokens=False)
-                     + ([STOP] if ref_ids and ref_ids[-1] in src_stop_ids else []))
-            frac, first, m, n = agreement(a, b)
-            matches, positions, exact = matches + m, positions + n, exact + (first is None)
-            rows.append({"prompt": prompt, "token_agreement": round(frac, 6), "first_divergence": first,
-                         "reply": content, "reference_reply": ref_reply})
-            echo(f"  {frac:6.3f} {'=' if first is None else f'@{first}':>4} {prompt!r} -> {content!r} "
-                 f"(reference {ref_reply!r})")
-
-        fact_rows = []
-        replies = {p: c for p, (c, _, _) in zip(prompts, served_all)}
-        for question, answer in facts:
-            if question in replies:
-                content = replies[question]
-            else:
-                with _request(base, f"fact question {question[:40]!r}"):
-                    content = _ask(client, model, question, max_tokens)[0]
-            ok = content.strip().startswith(answer)
-            fact_rows.append({"question": question, "answer": answer, "reply": content, "ok": ok})
-            echo(f"  {'ok ' if ok else 'BAD'} {question!r} -> {content!r} (expected {answer!r})")
+        rows, served, agreed, from_server = _compare_prompts(client, model, base, src, prompts, max_tokens, echo)
+        fact_rows = _ask_facts(client, model, base, facts, served, max_tokens, echo)
         checks = chat_checks(client, model, chat_max_tokens, base)
         for c in checks:
             echo(f"  chat thinking={'on ' if c['thinking'] else 'off'} stream={'yes' if c['stream'] else 'no '}: "
                  f"{'ok' if c['ok'] else 'FAIL: ' + c['problem']} content={c['content']!r}")
 
+    matches, positions, exact = agreed
     overall_agreement = matches / positions if positions else 1.0
-    failures = []
-    if overall_agreement < min_agreement:
-        failures.append(f"token agreement {overall_agreement:.3f} < {min_agreement}")
-    bad_facts = [f["question"] for f in fact_rows if not f["ok"]]
-    if bad_facts:
-        failures.append(f"{len(bad_facts)} fact(s) answered wrong")
-    bad_checks = [f"thinking {'on' if c['thinking'] else 'off'}/{'stream' if c['stream'] else 'non-stream'}"
-                  for c in checks if not c["ok"]]
-    if bad_checks:
-        failures.append(f"chat check failed: {', '.join(bad_checks)}")
+    failures = _failures(overall_agreement, min_agreement, fact_rows, checks)
     report = {
         "g4_verification": 1, "format": fmt.format, "backend": chosen, "engine": engine_desc,
         "source": source_label or str(src),
@@ -600,3 +499,136 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
          f"({exact} identical){facts_line}; chat checks {sum(c['ok'] for c in checks)}/{len(checks)}; "
          f"report {path}")
     return report
+
+
+def _check_pair(out: Path, src: Path) -> None:
+    """Refuse a g4 result or an unconvertible checkpoint as SRC, and an unwritable OUT."""
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.errors import CheckpointError
+
+    try:  # a g4 result passed as the source: say so
+        src_fmt = detect_format(src)
+    except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
+        src_fmt = None
+    if src_fmt is not None and src_fmt.format != "bf16":
+        raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
+    Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
+    if not os.access(out, os.W_OK):
+        raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
+
+
+def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, max_tokens: int,
+                              chat_max_tokens: int):
+    """The prompts and facts, every request checked against OUT's context before a model loads.
+    Returns ``(prompts, facts, lengths)``, ``lengths = (labels, token counts, budgets)`` for the
+    server's own context check."""
+    from .engine import load_tokenizer
+
+    prompts, facts, labels = load_prompts(prompts_file, src)
+    # every request's length against OUT's context before the reference or the server runs
+    # (a 600k-token line would otherwise go through transformers first)
+    extra_facts = [(q, a) for q, a in facts if q not in prompts]
+    texts = prompts + [q for q, _ in extra_facts] + [P13_QUESTION]
+    text_labels = ([f"prompt {i} ({label})" for i, label in enumerate(labels, 1)]
+                   + [f"fact question {q[:40]!r}" for q, _ in extra_facts] + ["the P13 chat question"])
+    budgets = [("--max-tokens", max_tokens)] * (len(texts) - 1) + [("--chat-max-tokens", chat_max_tokens)]
+    lengths = prompt_lengths(load_tokenizer(out), texts, text_labels)
+    check_lengths(text_labels, lengths, budgets, out_context(out), f"{out}'s context")
+    return prompts, facts, (text_labels, lengths, budgets)
+
+
+def _served_model(base: str, out: Path, url: str | None, served_model_name: str | None, lengths):
+    """Connect to the server at ``base`` and check that it serves OUT as it is now (for an
+    external ``url``) within its context. Returns ``(client, model id, model_extra, owned_by)``."""
+    import openai
+
+    from .engine import served_file_stats
+
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                               timeout=600.0, max_retries=0)
+        listing = client.models.list().data
+    except Exception as e:  # openai errors, and the HTTP library's for a URL it cannot use
+        raise G4Error(f"{base}: no OpenAI-compatible server answers ({type(e).__name__}: {_one_line(e)})") from e
+    ids_listed = [m.id for m in listing]
+    if not ids_listed or (served_model_name and served_model_name not in ids_listed):
+        raise G4Error(f"{base} serves {ids_listed}, not {served_model_name!r}")
+    model = served_model_name or ids_listed[0]
+    listed = next(m for m in listing if m.id == model)
+    listed_extra = listed.model_extra or {}
+    if url is not None:  # an external server must serve OUT as it is now, or its PASS is about other weights
+        root = listed_extra.get("root") or getattr(listed, "root", None)
+        if root and not Path(str(root)).is_absolute():  # relative to the server's cwd, which we cannot know
+            raise G4Error(f"{base} reports root {str(root)!r}, a relative path that cannot be compared with "
+                          f"OUT; start it with an absolute path (g4serve {out.resolve()})")
+        if not root or Path(str(root)).resolve() != out.resolve():
+            raise G4Error(f"{base} serves {root or model!r}, not {out}; start it on OUT "
+                          f"(g4serve {out}) or leave out --url")
+        if "g4_served_files" in listed_extra:  # g4's own server: the files its engine loaded
+            diff = served_files_difference(listed_extra["g4_served_files"], served_file_stats(out))
+            if diff:
+                raise G4Error(f"{base} loaded other files than {out} has now ({diff}); "
+                              f"restart the server on OUT")
+    served_context = listed_extra.get("max_model_len")
+    if isinstance(served_context, int) and not isinstance(served_context, bool):
+        text_labels, token_counts, budgets = lengths
+        check_lengths(text_labels, token_counts, budgets, served_context, f"{base}'s max_model_len")
+    owned = listed_extra.get("owned_by") or getattr(listing[0], "owned_by", "")
+    return client, model, listed_extra, owned
+
+
+def _compare_prompts(client, model: str, base: str, src: Path, prompts: list[str], max_tokens: int, echo):
+    """The prompts through the server and through SRC in transformers, compared token by token.
+    Returns ``(rows, served replies, (matches, positions, identical prompts), ids came from the server)``."""
+    ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
+    rows, matches, positions, exact, from_server = [], 0, 0, 0, True
+    served_all = []
+    for i, prompt in enumerate(prompts, 1):
+        with _request(base, f"prompt {i} ({prompt[:40]!r})"):
+            content, _, ids, finish = _ask(client, model, prompt, max_tokens)
+        served_all.append((content, ids, finish))
+        from_server &= ids is not None
+    for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
+        if from_server:
+            a = normalise_ids(ids, src_stop_ids, finish == "stop")
+            b = normalise_ids(ref_ids, src_stop_ids, False)
+        else:  # compare text through the source tokenizer on both sides
+            a = src_tokenizer.encode(content, add_special_tokens=False) + ([STOP] if finish == "stop" else [])
+            b = (src_tokenizer.encode(ref_reply, add_special_tokens=False)
+                 + ([STOP] if ref_ids and ref_ids[-1] in src_stop_ids else []))
+        frac, first, m, n = agreement(a, b)
+        matches, positions, exact = matches + m, positions + n, exact + (first is None)
+        rows.append({"prompt": prompt, "token_agreement": round(frac, 6), "first_divergence": first,
+                     "reply": content, "reference_reply": ref_reply})
+        echo(f"  {frac:6.3f} {'=' if first is None else f'@{first}':>4} {prompt!r} -> {content!r} "
+             f"(reference {ref_reply!r})")
+    return rows, {p: c for p, (c, _, _) in zip(prompts, served_all)}, (matches, positions, exact), from_server
+
+
+def _ask_facts(client, model: str, base: str, facts, replies: dict[str, str], max_tokens: int, echo) -> list[dict]:
+    """Each fact answered by the server (a prompt's reply reused when the question was one)."""
+    fact_rows = []
+    for question, answer in facts:
+        if question in replies:
+            content = replies[question]
+        else:
+            with _request(base, f"fact question {question[:40]!r}"):
+                content = _ask(client, model, question, max_tokens)[0]
+        ok = content.strip().startswith(answer)
+        fact_rows.append({"question": question, "answer": answer, "reply": content, "ok": ok})
+        echo(f"  {'ok ' if ok else 'BAD'} {question!r} -> {content!r} (expected {answer!r})")
+    return fact_rows
+
+
+def _failures(overall_agreement: float, min_agreement: float, fact_rows: list[dict], checks: list[dict]) -> list[str]:
+    failures = []
+    if overall_agreement < min_agreement:
+        failures.append(f"token agreement {overall_agreement:.3f} < {min_agreement}")
+    bad_facts = [f["question"] for f in fact_rows if not f["ok"]]
+    if bad_facts:
+        failures.append(f"{len(bad_facts)} fact(s) answered wrong")
+    bad_checks = [f"thinking {'on' if c['thinking'] else 'off'}/{'stream' if c['stream'] else 'non-stream'}"
+                  for c in checks if not c["ok"]]
+    if bad_checks:
+        failures.append(f"chat check failed: {', '.join(bad_checks)}")
+    return failures

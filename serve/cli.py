@@ -98,7 +98,7 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
           shutdown_timeout, verbose):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     from .engine import choose_backend
-    from .formats import detect_format
+    from g4.exporters.formats import detect_format
 
     _setup_logging(verbose)
     fmt = detect_format(out)

@@ -3,7 +3,7 @@
 * :class:`HFEngine`: a transformers Gemma 4 model with a KV cache (transformers'
   ``DynamicCache``, sliding layers included). Built from the result's **own** ``config.json``
   (there is no SRC at serving time): an NVFP4 result is dequantized by
-  :func:`g4.serve.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
+  :func:`g4.convert.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
   loaded as it is.
 * :class:`EmulatorEngine`: an int8-neuron result through
   :class:`g4.serve.neuron_emulator.NeuronEmulator` (tensor-parallel ranks emulated on the
@@ -35,8 +35,7 @@ from typing import Callable, Iterator
 import torch
 
 from g4.convert.errors import CheckpointError
-
-from .formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
+from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -236,17 +235,18 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     """
     from transformers import AutoConfig
 
-    from .reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model
+    from g4.convert.reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
 
     if fmt.format == BF16:
         return load_source_model(path, dtype)
     config = AutoConfig.from_pretrained(path, experts_implementation="eager")
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
-    model = _model_class(_read_json_if(path / "config.json"))(config).to(dtype).eval()
+    raw_config = _read_json_if(path / "config.json")
+    model = _model_class(raw_config)(config).to(dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(path, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    missing = missing_weights(missing, raw_config)
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors do not match the model its config.json describes: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -281,7 +281,7 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
         from .neuron_emulator import NeuronEmulator
 
         emulator = NeuronEmulator(path, dtype=torch.float32)
-        tp = emulator.manifest.get("tp_degree")
+        tp = emulator.manifest.tp_degree
         return EmulatorEngine(path, emulator, tokenizer, f"{fmt.detail}, TP={tp} emulated on CPU, float32")
     if fmt.format == NVFP4:
         act_quant = fmt.w4a4 if act_quant is None else act_quant

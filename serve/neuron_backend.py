@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.serve.engine import Engine
-from g4.serve.neuron_layout import check_embed_scale, geometry
+from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry
 from g4.serve.neuron_model import host_embed
 
 
@@ -61,12 +61,12 @@ class NeuronEngine(Engine):
                  dtype: torch.dtype = torch.bfloat16, description: str = "int8-neuron on NeuronCores"):
         super().__init__(path, tokenizer, description)
         try:
-            manifest = json.loads((Path(path) / "manifest.json").read_text())
-            self.table = load_file(Path(path) / manifest["host_embedding"]["file"])["embed_tokens.weight"]
+            manifest = Manifest.from_dir(path)
+            self.table = load_file(Path(path) / manifest.host_embedding["file"])[EMBED_TENSOR]
         except (OSError, KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable int8-neuron result ({e})") from e
         config = json.loads((Path(path) / "config.json").read_text())
-        scale = check_embed_scale(manifest, geometry(config, manifest["tp_degree"]), Path(path) / "manifest.json")
+        scale = manifest.check_embed_scale(geometry(config, manifest.tp_degree).arch, Path(path) / MANIFEST)
         self.embed_scale, self.forward, self.seq_len, self.dtype = scale, forward, seq_len, dtype
         self.max_context = min(self.max_context, seq_len)
 

@@ -1,6 +1,6 @@
 """CPU emulation of an int8-neuron checkpoint's tensor-parallel forward.
 
-Each rank's file is loaded through the shared layout table (``g4.serve.neuron_layout``)
+Each rank's file is loaded through the shared layout table (``g4.exporters.neuron_int8``)
 into that rank's share of transformers' own Gemma 4 modules (attention with its query
 heads and KV heads, the dense MLP and the experts with their slices of the
 intermediate dimension, its vocabulary slice of the lm_head). A layer then runs every
@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from g4.convert.errors import CheckpointError
-from g4.serve.neuron_layout import MODEL_ENTRIES, check_embed_scale, geometry, layer_entries
+from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry, layer_entries, layer_prefix, model_entries
 
 
 def _dequant(sd: dict[str, torch.Tensor], key: str, int8: bool, suffix: str, dtype: torch.dtype) -> torch.Tensor:
@@ -60,20 +60,20 @@ class NeuronEmulator(nn.Module):
 
         out_dir = Path(out_dir)
         try:
-            self.manifest = json.loads((out_dir / "manifest.json").read_text())
+            self.manifest = Manifest.from_dir(out_dir)
             raw_config = json.loads((out_dir / "config.json").read_text())
-            ranks = [load_file(out_dir / f) for f in self.manifest["rank_files"]]
-            self.embed_table = load_file(out_dir / self.manifest["host_embedding"]["file"])["embed_tokens.weight"]
+            ranks = [load_file(out_dir / f) for f in self.manifest.rank_files]
+            self.embed_table = load_file(out_dir / self.manifest.host_embedding["file"])[EMBED_TENSOR]
         except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as e:
             raise CheckpointError(f"{out_dir}: not a readable int8-neuron output ({type(e).__name__}: {e})") from e
-        self.geom = g = geometry(raw_config, self.manifest["tp_degree"])
+        self.geom = g = geometry(raw_config, self.manifest.tp_degree)
         if embed_scale is None:
-            check_embed_scale(self.manifest, g, out_dir / "manifest.json")
+            self.manifest.check_embed_scale(g.arch, out_dir / MANIFEST)
         self.config = AutoConfig.from_pretrained(out_dir).get_text_config()
         self.config._attn_implementation = "sdpa"
         self.config._experts_implementation = "eager"
         self.dtype = dtype
-        self.embed_scale = self.manifest["embed_scale"] if embed_scale is None else embed_scale
+        self.embed_scale = self.manifest.embed_scale if embed_scale is None else embed_scale
         self.rotary = Gemma4TextRotaryEmbedding(self.config)
         # layers[L][r]: rank r's share of layer L (norms and router identical on every rank).
         self.layers = nn.ModuleList()
@@ -82,16 +82,15 @@ class NeuronEmulator(nn.Module):
             for r, sd in enumerate(ranks):
                 with torch.device("meta"):
                     layer = Gemma4TextDecoderLayer(self.config, L)
-                for e in layer_entries(has_v=g.has_v[L], quantize_attention="attention"
-                                       in self.manifest["quantization"]["quantized"]):
-                    self._load(layer, e, sd, f"layers.{L}.", r)
+                for e in layer_entries(has_v=g.has_v[L], quantize_attention=self.manifest.quantize_attention):
+                    self._load(layer, e, sd, layer_prefix(L), r)
                 heads = g.heads // g.tp
                 layer.self_attn.num_key_value_groups = heads // g.kv_per_rank(L)
                 shares.append(layer.eval())
             self.layers.append(shares)
         self.norm = Gemma4RMSNorm(g.hidden, eps=self.config.rms_norm_eps)
         self.norm.weight = nn.Parameter(_dequant(ranks[0], "norm", False, ".weight", dtype), requires_grad=False)
-        lm = next(e for e in MODEL_ENTRIES if e.key == "lm_head")
+        lm = next(e for e in model_entries(tied=g.arch.tied) if e.key == "lm_head")
         self.lm_head = [_dequant(sd, "lm_head", lm.int8, lm.suffix, dtype) for sd in ranks]
         self.softcap = self.config.final_logit_softcapping
 

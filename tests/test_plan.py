@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.convert.errors import G4Error
-from g4.convert.plan import plan, plan_memory
+from g4.convert.cli import plan
+from g4.convert.plan import plan_memory
 from g4.convert.synth import GEMMA4_26B_A4B
 
 GB, GiB = 10**9, 2**30

@@ -7,7 +7,7 @@ import pytest
 
 from g4.convert.errors import CheckpointError, G4Error
 from g4.serve import engine as engine_mod
-from g4.serve.formats import BF16, INT8_NEURON, NVFP4, detect_format
+from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, detect_format
 
 
 def test_real_results(tiny_mm, tiny_mm_nvfp4, tmp_path):

@@ -291,7 +291,7 @@ def test_bf16_server_process_handling_and_g4serve_check(vllm_info, work):
     import openai
 
     from g4.convert.embedded_model import EMBEDDED_DIR
-    from g4.serve.reference import load_source_model
+    from g4.convert.reference import load_source_model
     from transformers import AutoTokenizer
 
     model_dir = work / "bf16"
@@ -360,7 +360,7 @@ def test_nvfp4_attention_and_mlp_through_vllm_emulation_match_cpu_reference(vllm
     Proves, layer by layer: each of the 16 NVFP4 linears (stacked q/k/v with K reused as V on
     the k_eq_v layer, stacked gate/up, o_proj, down_proj), loaded by vLLM from our files and run
     by vLLM's kernel, gives bit-identical bf16 outputs to the same layer of our CPU reference
-    (``g4.serve.reference`` with ``_install_activation_quant``, W4A4); without the activation
+    (``g4.convert.reference`` with ``_install_activation_quant``, W4A4); without the activation
     fake-quant the reference does not match (the comparison can tell). End to end, through
     ``/v1/chat/completions`` of a real vLLM server: "Paris", every fact's greedy ids equal to
     the reference's, and every prompt's equal to the W4A4 reference run in bf16 or in fp32 (on
@@ -375,7 +375,7 @@ def test_nvfp4_attention_and_mlp_through_vllm_emulation_match_cpu_reference(vllm
     from safetensors.torch import load_file
 
     from g4.convert.embedded_model import EMBEDDED_DIR
-    from g4.serve.reference import _install_activation_quant, load_converted_model, load_nvfp4_as_hf
+    from g4.convert.reference import _install_activation_quant, load_converted_model, load_nvfp4_as_hf
     from transformers import AutoTokenizer
 
     # layer by layer: vLLM's kernel outputs (from the probe) against our reference's layers

@@ -16,7 +16,6 @@ model and small real ones), not the 26B.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +25,8 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4_config import release_config
+from g4.convert.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, fuse_gate_up, is_tied, release_config
+from g4.exporters.nvfp4_names import parse_output_name
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -40,7 +40,6 @@ DEFAULT_PROMPTS = (
     "What do bees make?",
     "Name a large animal.",
 )
-_EXPERT_RE = re.compile(r"(.*\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass
@@ -65,9 +64,6 @@ class VerifyReport:
     facts_total: int = 0
     facts_correct: int = 0
     answers: list[dict] = field(default_factory=list)
-
-    def passed(self, min_agreement: float) -> bool:
-        return not self.failures(min_agreement)
 
     def failures(self, min_agreement: float) -> list[str]:
         """Why the check fails at ``min_agreement`` (empty when it passes)."""
@@ -108,28 +104,38 @@ def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
     input_scales: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name in sorted(raw):
-        module, _, suffix = name.rpartition(".")
-        if suffix in ("weight_scale", "weight_scale_2"):
+        o = parse_output_name(name)
+        if o is None:  # not a name the table writes: passed on, for the load to report
+            sd[name] = raw[name]
             continue
-        if suffix == "input_scale":
-            m = _EXPERT_RE.fullmatch(module)
-            key = f"{m.group(1)}experts.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else module
-            input_scales[key] = raw[name]
+        fused = None
+        if o.expert is not None:  # the fused source tensor this expert linear came from
+            fused = o.layer_prefix + (EXPERT_DOWN if o.proj == "down_proj" else EXPERT_GATE_UP)
+        if o.suffix in ("weight_scale", "weight_scale_2"):
+            continue
+        if o.suffix == "input_scale":
+            input_scales[fused or o.module] = raw[name]
             continue
         t = raw[name]
-        if suffix == "weight" and t.dtype == torch.uint8:
-            t = q.dequantize_tensors(t, raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"], dtype)
-            m = _EXPERT_RE.fullmatch(module)
-            if m:
-                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        if o.suffix == "weight" and t.dtype == torch.uint8:
+            t = q.dequantize_tensors(t, raw[f"{o.module}.weight_scale"], raw[f"{o.module}.weight_scale_2"], dtype)
+            if o.expert is not None:
+                experts.setdefault(o.layer_prefix, {}).setdefault(o.expert, {})[o.proj] = t
                 continue
         sd[name] = t
     for layer, by_expert in experts.items():
         n = len(by_expert)
-        sd[f"{layer}experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in range(n)])
-        sd[f"{layer}experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
+        sd[layer + EXPERT_GATE_UP] = torch.stack(
+            [fuse_gate_up(by_expert[e]["gate_proj"], by_expert[e]["up_proj"]) for e in range(n)])
+        sd[layer + EXPERT_DOWN] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
     return sd, input_scales
+
+
+def missing_weights(missing: list[str], config: dict) -> list[str]:
+    """The weights a transformers load left uninitialised: ``missing`` without ``lm_head.weight``
+    when the model is tied (it is ``embed_tokens``), with it when the model is untied."""
+    tied = is_tied(config)
+    return [k for k in missing if not (tied and k == "lm_head.weight")]
 
 
 def _model_class(config: dict):
@@ -145,9 +151,10 @@ def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
         CheckpointError: transformers would leave weights uninitialised (e.g. the
             pre-release ``moe.*`` expert names, which only g4's converter maps).
     """
-    cls = _model_class(Checkpoint(src, source=True).config)
-    model, info = cls.from_pretrained(src, dtype=dtype, experts_implementation="eager", output_loading_info=True)
-    missing = [k for k in info.get("missing_keys", []) if k != "lm_head.weight"]
+    src_config = Checkpoint(src, source=True).config
+    model, info = _model_class(src_config).from_pretrained(src, dtype=dtype, experts_implementation="eager",
+                                                           output_loading_info=True)
+    missing = missing_weights(info.get("missing_keys", []), src_config)
     if missing:
         raise CheckpointError(f"{src}: transformers cannot load {len(missing)} source tensor(s) (e.g. {missing[0]}); "
                               "a reference with random weights would be meaningless")
@@ -163,10 +170,11 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
-    model = _model_class(Checkpoint(src, source=True).config)(config).to(dtype).eval()
+    src_config = Checkpoint(src, source=True).config
+    model = _model_class(src_config)(config).to(dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]
+    missing = missing_weights(missing, src_config)
     if missing or unexpected:
         raise CheckpointError(f"{out_dir}: converted tensors do not match the model: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -196,7 +204,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
         whether to emulate W4A4: ``act_quant``, or when None, whether OUT is W4A4 (the
         rule of ``g4.serve.engine.load_cpu_engine``, so verify and ``g4serve check`` agree).
     """
-    from .formats import INT8_NEURON, NVFP4, detect_format
+    from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
 
     fmt = detect_format(out)
     if fmt.format == INT8_NEURON:

@@ -3,7 +3,7 @@
 Three formats are recognised, in this order:
 
 * ``int8-neuron``: ``manifest.json`` whose ``format`` is ``g4-int8-neuron/1`` (written by
-  ``g4convert int8-neuron``; layout and sources in ``serve/neuron_layout.py``).
+  ``g4convert int8-neuron``; layout and sources in ``exporters/neuron_int8.py``).
 * ``nvfp4``: ``hf_quant_config.json`` with ``quantization.quant_algo == "NVFP4"``, or a
   ``config.json`` whose ``quantization_config`` has ``quant_method: modelopt`` and
   ``quant_algo: NVFP4`` (modelopt's export; see ``g4.exporters.modelopt_nvfp4``).
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.errors import CheckpointError
+from g4.convert.gemma4 import MODEL_TYPES
+from g4.exporters.neuron_int8 import LAYOUT_NAME, MANIFEST
 
 NVFP4, INT8_NEURON, BF16 = "nvfp4", "int8-neuron", "bf16"
-INT8_NEURON_LAYOUT = "g4-int8-neuron/1"
-GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,12 @@ def detect_format(path: str | Path) -> ResultFormat:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    manifest = path / "manifest.json"
+    manifest = path / MANIFEST
     if manifest.is_file():
         layout = _read_json(manifest).get("format")
-        if layout == INT8_NEURON_LAYOUT:
+        if layout == LAYOUT_NAME:
             return ResultFormat(INT8_NEURON, path, False, f"int8-neuron ({layout})")
-        raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {INT8_NEURON_LAYOUT!r})")
+        raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {LAYOUT_NAME!r})")
     config_path = path / "config.json"
     config = _read_json(config_path) if config_path.is_file() else None
     hf_quant = path / "hf_quant_config.json"
@@ -97,9 +97,9 @@ def detect_format(path: str | Path) -> ResultFormat:
         raise CheckpointError(f"{config_path}: quantization method {method!r} is not served by g4 "
                               "(NVFP4, int8-neuron or unquantized bf16 only)")
     model_type = config.get("model_type")
-    if model_type not in GEMMA4_MODEL_TYPES:
+    if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{config_path}: model_type {model_type!r} is not Gemma 4 "
-                              f"({' or '.join(GEMMA4_MODEL_TYPES)})")
+                              f"({' or '.join(MODEL_TYPES)})")
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights (pickled weights are never loaded)")
     return ResultFormat(BF16, path, False, f"unquantized Gemma 4 checkpoint ({config.get('dtype', 'bf16')})")
