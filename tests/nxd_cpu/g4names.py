@@ -1,8 +1,8 @@
 """Every g4 name the NxD CPU lane uses, imported here only (g4's modules are being moved; repoint
 these lines and nothing else)."""
 
-from g4.convert.embedded_model import EMBEDDED_DIR  # noqa: F401
+from g4.convert.resolve import EMBEDDED_DIR  # noqa: F401
 from g4.convert.int8_neuron import convert_int8_neuron  # noqa: F401
-from g4.serve.neuron_layout import geometry  # noqa: F401
+from g4.exporters.neuron_int8 import geometry  # noqa: F401
 from g4.serve.neuron_model import CpuParallelOps, NeuronTextModel, TorchDistComm  # noqa: F401
 from g4.serve.neuron_runtime import NxdParallelOps, load_rank_weights  # noqa: F401
