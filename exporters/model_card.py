@@ -21,7 +21,7 @@ absolute paths, every listing sorted. Metadata go through huggingface_hub's
 
     {"g4_conversion": 1, "format": "nvfp4" | "int8-neuron", "g4_version": "0.1.0",
      "base_model": "org/name" | null,
-     "source": {"name", "repo_id" | null, "weight_bytes", "weight_files", "dtype",
+     "source": {"name", "repo_id" | null, "revision" (HF cache commit) | null, "weight_bytes", "weight_files", "dtype",
                 "card": {license, license_name, license_link, library_name, tags,
                          pipeline_tag, language} (only keys the source README has)},
      "options": {...the result-affecting options of the conversion...}}
@@ -91,6 +91,13 @@ def hf_cache_repo_id(path: str | Path) -> str | None:
     return None
 
 
+def hf_cache_revision(path: str | Path) -> str | None:
+    """The commit of a Hugging Face cache snapshot folder (``.../models--org--name/snapshots/<commit>``,
+    where a SRC given as a repo id is resolved to), else None."""
+    p = Path(path).absolute()  # not resolved: the snapshot's files are links into ../../blobs
+    return p.name if p.parent.name == "snapshots" and hf_cache_repo_id(p) else None
+
+
 def source_card_data(src: str | Path) -> dict:
     """The front matter keys of ``SRC/README.md`` that a derived model keeps
     (:data:`SOURCE_CARD_KEYS`); ``{}`` when the source has no README or no front matter."""
@@ -150,6 +157,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
         "source": {
             "name": "embedded" if embedded else (hf_cache_repo_id(src) or src.resolve().name).split("/")[-1],
             "repo_id": None if embedded else source_repo_id(src, config),
+            "revision": None if embedded else hf_cache_revision(src),
             "weight_files": list(shards),
             "weight_bytes": sum(path.stat().st_size for path in shards.values()),
             "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
@@ -438,6 +446,9 @@ def _how_made(facts: dict, out_name: str) -> str:
     o = facts["options"]
     repo = facts.get("base_model") or src.get("repo_id")
     src_arg = "embedded" if src["name"] == "embedded" else repo or src["name"]  # SRC may be a Hub repo id
+    if repo and repo == src.get("repo_id") and src.get("revision"):  # the exact commit converted, so that the
+        # command reproduces this result after the repo moves on
+        src_arg = f"{repo}@{src['revision']}"
     if facts["format"] == NVFP4:
         argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default")]
         if o.get("weight_only"):
