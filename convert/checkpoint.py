@@ -153,7 +153,8 @@ def _shard_path(root: Path, index_path: Path, file: str) -> Path:
     _check_shard_name(root, index_path, file)
     joined = root / file
     if not joined.is_file():
-        raise CheckpointError(f"{index_path}: names shard {file}, which does not exist")
+        why = "is not a regular file" if joined.exists() else "does not exist"  # a folder, a device, a FIFO
+        raise CheckpointError(f"{index_path}: names shard {file}, which {why}")
     return joined.resolve(strict=True)
 
 
@@ -205,16 +206,19 @@ def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]
 
 def quantized_reason(root: str | Path, config: dict) -> str | None:
     """Why the checkpoint at ``root`` (with ``config.json`` contents ``config``) is already
-    quantized, or None: a ``quantization_config`` at the top level or in ``text_config``
-    (its ``quant_method`` named), or an ``hf_quant_config.json`` beside it (its ``quant_algo``)."""
+    quantized, or None: a ``quantization_config`` (or compressed-tensors' older
+    ``compression_config``), even an empty one, at the top level or in ``text_config`` or
+    ``vision_config`` (its ``quant_method`` named), or an ``hf_quant_config.json`` beside it
+    (its ``quant_algo``)."""
     root = Path(root)
-    text = config.get("text_config")
-    for where, cfg in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
-        qc = cfg.get("quantization_config")
-        if qc:
+    subs = [(f"{k}.", config[k]) for k in ("text_config", "vision_config") if isinstance(config.get(k), dict)]
+    for where, cfg in [("", config), *subs]:
+        key = next((k for k in ("quantization_config", "compression_config") if cfg.get(k) is not None), None)
+        qc = cfg.get(key) if key else None
+        if key:
             method = qc.get("quant_method") if isinstance(qc, dict) else None
             named = f" (quant_method {method!r})" if method else ""
-            return f"{root / 'config.json'}: {where}quantization_config{named}"
+            return f"{root / 'config.json'}: {where}{key}{named}"
     hf_quant = root / HF_QUANT_CONFIG
     if hf_quant.exists():
         try:
@@ -290,7 +294,7 @@ class Checkpoint:
             raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)")
         try:
             config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: invalid JSON: {e}") from e
         if not isinstance(config, dict):
             raise CheckpointError(f"{path}: not a JSON object")

@@ -181,7 +181,8 @@ def test_source_tensor_of_a_non_value_dtype_is_refused(tiny_mm, tmp_path, name, 
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
-@pytest.mark.parametrize("where", ["config", "text_config", "hf_quant_config"])
+@pytest.mark.parametrize("where", ["config", "text_config", "hf_quant_config", "empty", "vision_config",
+                                   "compression_config"])
 def test_already_quantized_source_is_refused(tiny_mm, tmp_path, where):
     src = shutil.copytree(tiny_mm, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
@@ -191,6 +192,15 @@ def test_already_quantized_source_is_refused(tiny_mm, tmp_path, where):
     elif where == "text_config":
         config["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors"}
         says = [f"{src / 'config.json'}: text_config.quantization_config (quant_method 'compressed-tensors')"]
+    elif where == "empty":  # present but empty still says the weights are not plain values
+        config["quantization_config"] = {}
+        says = [f"{src / 'config.json'}: quantization_config"]
+    elif where == "vision_config":
+        config["vision_config"]["quantization_config"] = {"quant_method": "bitsandbytes"}
+        says = [f"{src / 'config.json'}: vision_config.quantization_config (quant_method 'bitsandbytes')"]
+    elif where == "compression_config":  # compressed-tensors' older key
+        config["compression_config"] = {"quant_method": "sparseml"}
+        says = [f"{src / 'config.json'}: compression_config (quant_method 'sparseml')"]
     else:
         (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
         says = [f"{src / 'hf_quant_config.json'}: present (quant_algo 'FP8')"]
@@ -235,3 +245,18 @@ def test_a_broken_side_file_stops_the_conversion_up_front(tiny_mm, tmp_path, fil
     for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"], ["int8-neuron", src, tmp_path / "o2", "--tp", "1"]):
         one_error_line(run(*args), f"{src / file}: {says}")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_unreadable_config_and_non_file_shards_name_the_file(tiny_mm, tmp_path):
+    """A config.json that is not UTF-8 was a traceback; a shard that is a device or folder was
+    said not to exist."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    (src / "config.json").write_bytes(b"\xff\xfe{}")
+    one_error_line(run("nvfp4", src, tmp_path / "o", "--weight-only"), f"{src / 'config.json'}: invalid JSON")
+    shutil.copy(tiny_mm / "config.json", src / "config.json")
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors").symlink_to("/dev/zero")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model.safetensors"}}))
+    one_error_line(run("nvfp4", src, tmp_path / "o", "--weight-only"),
+                   "names shard model.safetensors, which is not a regular file")
+    assert not (tmp_path / "o").exists()
