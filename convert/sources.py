@@ -23,7 +23,8 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     Raises:
         MappingError: unmapped, missing or extra (``v_proj`` on a k_eq_v layer, a physical
             ``lm_head.weight`` in a tied model, none in an untied one) tensors.
-        CheckpointError: fused expert shapes that disagree with the config.
+        CheckpointError: tensor shapes that disagree with the config (embedding and lm_head
+            against ``vocab_size``, fused experts, q/k projections, every layer tensor).
     """
     smap = map_sources(list(ckpt.tensors), prefix=ckpt.prefix, num_layers=ckpt.num_layers)
     if smap.lm_head and ckpt.arch.tied:
@@ -37,6 +38,14 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
     except G4Error as e:
         raise CheckpointError(f"{ckpt.root / 'config.json'}: {e}") from e
     arch = ckpt.arch
+    for rel, want in arch.model_tensor_shapes().items():  # embedding, final norm, an untied lm_head
+        name = smap.lm_head if rel == "lm_head.weight" else f"{ckpt.prefix}{rel}"
+        info = ckpt.tensors.get(name)
+        if info is None:
+            raise MappingError(f"tensor {name}: missing")
+        if info.shape != want:
+            raise CheckpointError(f"tensor {name}: {list(info.shape)}, config says {list(want)} "
+                                  f"(vocab_size {arch.vocab}, hidden_size {arch.hidden})")
     for ls in smap.layers:
         L, src = ls.index, ls.tensors
         where = f"layer {L} ({ckpt.layer_prefix(L)}*)"

@@ -260,3 +260,16 @@ def test_unreadable_config_and_non_file_shards_name_the_file(tiny_mm, tmp_path):
     one_error_line(run("nvfp4", src, tmp_path / "o", "--weight-only"),
                    "names shard model.safetensors, which is not a regular file")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_embedding_that_disagrees_with_vocab_size_is_refused(tiny_mm, tmp_path):
+    """vocab_size 10**12 with a 1024-row embedding converted with exit 0, and g4serve OUT then
+    tried to allocate 512 TB."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 10**12
+    (src / "config.json").write_text(json.dumps(config))
+    for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"],
+                 ["int8-neuron", src, tmp_path / "o2", "--tp", "1", "--force"]):  # past the 68 TB memory plan
+        one_error_line(run(*args), "embed_tokens.weight: [1024, ", "vocab_size 1000000000000")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
