@@ -580,8 +580,9 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
     replicated = [layer for layer in g.layers if layer.kv_heads < tp]
     if replicated:
         heads = "/".join(map(str, sorted({layer.kv_heads for layer in replicated})))
-        notes.append(f"KV heads replicated (one per rank) on the {len(replicated)} layer(s) with {heads} KV heads "
-                     f"< TP {tp}")
+        n = len(replicated)
+        notes.append(f"KV heads replicated (one per rank) on {n} layer{'s' if n != 1 else ''} whose KV heads "
+                     f"({heads}) are fewer than TP {tp}")
     if not neuron and tp > 1:
         notes.append("GPU ranks: experts split by TP (not expert parallel); the embedding is vocab-sharded")
     notes.append("not counted: activations, compiler scratchpad / CUDA context and graphs, the runtime")
