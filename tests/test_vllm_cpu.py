@@ -66,7 +66,8 @@ def _find_vllm_python() -> tuple[str, str]:
 
 VLLM_PYTHON, WHY_SKIPPED = _find_vllm_python()
 
-pytestmark = [pytest.mark.vllm_cpu, pytest.mark.skipif(not VLLM_PYTHON, reason=WHY_SKIPPED)]
+# A module fixture's first user also pays for it (the 26B-geometry export alone takes 1-3 min).
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.skipif(not VLLM_PYTHON, reason=WHY_SKIPPED), pytest.mark.timeout(900)]
 
 LOAD_PROBE = PLUGIN_DIR / "vllm_load_probe.py"
 GENERATE = PLUGIN_DIR / "vllm_generate.py"
