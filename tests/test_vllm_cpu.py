@@ -22,11 +22,14 @@ What runs, and what each part proves (details in the docstrings):
   ``layer_scalar`` values other than vLLM's default 1.0) looked up where vLLM put them;
 - the same for g4's 16 NVFP4 linears run by vLLM's emulation kernel, bit for bit;
 - end to end, greedy generation by vLLM (offline ``LLM``, engine in-process) of every fact
-  and held-out prompt on the NVFP4 export of the embedded model, judged against g4's CPU
-  reference by :func:`_judge` (the rule: exact token where the reference's top-2 margin is
-  decisive, log-probabilities within a tolerance everywhere);
+  and held-out prompt on the NVFP4 export of the embedded model (W4A4 through vLLM's emulation
+  kernel; and with every weight dequantized), judged against g4's CPU reference by
+  :func:`_judge` (the rule, stated at BF16_RULE: exact token where a reference ensemble agrees
+  on a decisive top-2 margin, log-probabilities within a tolerance where the reference is
+  stable under its own numerics, near-ties not judged);
 - three planted faults (wrong gate/up half, swapped experts, dropped ``layer_scalar``),
-  each a test-only mutation of g4's written safetensors, and the assertions that catch them.
+  each a test-only mutation of g4's written safetensors that vLLM loads without a word, and
+  the assertions that catch them (``test_planted_fault_is_caught``).
 
 Not proven here: GPU kernels (``tests/test_vllm_gpu.py``), NVFP4 MoE arithmetic at run time
 (vLLM 0.32's NVFP4 MoE kernels are GPU-only: the end-to-end runs serve the experts

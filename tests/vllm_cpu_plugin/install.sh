@@ -17,8 +17,10 @@ if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
 fi
 rm -rf "$venv"
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q --no-deps -r "$req"
-"$venv/bin/pip" install -q --no-deps --no-build-isolation tests/vllm_cpu_plugin
+# (this machine's pip also looks in local mirrors, which lack most of these: one warning each)
+quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+"$venv/bin/pip" install -q --no-deps -r "$req" 2>&1 | quiet
+"$venv/bin/pip" install -q --no-deps --no-build-isolation tests/vllm_cpu_plugin 2>&1 | quiet
 rm -rf tests/vllm_cpu_plugin/build tests/vllm_cpu_plugin/*.egg-info
 "$venv/bin/python" -c "import vllm, g4_vllm_cpu_plugin; print('vLLM environment', '$venv:', 'vllm', vllm.__version__)"
 echo "$want" > "$stamp"
