@@ -27,6 +27,8 @@ per layer; :func:`release_config` writes a config back in the release form.
 
 from __future__ import annotations
 
+import json
+
 import copy
 from dataclasses import dataclass
 
@@ -109,6 +111,10 @@ def layer_types(tc: dict) -> list[str]:
                  ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)])
     if len(types) != n:
         raise G4Error(f"text config: {len(types)} layer_types for {n} layers")
+    odd = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if odd:
+        raise G4Error(f"text config: layer_types has {odd[0]!r}; Gemma 4 layers are 'sliding_attention' or "
+                      "'full_attention'")
     types[-1] = "full_attention"
     return types
 
@@ -229,6 +235,21 @@ def is_tied(config: dict) -> bool:
     else :data:`TIE_WORD_EMBEDDINGS_DEFAULT` (true, as transformers' Gemma 4 configs)."""
     tc = text_config_of(config)
     return bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", TIE_WORD_EMBEDDINGS_DEFAULT)))
+
+
+def _check_tie(config: dict) -> None:
+    """``tie_word_embeddings`` must be a JSON boolean, and the top level and ``text_config`` must
+    not disagree: transformers ties by one, g4 would read the other (case P06)."""
+    tc = text_config_of(config)
+    levels = {where: c["tie_word_embeddings"] for where, c in (("", config), ("text_config.", tc))
+              if "tie_word_embeddings" in c}
+    for where, value in levels.items():
+        if not isinstance(value, bool):
+            raise G4Error(f"{where}tie_word_embeddings is {value!r}, expected true or false")
+    if len(set(levels.values())) > 1:
+        raise G4Error("tie_word_embeddings is " + " but ".join(f"{json.dumps(v)} at {w.rstrip('.') or 'the top level'}"
+                                                               for w, v in levels.items())
+                      + "; loaders disagree on such configs (case P06): make them agree")
 
 
 def embed_scale(hidden_size: int, dtype=None) -> float:
@@ -359,6 +380,9 @@ def read_architecture(config: dict) -> Architecture:
                 "intermediate_size", "moe_intermediate_size", "num_experts", "top_k_experts", "vocab_size",
                 "sliding_window"):
         _positive(tc, key)
+    if tc["top_k_experts"] > tc["num_experts"]:
+        raise G4Error(f"text config: top_k_experts {tc['top_k_experts']} is more than num_experts {tc['num_experts']}")
+    _check_tie(config)
     return Architecture(
         model_type=model_type, hidden=tc["hidden_size"], heads=tc["num_attention_heads"],
         layers=attention_layers(tc), intermediate=tc["intermediate_size"],

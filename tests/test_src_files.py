@@ -273,3 +273,24 @@ def test_an_embedding_that_disagrees_with_vocab_size_is_refused(tiny_mm, tmp_pat
                  ["int8-neuron", src, tmp_path / "o2", "--tp", "1", "--force"]):  # past the 68 TB memory plan
         one_error_line(run(*args), "embed_tokens.weight: [1024, ", "vocab_size 1000000000000")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: c["text_config"].update(top_k_experts=100), "top_k_experts 100 is more than num_experts"),
+    (lambda c: c["text_config"].update(layer_types=["foo"] * c["text_config"]["num_hidden_layers"]),
+     "layer_types has 'foo'"),
+    (lambda c: c["text_config"].update(tie_word_embeddings="no"), "tie_word_embeddings is 'no', expected true or false"),
+    (lambda c: (c.update(tie_word_embeddings=True), c["text_config"].update(tie_word_embeddings=False)),
+     "tie_word_embeddings is true at the top level but false at text_config"),
+], ids=["top_k", "layer_types", "tie_type", "tie_levels"])
+def test_config_values_a_server_cannot_run_are_refused_at_conversion(tiny_mm, tmp_path, change, says):
+    """Each converted with exit 0 and failed later in g4serve (a traceback, 500s, or a message
+    blaming the tokenizer)."""
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    change(config)
+    (src / "config.json").write_text(json.dumps(config))
+    for args in (["nvfp4", src, tmp_path / "o1", "--weight-only"], ["int8-neuron", src, tmp_path / "o2", "--tp", "1"]):
+        one_error_line(run(*args), f"{src / 'config.json'}", says)
+    one_error_line(run("plan", src / "config.json", "--format", "nvfp4"), says)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
