@@ -1,0 +1,93 @@
+"""Subprocess side of the NxDI Gemma 4 lane (``tests/test_nxdi_gemma4.py``): g4's
+``NeuronGemma4MoEForCausalLM`` (``g4/serve/nxdi_gemma4.py``) run through NxD Inference 0.8's own CPU
+engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distributed-inference
+``src/neuronx_distributed_inference/models/application_base.py``), greedy, batch 1.
+
+Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONPATH`` by the
+test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
+
+``python nxdi_worker.py JOB.json``; JOB: ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
+``new_tokens``, ``seq_len``, ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
+``sliding_window``), ``result`` (a .pt file: tokens, logits ``[steps, vocab]`` fp32 and what ran).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nxd_cpu import stubs  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def main(job: dict) -> dict:
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import torch
+    import transformers
+
+    from g4.serve import nxdi_gemma4 as g
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    t_import = time.perf_counter() - T0
+    dtype = getattr(torch, job["dtype"])
+    neuron_config = MoENeuronConfig(tp_degree=1, batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
+                                    on_cpu=True)
+    config = g.Gemma4MoEInferenceConfig(neuron_config, load_config=g.load_gemma4_config(job["model"]),
+                                        **job.get("overrides", {}))
+    model = g.NeuronGemma4MoEForCausalLM(job["model"], config)
+    model.to_cpu()
+    t_load = time.perf_counter() - T0 - t_import
+
+    net = model.context_encoding_model.model
+    assert net is model.token_generation_model.model  # NxDI's CPU mode: one shared module
+
+    # every parameter and buffer of the module must come from the checkpoint (to_cpu loads with
+    # strict=False, which would leave a misnamed weight at its initial value)
+    sd = model.get_state_dict(job["model"], config)
+    own = {k for k in net.state_dict() if not k.startswith("kv_mgr.")}
+    missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+
+    # what the experts ran: ExpertMLPsV2.forward dispatches to forward_all_experts (context
+    # encoding of T*top_k < block_size tokens), forward_selective_loading (token generation, only
+    # the chosen experts' weights) or forward_blockwise; counted on this instance.
+    calls = []
+    for layer in net.layers:
+        em = layer.moe.expert_mlps
+        for name in ("forward_all_experts", "forward_selective_loading", "forward_blockwise",
+                     "forward_capacity_factor"):
+            orig = getattr(em, name)
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                calls.append((_name, int(a[0].shape[0])))
+                return _orig(*a, **k)
+            setattr(em, name, wrapped)
+    shapes = []
+    net.register_forward_pre_hook(lambda m, args: shapes.append(list(args[0].shape)))
+
+    t1 = time.perf_counter()
+    tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
+    t_gen = time.perf_counter() - t1
+    kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "transformers": transformers.__version__,
+            "classes": sorted({type(m).__name__ for m in net.modules()}),
+            "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+if __name__ == "__main__":
+    job = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        result = main(job)
+    except Exception as e:  # reported, with where, to the test
+        result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
+    result["wall_s"] = time.perf_counter() - T0
+    import torch
+
+    torch.save(result, job["result"])
+    sys.exit(0)
