@@ -36,7 +36,10 @@ The Gemma 4 semantics are those of transformers 5.24 ``models/gemma4/modeling_ge
 - final norm, tied (or untied) lm_head, ``softcap * tanh(logits / softcap)``.
 
 Unquantized weights (fp32 or bf16) from a Hugging Face Gemma 4 checkpoint (multimodal release
-layout or text-only); the vision tower is dropped. This module imports NxD and NxDI at the top:
+layout or text-only); the vision tower is dropped. Attention heads, the dense MLP and the experts'
+intermediate dimension are split over TP; a layer with fewer KV heads than ranks gets its KV heads
+replicated (rank r holds head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE``
+does. This module imports NxD and NxDI at the top:
 import it only where they are installed (a Neuron host, or the CPU test lane
 ``tests/test_nxdi_gemma4.py``).
 
@@ -250,9 +253,27 @@ class Gemma4KVCacheManager(KVCacheManager):
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
-    if kv_heads % tp:
-        raise NotImplementedError(f"{kv_heads} KV heads over TP {tp}: KV-head replication is not implemented yet")
-    return kv_heads // tp
+    """KV heads each rank holds. Fewer KV heads than ranks are replicated whole, as NxDI's GQA
+    ``REPLICATE_TO_TP_DEGREE`` does (``modules/attention/gqa.py``): rank r holds head
+    ``r * kv_heads // tp``, the one its query heads read (the 26B's 2 full-attention KV heads at TP 4,
+    the embedded model's 1 at TP 2)."""
+    if kv_heads >= tp:
+        if kv_heads % tp:
+            raise NotImplementedError(f"{kv_heads} KV heads do not split over TP {tp}")
+        return kv_heads // tp
+    if tp % kv_heads:
+        raise NotImplementedError(f"{kv_heads} KV heads cannot be replicated evenly over TP {tp}")
+    return 1
+
+
+def replicate_kv_rows(weight: torch.Tensor, kv_heads: int, head_dim: int, tp: int) -> torch.Tensor:
+    """``k_proj`` / ``v_proj`` weight ``[kv_heads * d, H]`` with each head's rows repeated
+    ``tp / kv_heads`` times when there are fewer KV heads than ranks, so that the column split gives
+    rank r head ``r * kv_heads // tp``; unchanged otherwise."""
+    if kv_heads >= tp:
+        return weight
+    rows = weight.view(kv_heads, head_dim, -1)
+    return rows.repeat_interleave(tp // kv_heads, dim=0).reshape(tp * head_dim, -1).contiguous()
 
 
 # --------------------------------------------------------------------------------------- attention
@@ -281,8 +302,9 @@ class NeuronGemma4Attention(nn.Module):
         H, d = config.hidden_size, self.head_dim
         col = partial(ColumnParallelLinear, bias=False, gather_output=False, dtype=dtype)
         self.q_proj = col(H, config.num_attention_heads * d)
-        self.k_proj = col(H, config.kv_heads_of(layer_idx) * d)
-        self.v_proj = None if self.k_eq_v else col(H, config.kv_heads_of(layer_idx) * d)
+        kv_total = self.num_kv_heads * tp  # replicated up to tp when there are fewer KV heads than ranks
+        self.k_proj = col(H, kv_total * d)
+        self.v_proj = None if self.k_eq_v else col(H, kv_total * d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, H, bias=False, input_is_parallel=True,
                                         dtype=dtype)
         self.q_norm = Gemma4RMSNorm(d, config.rms_norm_eps)
@@ -515,8 +537,10 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         ``language_model.`` dropped (vision tower and ``embed_vision`` dropped), q/k norms kept,
         ``router.*`` -> ``moe.router.*``, ``experts.gate_up_proj [E, 2I, H]`` ->
         ``moe.expert_mlps.mlp_op.gate_up_proj.weight [E, H, 2I]`` (gate columns first, as NxD's
-        fused layout), ``experts.down_proj [E, H, I]`` -> ``...down_proj.weight [E, I, H]``; the
-        pre-release ``moe.*`` expert names are accepted."""
+        fused layout), ``experts.down_proj [E, H, I]`` -> ``...down_proj.weight [E, I, H]``;
+        ``k_proj`` / ``v_proj`` rows replicated per KV head where there are fewer KV heads than ranks
+        (:func:`replicate_kv_rows`); the pre-release ``moe.*`` expert names are accepted."""
+        tp = config.neuron_config.tp_degree
         out = {}
         for name, tensor in state_dict.items():
             if name.startswith("language_model."):
@@ -532,8 +556,10 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
                     tensor = tensor.transpose(1, 2).contiguous()
                 elif ".router." in name:
                     name = name.replace(".router.", ".moe.router.")
+                elif name.endswith((".self_attn.k_proj.weight", ".self_attn.v_proj.weight")):
+                    layer = int(name.split(".")[1])
+                    tensor = replicate_kv_rows(tensor, config.kv_heads_of(layer), config.head_dim_of(layer), tp)
             out[name] = tensor
-        tp = config.neuron_config.tp_degree
         out["rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
         for layer in range(config.num_hidden_layers):  # ExpertMLPsV2's SPMDRank, as for rank_util
             out[f"layers.{layer}.moe.expert_mlps.spmd_rank.rank"] = torch.arange(0, tp, dtype=torch.int32)

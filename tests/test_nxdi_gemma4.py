@@ -14,7 +14,7 @@ with a transformers 4.57 overlay first on ``PYTHONPATH``: ``G4_NXDI_OVERLAY`` (d
 (``pip install --target DIR --no-deps transformers==4.57.* huggingface-hub<1.0 tokenizers<=0.23
 requests fsspec scipy``: about 35 s on 2 cores); skipped with the reason if pip cannot build it.
 
-Each worker: ``NeuronConfig(on_cpu=True, tp_degree=1, seq_len=32)``, ``to_cpu()`` (NxDI builds the
+Each worker: ``NeuronConfig(on_cpu=True, tp_degree=T, seq_len=32)``, ``to_cpu()`` (NxDI builds the
 class, shards the checkpoint with NxD's ``get_sharded_checkpoint`` and loads it), then greedy through
 ``NeuronBaseForCausalLM.forward``: one context-encoding call on the prompt (padded to 32 by NxDI's
 model wrapper) and one token-generation call per further token on NxDI's KV cache. The reference is
@@ -26,6 +26,8 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
 - ``window4``: the same weights with ``sliding_window = 4`` on both sides (the shipped window, 64, is
   wider than the 32 positions, so this is the case that exercises windowed attention in context
   encoding and in decode), 12 tokens from another question;
+- ``chat_tp2``: ``chat`` at TP 2, one process per rank (gloo, the environment torchrun would set);
+  both ranks must give the reference's ids and logits;
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
@@ -133,31 +135,36 @@ def lane(tmp_path_factory):
     chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
-    cases = {"chat": (chat, {}), "window4": (other, {"sliding_window": 4}),
-             "rope_first_dims": (chat, {"rope_parameters": full_rope})}
-    procs = {}
-    for name, (prompt, overrides) in cases.items():
+    cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
+             "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2)}
+    procs = []
+    for name, (prompt, overrides, tp) in cases.items():
         job = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "model": str(EMBEDDED_DIR), "prompt": prompt,
-               "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN, "dtype": "float32", "overrides": overrides,
+               "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN, "dtype": "float32", "overrides": overrides, "tp": tp,
                "result": str(base / f"{name}.pt")}
         (base / f"{name}.json").write_text(json.dumps(job))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port()))
-        env.pop("WORLD_SIZE", None)
-        log = open(base / f"{name}.log", "w")
-        procs[name] = (log, subprocess.Popen([sys.executable, str(WORKER), str(base / f"{name}.json")], cwd=REPO,
-                                             env=env, stdout=log, stderr=subprocess.STDOUT))
+        port = _free_port()
+        for rank in range(tp):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.pop("WORLD_SIZE", None)
+            if tp > 1:  # what torchrun would set; NxDI's to_cpu opens the gloo group from them
+                env.update(RANK=str(rank), WORLD_SIZE=str(tp))
+            log = open(base / f"{name}.rank{rank}.log", "w")
+            procs.append((name, rank, tp, log, subprocess.Popen(
+                [sys.executable, str(WORKER), str(base / f"{name}.json")], cwd=REPO, env=env, stdout=log,
+                stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
-    refs["rope_first_dims"] = refs["chat"]
+    refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat"]
     found = {}
-    for name, (log, p) in procs.items():
+    for name, rank, tp, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
-        assert rc == 0, (base / f"{name}.log").read_text()[-3000:]
-        r = torch.load(base / f"{name}.pt", weights_only=False)
-        assert "error" not in r, (name, r["error"], r["where"])
+        assert rc == 0, (base / f"{name}.rank{rank}.log").read_text()[-3000:]
+        r = torch.load(base / (f"{name}.pt.rank{rank}" if tp > 1 else f"{name}.pt"), weights_only=False)
+        assert "error" not in r, (name, rank, r["error"], r["where"])
         r["ref_tokens"], r["ref_logits"] = refs[name]
-        found[name] = r
+        found[name if rank == 0 else f"{name}/rank{rank}"] = r
     found["wall_s"] = time.perf_counter() - t0
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s; " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
@@ -173,7 +180,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["chat", "window4"])
+@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -202,17 +209,36 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-def test_decode_takes_the_selective_loading_path(lane):
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1"])
+def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
     each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
-    calls = lane["chat"]["expert_calls"]
+    calls = lane[case]["expert_calls"]
     layers = 4
     assert calls[:layers] == [("forward_all_experts", SEQ_LEN)] * layers
     assert calls[layers:] == [("forward_selective_loading", 1)] * layers * (NEW_TOKENS - 1)
 
 
+def test_tp2_splits_heads_and_experts_and_replicates_the_single_full_attention_kv_head(lane):
+    """TP 2: query heads 4 -> 2 per rank, the sliding layers' 2 KV heads -> 1 per rank, the full
+    layer's one KV head replicated to both ranks (as NxDI's GQA REPLICATE_TO_TP_DEGREE), experts'
+    fused gate_up [E, H, 2I] -> [E, H, 2I/2] (NxD's stride-2 [gate_r | up_r]) and down [E, I/2, H]."""
+    for case in ("chat_tp2", "chat_tp2/rank1"):
+        r = lane[case]
+        shapes = r["local_shapes"]
+        assert shapes["layers.0.self_attn.q_proj.weight"] == [2 * 32, 128]
+        assert shapes["layers.0.self_attn.k_proj.weight"] == [32, 128]
+        assert shapes["layers.3.self_attn.q_proj.weight"] == [2 * 64, 128]
+        assert shapes["layers.3.self_attn.k_proj.weight"] == [64, 128]
+        assert "layers.3.self_attn.v_proj.weight" not in shapes  # k_eq_v
+        assert shapes["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"] == [8, 128, 64]
+        assert shapes["layers.0.moe.expert_mlps.mlp_op.down_proj.weight"] == [8, 32, 128]
+        assert r["kv_shapes"] == [[1, 1, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
+        assert (r["logits"] - lane["chat"]["logits"]).abs().max() < TOL
+
+
 def test_every_weight_comes_from_the_checkpoint(lane):
-    for case in ("chat", "window4"):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1"):
         assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
     assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
             "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])

@@ -7,13 +7,15 @@ Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONP
 test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
 
 ``python nxdi_worker.py JOB.json``; JOB: ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
-``new_tokens``, ``seq_len``, ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
-``sliding_window``), ``result`` (a .pt file: tokens, logits ``[steps, vocab]`` fp32 and what ran).
+``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
+environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
+``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -36,7 +38,7 @@ def main(job: dict) -> dict:
 
     t_import = time.perf_counter() - T0
     dtype = getattr(torch, job["dtype"])
-    neuron_config = MoENeuronConfig(tp_degree=1, batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
+    neuron_config = MoENeuronConfig(tp_degree=job.get("tp", 1), batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
                                     on_cpu=True)
     config = g.Gemma4MoEInferenceConfig(neuron_config, load_config=g.load_gemma4_config(job["model"]),
                                         **job.get("overrides", {}))
@@ -74,8 +76,12 @@ def main(job: dict) -> dict:
     tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
     t_gen = time.perf_counter() - t1
     kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    local = {k: list(v.shape) for k, v in net.state_dict().items() if ".self_attn." in k or "expert_mlps" in k}
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
+        torch.distributed.destroy_process_group()
     return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
-            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "transformers": transformers.__version__,
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
 
@@ -89,5 +95,6 @@ if __name__ == "__main__":
     result["wall_s"] = time.perf_counter() - T0
     import torch
 
-    torch.save(result, job["result"])
+    rank = os.environ.get("RANK") if job.get("tp", 1) > 1 else None
+    torch.save(result, job["result"] + (f".rank{rank}" if rank is not None else ""))
     sys.exit(0)
