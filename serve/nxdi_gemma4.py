@@ -49,17 +49,17 @@ Known mistakes of the unmerged NxDI Gemma 4 pull requests that this class does n
 rotates [0:64] and [256:320] of 512) and aliases ``gelu_pytorch_tanh`` to exact gelu for the
 experts; here both follow transformers.
 
-Defects of NxDI 0.8 that a Neuron run would meet too, and how this class avoids them:
+Defects of NxDI 0.8 met here, and how this module avoids them (NxDI itself is not patched):
 
-- ``models/model_base.py:3827,3831`` (``NeuronBaseForCausalLM._copy_past_key_values``) calls
-  ``self._get_captured_tensors_offset()``, which 0.8 defines only on
-  ``models/image_to_text_model_base.py:631``: ``NeuronGemma4MoEForCausalLM`` defines it (0, or the
-  tensor-capture offset when tensor capture is configured, as NxDI ``main`` does).
-- ``utils/hf_adapter.py:313`` (``HuggingFaceGenerationAdapter.prepare_inputs_for_generation``) uses
+- ``models/model_base.py:3827,3831`` (``NeuronBaseForCausalLM._copy_past_key_values``, reached only
+  when the model runs on the CPU) calls ``self._get_captured_tensors_offset()``, which 0.8 defines
+  only on ``models/image_to_text_model_base.py:631``: ``NeuronGemma4MoEForCausalLM`` defines it the
+  same way (the tensor-capture offset, 0 without tensor capture).
+- (a Neuron run meets this one too) ``utils/hf_adapter.py:313`` (``HuggingFaceGenerationAdapter.prepare_inputs_for_generation``) uses
   the undefined name ``tensor_capture_hook`` and ``NeuronBaseForCausalLM.forward``
   (``models/model_base.py:3355``) has no such parameter: :func:`greedy_generate` drives
   ``NeuronBaseForCausalLM.forward`` itself instead of the adapter.
-- NxD ``modules/moe/model_utils.py:11-18`` ``ACT2FN`` has no ``gelu_pytorch_tanh``: the experts are
+- (Neuron too) NxD ``modules/moe/model_utils.py:11-18`` ``ACT2FN`` has no ``gelu_pytorch_tanh``: the experts are
   built with ``hidden_act="gelu"`` and this instance's ``Experts._activation_fn`` is then set to the
   tanh approximation (``F.gelu(x, approximate="tanh")``, what transformers' ``gelu_pytorch_tanh``
   is); NxD's module is not changed.
@@ -527,9 +527,9 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
 
     def _get_captured_tensors_offset(self):
         # NxDI 0.8 models/model_base.py:3827,3831 call this; 0.8 defines it only on
-        # models/image_to_text_model_base.py:631 (see the module docstring).
+        # models/image_to_text_model_base.py:631, whose body this repeats.
         capture = getattr(self.neuron_config, "tensor_capture_config", None)
-        return len(getattr(capture, "modules_to_capture", None) or []) if capture else 0
+        return capture.get_offset() if capture else 0
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config: Gemma4MoEInferenceConfig) -> dict:
