@@ -477,6 +477,53 @@ class NeuronGemma4MoEDecoderLayer(nn.Module):
         return hidden_states, kv, None, None, None
 
 
+# ------------------------------------------------------------------------------------------- int8
+def convert_to_g4_int8(model: nn.Module) -> None:
+    """Swap in NxD's int8 layers for g4's int8-neuron layout (``g4convert int8-neuron``): the
+    experts expert-wise per output channel (``QuantizedExpertFused{Column,Row}Parallel``, scales
+    ``[E, 1, out]``), the dense MLP and the lm_head per output channel (``QuantizedColumnParallel`` /
+    ``QuantizedRowParallel``, scales ``[out, 1]``); attention, router, norms and the embedding stay
+    unquantized. NxDI 0.8 applies one global q_config (``models/model_wrapper.py``,
+    ``DecoderModelInstance.load_module``), which cannot express this mix, so the class runs NxD's
+    ``quantization/quantize.py: convert`` twice itself; ``to_cpu`` never calls ``convert`` at all.
+    Built at TP 1 only so far (NxD ``parallel_layers/layers.py: _initialize_parameter_cpu`` breaks a
+    CPU-device build of quantized row layers at TP > 1)."""
+    from neuronx_distributed.quantization.quantization_config import (
+        QuantizationType,
+        QuantizedDtype,
+        get_default_expert_wise_per_channel_custom_qconfig_dict,
+        get_default_per_channel_custom_qconfig_dict,
+    )
+    from neuronx_distributed.quantization.quantization_layers import QuantizedColumnParallel
+    from neuronx_distributed.quantization.quantize import convert
+
+    class SoftcappedQuantizedLMHead(QuantizedColumnParallel):
+        softcap = None
+
+        def forward(self, x, *args, **kwargs):
+            logits = super().forward(x, *args, **kwargs)
+            if not self.softcap:
+                return logits
+            return (torch.tanh(logits.float() / self.softcap) * self.softcap).to(logits.dtype)
+
+    experts = get_default_expert_wise_per_channel_custom_qconfig_dict()
+    dense = get_default_per_channel_custom_qconfig_dict()
+    # NxD's expert-wise default is float8_e4m3 (quantization/quantization_config.py); NxDI sets the
+    # dtype from neuron_config.quantization_dtype the same way (models/model_wrapper.py). An int8
+    # checkpoint loaded into float8 parameters is silently rounded, not refused.
+    experts["quantized_dtype"] = dense["quantized_dtype"] = QuantizedDtype.INT8
+    for layer in model.layers:
+        convert(layer.moe.expert_mlps, q_config=experts, inplace=True, mapping=None)
+        convert(layer.mlp, q_config=dense, inplace=True, mapping=None)
+    old = model.lm_head
+    head = SoftcappedQuantizedLMHead(
+        input_size=old.input_size, output_size=old.output_size, bias=False, gather_output=old.gather_output,
+        quantization_type=QuantizationType.PER_CHANNEL_SYMMETRIC, quantized_dtype=QuantizedDtype.INT8,
+        quantization_per_channel_axis=0, dtype=old.weight.dtype)
+    head.softcap = old.softcap
+    model.lm_head = head
+
+
 # ------------------------------------------------------------------------------------------ model
 class NeuronGemma4MoEModel(NeuronBaseModel):
     """The traced part: scaled embedding, decoder layers, final norm, softcapped lm_head, and a
@@ -506,6 +553,8 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
         self.lm_head = Gemma4SoftcappedLMHead(config.hidden_size, config.vocab_size, bias=False,
                                               gather_output=not self.on_device_sampling, dtype=dtype,
                                               softcap=config.final_logit_softcapping)
+        if config.neuron_config.quantized:
+            convert_to_g4_int8(self)
 
     def init_inference_optimization(self, config: Gemma4MoEInferenceConfig):
         if self.on_device_sampling:
@@ -530,6 +579,14 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         # models/image_to_text_model_base.py:631, whose body this repeats.
         capture = getattr(self.neuron_config, "tensor_capture_config", None)
         return capture.get_offset() if capture else 0
+
+    @classmethod
+    def get_state_dict(cls, model_name_or_path: str, config: Gemma4MoEInferenceConfig) -> dict:
+        """A ``g4convert int8-neuron`` result (it has a ``manifest.json``) is read by
+        :func:`load_g4_int8_neuron`; anything else is a Hugging Face checkpoint read by NxDI."""
+        if os.path.isfile(os.path.join(model_name_or_path, "manifest.json")):
+            return load_g4_int8_neuron(model_name_or_path, config)
+        return super().get_state_dict(model_name_or_path, config)
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config: Gemma4MoEInferenceConfig) -> dict:
@@ -572,6 +629,38 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
 
 
+def load_g4_int8_neuron(out_dir: str, config: Gemma4MoEInferenceConfig) -> dict:
+    """The full (unsharded) state dict of this class from a ``g4convert int8-neuron --tp 1``
+    result: ``weights/tp0_sharded_checkpoint.safetensors`` (already NxD's layout: int8 ``weight``
+    and fp32 ``scale``, experts ``[E, H, 2I]`` / ``[E, I, H]``) renamed to this class's module names,
+    plus the host embedding table ``embed_tokens.safetensors`` (unscaled; the embedding module
+    applies ``sqrt(H)``). The int8 lm_head is separate from the bf16 embedding (not tied). Needs
+    ``neuron_config.quantized`` (the class then builds NxD's int8 layers, :func:`convert_to_g4_int8`)
+    and TP 1 (a TP-1 result holds whole tensors that NxD's sharder splits)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    if manifest.get("tp_degree") != 1 or config.neuron_config.tp_degree != 1:
+        raise NotImplementedError(f"{out_dir}: int8-neuron at TP {manifest.get('tp_degree')} into NxDI at TP "
+                                  f"{config.neuron_config.tp_degree}; only a TP-1 result at TP 1 so far")
+    if not config.neuron_config.quantized:
+        raise ValueError(f"{out_dir} holds int8 weights: build with NeuronConfig(quantized=True)")
+    out = {}
+    for name, tensor in load_file(os.path.join(out_dir, "weights", "tp0_sharded_checkpoint.safetensors")).items():
+        if ".experts." in name:
+            name = name.replace(".experts.", ".moe.expert_mlps.mlp_op.")
+        elif ".router." in name:
+            name = name.replace(".router.", ".moe.router.")
+        out[name] = tensor
+    out["embed_tokens.weight"] = load_file(os.path.join(out_dir, "embed_tokens.safetensors"))["embed_tokens.weight"]
+    out["rank_util.rank"] = torch.arange(0, 1, dtype=torch.int32)
+    for layer in range(config.num_hidden_layers):
+        out[f"layers.{layer}.moe.expert_mlps.spmd_rank.rank"] = torch.arange(0, 1, dtype=torch.int32)
+    return out
+
+
+@torch.no_grad()
 def greedy_generate(model: NeuronGemma4MoEForCausalLM, prompt: List[int], max_new_tokens: int):
     """Greedy decoding through ``NeuronBaseForCausalLM.forward`` (context encoding on the prompt,
     then one token-generation call per new token on the KV cache), batch 1. Returns the new ids and

@@ -30,6 +30,9 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
   both ranks must give the reference's ids and logits;
 - ``chat_bf16``: ``chat`` with bf16 weights and activations, against the fp32 reference
   (``TOL_BF16`` = 0.25);
+- ``int8``: ``g4convert int8-neuron --tp 1`` of the embedded model (``NeuronConfig(quantized=True)``):
+  NxD's int8 layers for experts, dense MLP and lm_head; the reference is g4's ``NeuronEmulator``
+  (transformers' modules over the dequantized weights), tolerance ``TOL``;
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
@@ -127,6 +130,26 @@ def _reference(prompt: list[int], sliding_window: int | None = None) -> tuple[li
     return tokens, torch.stack(logits)
 
 
+@torch.no_grad()
+def _int8_reference(out_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """g4's ``NeuronEmulator`` on the int8-neuron result (transformers' Gemma 4 modules over the
+    dequantized ``q * scale`` weights), fp32, greedy by full recompute. Its host embedding rounds
+    ``row * bf16(sqrt(H))`` to bf16 (the int8-neuron runtime contract); the NxDI class in fp32 computes
+    ``row * sqrt(H)`` in fp32 as transformers does, so the reference takes that lookup here (with the
+    contract's lookup the logits differ by up to 5e-3, all of it from that rounding)."""
+    from g4.serve.neuron_emulator import NeuronEmulator
+
+    model = NeuronEmulator(out_dir)
+    scale = torch.tensor(model.config.hidden_size ** 0.5)
+    model.embed = lambda ids: model.embed_table[ids].float() * scale
+    tokens, logits = [], []
+    for _ in range(NEW_TOKENS):
+        step = model(torch.tensor([prompt + tokens]))[0, -1].float()
+        tokens.append(int(step.argmax()))
+        logits.append(step)
+    return tokens, torch.stack(logits)
+
+
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory):
     t_overlay = time.perf_counter()
@@ -138,38 +161,49 @@ def lane(tmp_path_factory):
     chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
+    from g4.convert.int8_neuron import convert_int8_neuron
+
+    int8_dir = convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp1", tp=1, quantize_attention=False,
+                                   target="inf2.xlarge", progress=False).out
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
-             "chat_bf16": (chat, {}, 1)}
-    procs = []
+             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1)}
+    jobs = {}
     for name, (prompt, overrides, tp) in cases.items():
-        job = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "model": str(EMBEDDED_DIR), "prompt": prompt,
-               "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
-               "overrides": overrides, "tp": tp,
-               "result": str(base / f"{name}.pt")}
-        (base / f"{name}.json").write_text(json.dumps(job))
+        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt, "quantized": name == "int8",
+                      "model": str(int8_dir if name == "int8" else EMBEDDED_DIR), "new_tokens": NEW_TOKENS,
+                      "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
+                      "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
+    # every TP-1 case in one process (NxDI imported once), the TP-2 case in one process per rank
+    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1), "chat_tp2": (jobs["chat_tp2"], 2)}
+    procs = []
+    for group, (payload, world) in groups.items():
+        (base / f"{group}.json").write_text(json.dumps(payload))
         port = _free_port()
-        for rank in range(tp):
+        for rank in range(world):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.pop("WORLD_SIZE", None)
-            if tp > 1:  # what torchrun would set; NxDI's to_cpu opens the gloo group from them
-                env.update(RANK=str(rank), WORLD_SIZE=str(tp))
-            log = open(base / f"{name}.rank{rank}.log", "w")
-            procs.append((name, rank, tp, log, subprocess.Popen(
-                [sys.executable, str(WORKER), str(base / f"{name}.json")], cwd=REPO, env=env, stdout=log,
+            if world > 1:  # what torchrun would set; NxDI's to_cpu opens the gloo group from them
+                env.update(RANK=str(rank), WORLD_SIZE=str(world))
+            log = open(base / f"{group}.rank{rank}.log", "w")
+            procs.append((group, rank, log, subprocess.Popen(
+                [sys.executable, str(WORKER), str(base / f"{group}.json")], cwd=REPO, env=env, stdout=log,
                 stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
     refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    found = {}
-    for name, rank, tp, log, p in procs:
+    refs["int8"] = _int8_reference(int8_dir, chat)
+    for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
-        assert rc == 0, (base / f"{name}.rank{rank}.log").read_text()[-3000:]
-        r = torch.load(base / (f"{name}.pt.rank{rank}" if tp > 1 else f"{name}.pt"), weights_only=False)
-        assert "error" not in r, (name, rank, r["error"], r["where"])
-        r["ref_tokens"], r["ref_logits"] = refs[name]
-        found[name if rank == 0 else f"{name}/rank{rank}"] = r
+        assert rc == 0, (base / f"{group}.rank{rank}.log").read_text()[-3000:]
+    found = {}
+    for name, job in jobs.items():
+        for rank in range(job["tp"]):
+            r = torch.load(base / (f"{name}.pt.rank{rank}" if job["tp"] > 1 else f"{name}.pt"), weights_only=False)
+            assert "error" not in r, (name, rank, r["error"], r["where"])
+            r["ref_tokens"], r["ref_logits"] = refs[name]
+            found[name if rank == 0 else f"{name}/rank{rank}"] = r
     found["wall_s"] = time.perf_counter() - t0
     found["overlay_s"] = t0 - t_overlay
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
@@ -186,7 +220,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1"])
+@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -225,7 +259,7 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1"])
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8"])
 def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
     each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
@@ -253,8 +287,16 @@ def test_tp2_splits_heads_and_experts_and_replicates_the_single_full_attention_k
         assert (r["logits"] - lane["chat"]["logits"]).abs().max() < TOL
 
 
+def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
+    """``g4convert int8-neuron --tp 1`` output (int8 experts expert-wise, int8 dense MLP and lm_head
+    per channel, bf16 attention) loaded by the class into NxD's int8 layers; ids and logits as g4's
+    dequantized reference (``_int8_reference``)."""
+    assert {"QuantizedExpertFusedColumnParallel", "QuantizedExpertFusedRowParallel", "QuantizedColumnParallel",
+            "QuantizedRowParallel"} <= set(lane["int8"]["classes"])
+
+
 def test_every_weight_comes_from_the_checkpoint(lane):
-    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1"):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"):
         assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
     assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
             "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])

@@ -6,7 +6,7 @@ engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distrib
 Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONPATH`` by the
 test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
 
-``python nxdi_worker.py JOB.json``; JOB: ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
+``python nxdi_worker.py JOB.json``; JOB (or a list of TP-1 JOBs, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
 ``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
 environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
 ``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
@@ -36,15 +36,20 @@ def main(job: dict) -> dict:
     from g4.serve import nxdi_gemma4 as g
     from neuronx_distributed_inference.models.config import MoENeuronConfig
 
-    t_import = time.perf_counter() - T0
+    t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
+    main.ran = True
+    t0 = time.perf_counter()
     dtype = getattr(torch, job["dtype"])
     neuron_config = MoENeuronConfig(tp_degree=job.get("tp", 1), batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
-                                    on_cpu=True)
+                                    on_cpu=True, **({"quantized": True, "quantized_checkpoints_path": job["model"],
+                                                     "quantization_type": "expert_wise_per_channel_symmetric",
+                                                     "modules_to_not_convert": ["self_attn", "router", "embed_tokens"]}
+                                                    if job.get("quantized") else {}))
     config = g.Gemma4MoEInferenceConfig(neuron_config, load_config=g.load_gemma4_config(job["model"]),
                                         **job.get("overrides", {}))
     model = g.NeuronGemma4MoEForCausalLM(job["model"], config)
     model.to_cpu()
-    t_load = time.perf_counter() - T0 - t_import
+    t_load = time.perf_counter() - t0
 
     net = model.context_encoding_model.model
     assert net is model.token_generation_model.model  # NxDI's CPU mode: one shared module
@@ -86,15 +91,28 @@ def main(job: dict) -> dict:
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
 
 
-if __name__ == "__main__":
-    job = json.loads(Path(sys.argv[1]).read_text())
+def run(job: dict) -> None:
+    t = time.perf_counter()
     try:
         result = main(job)
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
-    result["wall_s"] = time.perf_counter() - T0
+    result["wall_s"] = time.perf_counter() - t
     import torch
 
     rank = os.environ.get("RANK") if job.get("tp", 1) > 1 else None
     torch.save(result, job["result"] + (f".rank{rank}" if rank is not None else ""))
+
+
+if __name__ == "__main__":
+    # one job, or a list of TP-1 jobs run one after another in this process (one import of NxDI):
+    # between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
+    # destroy_model_parallel) so that the next to_cpu() initialises it afresh
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    for i, job in enumerate(jobs if isinstance(jobs, list) else [jobs]):
+        if i:
+            from neuronx_distributed.parallel_layers import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        run(job)
     sys.exit(0)
