@@ -35,8 +35,9 @@ The Gemma 4 semantics are those of transformers 5.24 ``models/gemma4/modeling_ge
 - ``layer_scalar`` multiplies the whole residual stream at the end of each layer;
 - final norm, tied (or untied) lm_head, ``softcap * tanh(logits / softcap)``.
 
-Unquantized weights (fp32 or bf16) from a Hugging Face Gemma 4 checkpoint (multimodal release
-layout or text-only); the vision tower is dropped. Attention heads, the dense MLP and the experts'
+Weights: unquantized (fp32 or bf16) from a Hugging Face Gemma 4 checkpoint (multimodal release
+layout or text-only; the vision tower is dropped), or, with ``NeuronConfig(quantized=True)``, a
+``g4convert int8-neuron --tp 1`` result (:func:`load_g4_int8_neuron`, :func:`convert_to_g4_int8`). Attention heads, the dense MLP and the experts'
 intermediate dimension are split over TP; a layer with fewer KV heads than ranks gets its KV heads
 replicated (rank r holds head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE``
 does. This module imports NxD and NxDI at the top:
@@ -63,6 +64,10 @@ Defects of NxDI 0.8 met here, and how this module avoids them (NxDI itself is no
   built with ``hidden_act="gelu"`` and this instance's ``Experts._activation_fn`` is then set to the
   tanh approximation (``F.gelu(x, approximate="tanh")``, what transformers' ``gelu_pytorch_tanh``
   is); NxD's module is not changed.
+- (Neuron too) NxD's expert-wise q_config defaults to float8_e4m3
+  (``quantization/quantization_config.py``: ``get_default_expert_wise_per_channel_custom_qconfig_dict``);
+  int8 weights loaded into it are silently rounded to float8 (measured: logits off by 2e-2 on the
+  embedded model): :func:`convert_to_g4_int8` sets ``quantized_dtype`` to int8.
 """
 
 from __future__ import annotations
