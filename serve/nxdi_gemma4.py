@@ -73,7 +73,6 @@ Defects of NxDI 0.8 met here, and how this module avoids them (NxDI itself is no
 from __future__ import annotations
 
 import json
-import math
 import os
 from functools import partial
 from typing import List, Optional
