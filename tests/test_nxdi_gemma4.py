@@ -206,6 +206,9 @@ def lane(tmp_path_factory):
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
     found["wall_s"] = time.perf_counter() - t0
     found["overlay_s"] = t0 - t_overlay
+    print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
+        f"{n}: {(r['logits'] - r['ref_logits']).abs().max().item():.2g} (ids equal: {r['tokens'] == r['ref_tokens']})"
+        for n, r in found.items() if isinstance(r, dict)))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
         f"generate {found[n]['t_gen']:.1f})" for n in cases))
