@@ -82,3 +82,55 @@ def install(nxd_src: str) -> None:
     root = os.path.join(nxd_src, "neuronx_distributed")
     _bare_package("neuronx_distributed", root)
     _bare_package("neuronx_distributed.trace", os.path.join(root, "trace"))
+
+
+def install_nxdi(nxd_src: str, nxdi_src: str) -> None:
+    """What NxD Inference 0.8's engine additionally needs on a CPU (idempotent):
+
+    - ``neuronx_distributed.trace``'s own ``__init__`` runs (NxDI imports ``ModelBuilder`` and
+      ``parallel_model_trace`` from it), so ``torch.classes.neuron`` (read in signatures by
+      ``trace/spmd.py`` at import) is a mock;
+    - the four NKI names NxD's MoE code turns into values that end up in NxDI's config objects
+      (``modules/moe/blockwise.py``: ``BlockShardStrategy``, ``ExpertAffinityScaleMode``,
+      ``ActFnType``, ``SkipMode``) are real enums / a small class, not mocks (a mock inside a
+      config makes NxDI's ``to_dict`` recurse forever).
+    """
+    if "neuronx_distributed_inference" in sys.modules:
+        return
+    import enum
+
+    import torch
+
+    os.environ["NXD_CPU_MODE"] = "1"
+    sys.meta_path.insert(0, _StubFinder())
+    import torch_neuronx.utils  # noqa: F401  (a stub)
+
+    sys.modules["torch_neuronx.utils"].get_platform_target = lambda: "trn1"
+    torch.classes.neuron = mock.MagicMock(name="torch.classes.neuron")
+    import neuronxcc.nki._pre_prod_kernels as pre  # noqa: F401  (stubs)
+    import neuronxcc.nki._pre_prod_kernels.blockwise_mm as bmm  # noqa: F401
+
+    class ExpertAffinityScaleMode(enum.Enum):
+        NO_SCALE = 0
+        POST_SCALE = 1
+        PRE_SCALE = 2
+
+    class ActFnType(enum.Enum):
+        SiLU = 0
+        GELU = 1
+        GELU_Tanh_Approx = 2
+        Swish = 3
+
+    class BlockShardStrategy(enum.Enum):
+        HI_LO = 0
+        PING_PONG = 1
+
+    class SkipMode:
+        def __init__(self, skip_token: bool = False, skip_weight: bool = False):
+            self.skip_token, self.skip_weight = skip_token, skip_weight
+
+    pre.ExpertAffinityScaleMode, pre.ActFnType = ExpertAffinityScaleMode, ActFnType
+    bmm.BlockShardStrategy, bmm.SkipMode = BlockShardStrategy, SkipMode
+    sys.path.insert(0, nxd_src)
+    sys.path.insert(0, nxdi_src)
+    _bare_package("neuronx_distributed", os.path.join(nxd_src, "neuronx_distributed"))

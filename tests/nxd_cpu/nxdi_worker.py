@@ -1,0 +1,118 @@
+"""Subprocess side of the NxDI Gemma 4 lane (``tests/test_nxdi_gemma4.py``): g4's
+``NeuronGemma4MoEForCausalLM`` (``g4/serve/nxdi_gemma4.py``) run through NxD Inference 0.8's own CPU
+engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distributed-inference
+``src/neuronx_distributed_inference/models/application_base.py``), greedy, batch 1.
+
+Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONPATH`` by the
+test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
+
+``python nxdi_worker.py JOB.json``; JOB (or a list of TP-1 JOBs, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
+``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
+environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
+``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nxd_cpu import stubs  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def main(job: dict) -> dict:
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import torch
+    import transformers
+
+    from g4.serve import nxdi_gemma4 as g
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
+    main.ran = True
+    t0 = time.perf_counter()
+    dtype = getattr(torch, job["dtype"])
+    neuron_config = MoENeuronConfig(tp_degree=job.get("tp", 1), batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
+                                    on_cpu=True, **({"quantized": True, "quantized_checkpoints_path": job["model"],
+                                                     "quantization_type": "expert_wise_per_channel_symmetric",
+                                                     "modules_to_not_convert": ["self_attn", "router", "embed_tokens"]}
+                                                    if job.get("quantized") else {}))
+    config = g.Gemma4MoEInferenceConfig(neuron_config, load_config=g.load_gemma4_config(job["model"]),
+                                        **job.get("overrides", {}))
+    model = g.NeuronGemma4MoEForCausalLM(job["model"], config)
+    model.to_cpu()
+    t_load = time.perf_counter() - t0
+
+    net = model.context_encoding_model.model
+    assert net is model.token_generation_model.model  # NxDI's CPU mode: one shared module
+
+    # every parameter and buffer of the module must come from the checkpoint (to_cpu loads with
+    # strict=False, which would leave a misnamed weight at its initial value)
+    sd = model.get_state_dict(job["model"], config)
+    own = {k for k in net.state_dict() if not k.startswith("kv_mgr.")}
+    missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+
+    # what the experts ran: ExpertMLPsV2.forward dispatches to forward_all_experts (context
+    # encoding of T*top_k < block_size tokens), forward_selective_loading (token generation, only
+    # the chosen experts' weights) or forward_blockwise; counted on this instance.
+    calls = []
+    for layer in net.layers:
+        em = layer.moe.expert_mlps
+        for name in ("forward_all_experts", "forward_selective_loading", "forward_blockwise",
+                     "forward_capacity_factor"):
+            orig = getattr(em, name)
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                calls.append((_name, int(a[0].shape[0])))
+                return _orig(*a, **k)
+            setattr(em, name, wrapped)
+    shapes = []
+    net.register_forward_pre_hook(lambda m, args: shapes.append(list(args[0].shape)))
+
+    t1 = time.perf_counter()
+    tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
+    t_gen = time.perf_counter() - t1
+    kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    local = {k: list(v.shape) for k, v in net.state_dict().items() if ".self_attn." in k or "expert_mlps" in k}
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
+        torch.distributed.destroy_process_group()
+    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
+            "classes": sorted({type(m).__name__ for m in net.modules()}),
+            "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+def run(job: dict) -> None:
+    t = time.perf_counter()
+    try:
+        result = main(job)
+    except Exception as e:  # reported, with where, to the test
+        result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
+    result["wall_s"] = time.perf_counter() - t
+    import torch
+
+    rank = os.environ.get("RANK") if job.get("tp", 1) > 1 else None
+    torch.save(result, job["result"] + (f".rank{rank}" if rank is not None else ""))
+
+
+if __name__ == "__main__":
+    # one job, or a list of TP-1 jobs run one after another in this process (one import of NxDI):
+    # between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
+    # destroy_model_parallel) so that the next to_cpu() initialises it afresh
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    for i, job in enumerate(jobs if isinstance(jobs, list) else [jobs]):
+        if i:
+            from neuronx_distributed.parallel_layers import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        run(job)
+    sys.exit(0)

@@ -1,0 +1,310 @@
+"""g4's Gemma 4 MoE model class for NxD Inference (``g4/serve/nxdi_gemma4.py``) run through NxDI 0.8's
+own CPU engine, against transformers' Gemma 4 (marker ``nxd_cpu``; on by default).
+
+Sources: aws-neuron/neuronx-distributed at tag ``v2.28.0`` and aws-neuron/neuronx-distributed-inference
+at its "Neuron SDK Release 2.28.0" commit (0.8.0); ``G4_NXD_SRC`` / ``G4_NXDI_SRC`` name their ``src``
+folders (default: the unmodified snapshots beside the repository, as ``tests/test_nxd_cpu.py``);
+without them the lane is skipped with that reason.
+
+NxDI 0.8 imports only with transformers 4.57 (its pin; 5.x removed
+``transformers.generation.SampleDecoderOnlyOutput``), while the reference is transformers 5.24 (4.57 has
+no Gemma 4). So the NxDI side runs in a subprocess (``tests/nxd_cpu/nxdi_worker.py``) of g4's venv
+with a transformers 4.57 overlay first on ``PYTHONPATH``: ``G4_NXDI_OVERLAY`` (default
+``.venv-nxdi/tf457`` in the repository, git-ignored), built here with pip on first use if absent
+(``pip install --target DIR --no-deps transformers==4.57.* huggingface-hub<1.0 tokenizers<=0.23
+requests fsspec scipy``: about 35 s on 2 cores); skipped with the reason if pip cannot build it.
+
+Each worker: ``NeuronConfig(on_cpu=True, tp_degree=T, seq_len=32)``, ``to_cpu()`` (NxDI builds the
+class, shards the checkpoint with NxD's ``get_sharded_checkpoint`` and loads it), then greedy through
+``NeuronBaseForCausalLM.forward``: one context-encoding call on the prompt (padded to 32 by NxDI's
+model wrapper) and one token-generation call per further token on NxDI's KV cache. The reference is
+transformers' ``Gemma4ForConditionalGeneration`` on the same checkpoint in fp32, greedy with its own
+cache. Cases (embedded tiny model: 3 sliding layers head_dim 32 / 2 KV heads, 1 full k_eq_v layer
+head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
+
+- ``chat``: a chat-formatted fact question, 12 tokens (11 decode steps);
+- ``window4``: the same weights with ``sliding_window = 4`` on both sides (the shipped window, 64, is
+  wider than the 32 positions, so this is the case that exercises windowed attention in context
+  encoding and in decode), 12 tokens from another question;
+- ``chat_tp2``: ``chat`` at TP 2, one process per rank (gloo, the environment torchrun would set);
+  both ranks must give the reference's ids and logits;
+- ``chat_bf16``: ``chat`` with bf16 weights and activations, against the fp32 reference
+  (``TOL_BF16`` = 0.25);
+- ``int8``: ``g4convert int8-neuron --tp 1`` of the embedded model (``NeuronConfig(quantized=True)``):
+  NxD's int8 layers for experts, dense MLP and lm_head; the reference is g4's ``NeuronEmulator``
+  (transformers' modules over the dequantized weights), tolerance ``TOL``;
+- ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
+  1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
+  logits must move by far more than the tolerance.
+
+Tolerance: max |logit difference| over all steps and the whole vocabulary ``1e-4`` (fp32; logits
+reach about 15, measured differences are a few 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+VENDOR = REPO.parent / "shared" / "vendor"
+NXD_SRC = Path(os.environ.get("G4_NXD_SRC", VENDOR / "neuronx-distributed-v2.28.0" / "src"))
+NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-inference-v0.8.0" / "src"))
+OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
+WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
+TOL, TOL_BF16 = 1e-4, 0.25
+NEW_TOKENS, SEQ_LEN = 12, 32
+OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
+                    "scipy"]
+
+
+def _missing() -> str | None:
+    if not (NXD_SRC / "neuronx_distributed" / "modules" / "moe" / "expert_mlps_v2.py").is_file():
+        return (f"neuronx-distributed v2.28.0 source not found at {NXD_SRC} (set G4_NXD_SRC to the src/ folder "
+                "of aws-neuron/neuronx-distributed@v2.28.0; the PyPI package is a placeholder)")
+    if not (NXDI_SRC / "neuronx_distributed_inference" / "models" / "model_base.py").is_file():
+        return (f"neuronx-distributed-inference 0.8.0 source not found at {NXDI_SRC} (set G4_NXDI_SRC to the src/ "
+                "folder of aws-neuron/neuronx-distributed-inference at its Neuron SDK 2.28.0 release)")
+    return None
+
+
+pytestmark = [pytest.mark.nxd_cpu, pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
+
+
+def _overlay() -> Path:
+    """transformers 4.57 for NxDI, built once (atomically) where it is absent."""
+    if (OVERLAY / "transformers" / "__init__.py").is_file():
+        return OVERLAY
+    OVERLAY.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tf457-", dir=OVERLAY.parent))
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+                        *OVERLAY_PACKAGES], capture_output=True, text=True)
+    if r.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.skip(f"cannot build the transformers 4.57 overlay NxDI 0.8 needs at {OVERLAY}: {r.stderr[-500:]}")
+    try:
+        tmp.rename(OVERLAY)
+    except OSError:  # another run made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return OVERLAY
+
+
+def _chat_ids(question: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]
+
+
+@torch.no_grad()
+def _reference(prompt: list[int], sliding_window: int | None = None) -> tuple[list[int], torch.Tensor]:
+    """transformers 5.24, fp32, greedy with its own KV cache: tokens and raw logits per step."""
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    config = AutoConfig.from_pretrained(EMBEDDED_DIR)
+    if sliding_window is not None:
+        config.text_config.sliding_window = sliding_window
+    model = Gemma4ForConditionalGeneration.from_pretrained(EMBEDDED_DIR, config=config, dtype=torch.float32,
+                                                           experts_implementation="eager").eval()
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(NEW_TOKENS):
+        step = out.logits[0, -1].float()
+        tokens.append(int(step.argmax()))
+        logits.append(step)
+        out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+@torch.no_grad()
+def _int8_reference(out_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """g4's ``NeuronEmulator`` on the int8-neuron result (transformers' Gemma 4 modules over the
+    dequantized ``q * scale`` weights), fp32, greedy by full recompute. Its host embedding rounds
+    ``row * bf16(sqrt(H))`` to bf16 (the int8-neuron runtime contract); the NxDI class in fp32 computes
+    ``row * sqrt(H)`` in fp32 as transformers does, so the reference takes that lookup here (with the
+    contract's lookup the logits differ by up to 5e-3, all of it from that rounding)."""
+    from g4.serve.neuron_emulator import NeuronEmulator
+
+    model = NeuronEmulator(out_dir)
+    scale = torch.tensor(model.config.hidden_size ** 0.5)
+    model.embed = lambda ids: model.embed_table[ids].float() * scale
+    tokens, logits = [], []
+    for _ in range(NEW_TOKENS):
+        step = model(torch.tensor([prompt + tokens]))[0, -1].float()
+        tokens.append(int(step.argmax()))
+        logits.append(step)
+    return tokens, torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def lane(tmp_path_factory):
+    t_overlay = time.perf_counter()
+    overlay = _overlay()  # once per checkout; not part of the lane's budget
+    t0 = time.perf_counter()
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    base = tmp_path_factory.mktemp("nxdi_gemma4")
+    chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
+    full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
+    full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
+    from g4.convert.int8_neuron import convert_int8_neuron
+
+    int8_dir = convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp1", tp=1, quantize_attention=False,
+                                   target="inf2.xlarge", progress=False).out
+    cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
+             "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
+             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1)}
+    jobs = {}
+    for name, (prompt, overrides, tp) in cases.items():
+        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt, "quantized": name == "int8",
+                      "model": str(int8_dir if name == "int8" else EMBEDDED_DIR), "new_tokens": NEW_TOKENS,
+                      "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
+                      "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
+    # every TP-1 case in one process (NxDI imported once), the TP-2 case in one process per rank
+    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1), "chat_tp2": (jobs["chat_tp2"], 2)}
+    procs = []
+    for group, (payload, world) in groups.items():
+        (base / f"{group}.json").write_text(json.dumps(payload))
+        port = _free_port()
+        for rank in range(world):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.pop("WORLD_SIZE", None)
+            if world > 1:  # what torchrun would set; NxDI's to_cpu opens the gloo group from them
+                env.update(RANK=str(rank), WORLD_SIZE=str(world))
+            log = open(base / f"{group}.rank{rank}.log", "w")
+            procs.append((group, rank, log, subprocess.Popen(
+                [sys.executable, str(WORKER), str(base / f"{group}.json")], cwd=REPO, env=env, stdout=log,
+                stderr=subprocess.STDOUT)))
+    refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
+    refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
+    refs["int8"] = _int8_reference(int8_dir, chat)
+    for group, rank, log, p in procs:
+        rc = p.wait(timeout=240)
+        log.close()
+        assert rc == 0, (base / f"{group}.rank{rank}.log").read_text()[-3000:]
+    found = {}
+    for name, job in jobs.items():
+        for rank in range(job["tp"]):
+            r = torch.load(base / (f"{name}.pt.rank{rank}" if job["tp"] > 1 else f"{name}.pt"), weights_only=False)
+            assert "error" not in r, (name, rank, r["error"], r["where"])
+            r["ref_tokens"], r["ref_logits"] = refs[name]
+            found[name if rank == 0 else f"{name}/rank{rank}"] = r
+    found["wall_s"] = time.perf_counter() - t0
+    found["overlay_s"] = t0 - t_overlay
+    print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
+        f"{n}: {(r['logits'] - r['ref_logits']).abs().max().item():.2g} (ids equal: {r['tokens'] == r['ref_tokens']})"
+        for n, r in found.items() if isinstance(r, dict)))
+    print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
+        f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
+        f"generate {found[n]['t_gen']:.1f})" for n in cases))
+    return found
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"])
+def test_greedy_ids_and_logits_match_transformers(lane, case):
+    r = lane[case]
+    diff = (r["logits"] - r["ref_logits"]).abs().max().item()
+    assert r["tokens"] == r["ref_tokens"], (r["tokens"], r["ref_tokens"])
+    assert len(r["tokens"]) == NEW_TOKENS
+    assert diff < TOL, f"{case}: max |logit difference| {diff:.3g} over {NEW_TOKENS} steps"
+    assert r["logits"].abs().max() > 5  # not a degenerate comparison
+
+
+def test_bf16_weights_give_the_fp32_reference_ids_within_bf16_rounding(lane):
+    """The class in bf16 (NxDI casts the checkpoint to ``torch_dtype``) against transformers in fp32:
+    same greedy ids, logits within ``TOL_BF16`` (bf16's spacing at |logit| 8-16 is 0.0625; measured
+    0.063; transformers' own bf16 run differs from its fp32 run by up to 1.04 at one step here)."""
+    r = lane["chat_bf16"]
+    assert r["tokens"] == r["ref_tokens"]
+    diff = (r["logits"] - r["ref_logits"]).abs().max().item()
+    assert diff < TOL_BF16, diff
+
+
+def test_the_window_case_differs_from_the_full_window(lane):
+    """window 4 changes the answer, so the windowed mask really took part in both runs."""
+    assert lane["window4"]["ref_tokens"] != lane["chat"]["ref_tokens"]
+    assert (lane["window4"]["ref_logits"][0] - lane["chat"]["ref_logits"][0]).abs().max() > 1e-2
+
+
+def test_the_comparison_catches_rope_on_the_wrong_dims(lane):
+    r = lane["rope_first_dims"]
+    assert (r["logits"] - r["ref_logits"]).abs().max().item() > 100 * TOL
+
+
+def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(lane):
+    r = lane["chat"]
+    assert r["transformers"].startswith("4.57")
+    assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
+    # per-layer cache shapes: [batch, KV heads, positions, head_dim], K and V per layer
+    assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
+
+
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8"])
+def test_decode_takes_the_selective_loading_path(lane, case):
+    """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
+    each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
+    calls = lane[case]["expert_calls"]
+    layers = 4
+    assert calls[:layers] == [("forward_all_experts", SEQ_LEN)] * layers
+    assert calls[layers:] == [("forward_selective_loading", 1)] * layers * (NEW_TOKENS - 1)
+
+
+def test_tp2_splits_heads_and_experts_and_replicates_the_single_full_attention_kv_head(lane):
+    """TP 2: query heads 4 -> 2 per rank, the sliding layers' 2 KV heads -> 1 per rank, the full
+    layer's one KV head replicated to both ranks (as NxDI's GQA REPLICATE_TO_TP_DEGREE), experts'
+    fused gate_up [E, H, 2I] -> [E, H, 2I/2] (NxD's stride-2 [gate_r | up_r]) and down [E, I/2, H]."""
+    for case in ("chat_tp2", "chat_tp2/rank1"):
+        r = lane[case]
+        shapes = r["local_shapes"]
+        assert shapes["layers.0.self_attn.q_proj.weight"] == [2 * 32, 128]
+        assert shapes["layers.0.self_attn.k_proj.weight"] == [32, 128]
+        assert shapes["layers.3.self_attn.q_proj.weight"] == [2 * 64, 128]
+        assert shapes["layers.3.self_attn.k_proj.weight"] == [64, 128]
+        assert "layers.3.self_attn.v_proj.weight" not in shapes  # k_eq_v
+        assert shapes["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"] == [8, 128, 64]
+        assert shapes["layers.0.moe.expert_mlps.mlp_op.down_proj.weight"] == [8, 32, 128]
+        assert r["kv_shapes"] == [[1, 1, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
+        assert (r["logits"] - lane["chat"]["logits"]).abs().max() < TOL
+
+
+def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
+    """``g4convert int8-neuron --tp 1`` output (int8 experts expert-wise, int8 dense MLP and lm_head
+    per channel, bf16 attention) loaded by the class into NxD's int8 layers; ids and logits as g4's
+    dequantized reference (``_int8_reference``)."""
+    assert {"QuantizedExpertFusedColumnParallel", "QuantizedExpertFusedRowParallel", "QuantizedColumnParallel",
+            "QuantizedRowParallel"} <= set(lane["int8"]["classes"])
+
+
+def test_every_weight_comes_from_the_checkpoint(lane):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"):
+        assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
+    assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
+            "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])
+
+
+def test_lane_fits_its_budget(lane):
+    """Workers and references within 2 minutes on 2 cores (the one-time overlay build not counted)."""
+    assert lane["wall_s"] < 120, lane["wall_s"]
