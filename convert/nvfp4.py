@@ -219,12 +219,17 @@ def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, tor
     gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
     in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
     in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
+    # All experts in one kernel call each; gate and up share the global scale of the whole
+    # fused gate_up_proj[e] (vLLM uses one), so the split comes after quantization.
+    qgu, qdn = q.quantize_experts(gate_up), q.quantize_experts(down)
     for e in range(p.num_experts):
-        # gate and up share the global scale of the whole fused gate_up_proj[e] (vLLM uses one).
-        g_gu = q.global_scale_from_amax(q.weight_amax(gate_up[e]))
-        gate, up = split_gate_up(gate_up[e])
-        for proj, x, g, in_s in zip(EXPERT_PROJS, (gate, up, down[e]), (g_gu, g_gu, None), (in_gu, in_gu, in_dn)):
-            yield from _emit_nvfp4(expert_module(p.prefix, e, proj), x, g, in_s)
+        gate_w, up_w = split_gate_up(qgu.weight[e])
+        gate_s, up_s = split_gate_up(qgu.weight_scale[e])
+        parts = ((gate_w, gate_s, qgu.weight_scale_2[e], in_gu), (up_w, up_s, qgu.weight_scale_2[e], in_gu),
+                 (qdn.weight[e], qdn.weight_scale[e], qdn.weight_scale_2[e], in_dn))
+        for proj, (qw, qs, g, in_s) in zip(EXPERT_PROJS, parts):
+            values = (qw, qs, g.clone(), in_s)
+            yield from zip(quantized_names(expert_module(p.prefix, e, proj), with_input_scale=in_s is not None), values)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -116,7 +116,8 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes (uint8 ``[rows, n*8]``) and fp8 block scales (``[rows, n]``) of
-    ``blocks`` ``[rows, n, 16]`` (any float dtype) under the fp32 global scale ``g`` (``[]``, > 0).
+    ``blocks`` ``[rows, n, 16]`` (any float dtype) under the fp32 global scale ``g`` (> 0):
+    ``[]`` for the whole tensor or ``[rows, 1]``, one per row.
 
     The one definition of the arithmetic, in modelopt's order; run eagerly on row chunks
     or compiled by :func:`_fused_kernel` into one pass over the whole tensor.
@@ -138,7 +139,7 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
 # compiler), uses the eager chunks, which give the same bytes (tests/test_nvfp4_quantizer.py
 # checks both against modelopt).
 _FUSED: dict[str, object] = {}
-_FUSED_MIN_ELEMENTS = 1 << 18
+_FUSED_MIN_ELEMENTS = 1 << 21
 
 
 def _fused_kernel():
@@ -199,21 +200,58 @@ def quantize(
             raise ValueError("NVFP4 global scale is 0 but the weight is not all zero")
         g = global_scale_from_amax(1.0)
 
+    packed, scales = _quantize_2d(w, g)
+    return NVFP4Weight(packed, scales, g.clone())
+
+
+def _quantize_2d(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and block scales of ``w`` ``[rows, in]`` under ``g`` (``[]`` or ``[rows, 1]``, > 0)."""
+    out_features, in_features = w.shape
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
     fused = _fused_kernel() if w.numel() >= _FUSED_MIN_ELEMENTS else None
     if fused is not None:
         try:
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
-            packed, scales = fused(blocks, g)
-            return NVFP4Weight(packed, scales, g.clone())
+            if g.dim():
+                torch._dynamo.maybe_mark_dynamic(g, 0)
+            return fused(blocks, g)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
             _disable_fused(e)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     rows = max(1, _ROW_CHUNK_ELEMENTS // in_features)
     for r0 in range(0, out_features, rows):
-        packed[r0 : r0 + rows], scales[r0 : r0 + rows] = _quantize_blocks(blocks[r0 : r0 + rows], g)
-    return NVFP4Weight(packed, scales, g.clone())
+        g_rows = g[r0 : r0 + rows] if g.dim() else g
+        packed[r0 : r0 + rows], scales[r0 : r0 + rows] = _quantize_blocks(blocks[r0 : r0 + rows], g_rows)
+    return packed, scales
+
+
+def quantize_experts(w: torch.Tensor) -> NVFP4Weight:
+    """:func:`quantize` of every ``w[e]`` with its own global scale ``amax(|w[e]|) / 2688``, in one pass.
+
+    Same bytes as ``quantize(w[e])`` for each e (an all-zero expert gets ``1 / 2688``), with
+    one kernel call for all experts instead of one per expert.
+
+    Args:
+        w: ``[E, out, in]`` bf16/fp16/fp32, ``in % 16 == 0`` (e.g. a fused ``gate_up_proj``,
+            whose gate and up rows then share their expert's global scale, as vLLM needs).
+
+    Returns:
+        :class:`NVFP4Weight` with ``weight`` uint8 ``[E, out, in/2]``, ``weight_scale``
+        float8_e4m3fn ``[E, out, in/16]``, ``weight_scale_2`` float32 ``[E]``.
+
+    Raises:
+        ValueError: ``w`` is not 3-D or ``in`` is not a multiple of 16.
+    """
+    if w.dim() != 3 or w.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"NVFP4 experts need [E, out, in] with in % {BLOCK_SIZE} == 0, got {tuple(w.shape)}")
+    n_exp, out_features, in_features = w.shape
+    lo, hi = torch.aminmax(w.reshape(n_exp, -1), dim=1)
+    g = torch.maximum(-lo.float(), hi.float()) / NVFP4_SCALE_DENOM
+    g = torch.where(g == 0, global_scale_from_amax(1.0), g)
+    g_rows = g.repeat_interleave(out_features).unsqueeze(-1)
+    packed, scales = _quantize_2d(w.reshape(n_exp * out_features, in_features), g_rows)
+    return NVFP4Weight(packed.reshape(n_exp, out_features, -1), scales.reshape(n_exp, out_features, -1), g)
 
 
 def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -99,3 +99,16 @@ def test_bad_shapes_raise():
         q.quantize(torch.zeros(2, 16, 16))
     with pytest.raises(ValueError, match="multiple of the NVFP4 block size"):
         q.quantize(torch.zeros(4, 24))
+
+
+def test_experts_in_one_call_match_one_by_one(mode):
+    w = (torch.randn(5, 48, 64, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    w[2] = 0  # an all-zero expert gets 1 / 2688, as quantize() gives it
+    w[4] *= 100
+    batched = q.quantize_experts(w)
+    assert batched.weight.shape == (5, 48, 32) and batched.weight_scale_2.shape == (5,)
+    for e in range(5):
+        one = q.quantize(w[e])
+        assert torch.equal(batched.weight[e], one.weight)
+        assert torch.equal(batched.weight_scale[e].view(torch.uint8), one.weight_scale.view(torch.uint8))
+        assert torch.equal(batched.weight_scale_2[e], one.weight_scale_2)
