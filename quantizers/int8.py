@@ -55,7 +55,7 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # pass, static in the input width, dynamic in the rows; tensors under _FUSED_MIN_ELEMENTS,
 # G4_INT8_EAGER=1 or a compile/run failure use the eager chunks (same bytes; tests check both).
 _FUSED: dict[str, object] = {}
-_FUSED_MIN_ELEMENTS = 1 << 21
+_FUSED_MIN_ELEMENTS = 1 << 20
 
 
 def _fused_kernel():

@@ -139,7 +139,7 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
 # compiler), uses the eager chunks, which give the same bytes (tests/test_nvfp4_quantizer.py
 # checks both against modelopt).
 _FUSED: dict[str, object] = {}
-_FUSED_MIN_ELEMENTS = 1 << 21
+_FUSED_MIN_ELEMENTS = 1 << 20
 
 
 def _fused_kernel():
