@@ -8,6 +8,12 @@ int8-neuron), projected real-model size, and peak RSS against the bound
 
 The synthetic source is made once with `g4convert synth` and reused. The conversion
 runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
+
+The I/O floor is measured in the same run, right after the conversion: read every source
+file (16 MiB reads) and write as many bytes as the conversion wrote to a file on the same
+disk; the conversion cannot beat read + write on one disk. Printed: seconds per layer of
+both, their ratio (the issue's target is <= 1.5), and both projected to the real model's
+bytes (30 layers).
 """
 
 from __future__ import annotations
@@ -21,6 +27,26 @@ import time
 from pathlib import Path
 
 GIB = 2**30
+
+
+def io_floor_seconds(src: Path, nbytes_out: int, work: Path) -> float:
+    """Seconds to read every file under ``src`` and then write ``nbytes_out`` bytes into ``work``
+    (same disk as the conversion's output), in 16 MiB pieces; the scratch file is removed."""
+    chunk = 16 << 20
+    buf = bytearray(chunk)
+    t = time.perf_counter()
+    for f in sorted(src.rglob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    scratch = work / "_io_floor.bin"
+    with open(scratch, "wb", buffering=0) as fh:
+        left = nbytes_out
+        while left > 0:
+            left -= fh.write(memoryview(buf)[: min(chunk, left)])
+    seconds = time.perf_counter() - t
+    scratch.unlink()
+    return seconds
 
 
 def main() -> None:
@@ -57,6 +83,15 @@ def main() -> None:
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     seconds, bytes_in, bytes_out, rss = (float(x) for x in res.stdout.split())
     print(res.stderr.strip().splitlines()[-1])
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    floor = io_floor_seconds(src, written, args.work)
+    real_in = sum(s.nbytes for s in synthetic_specs(synthetic_config("gemma-4-26B-A4B")))
+    print(json.dumps({"layers": args.layers, "format": args.format, "weight_only": args.weight_only,
+                      "seconds_per_layer": round(seconds / args.layers, 2),
+                      "io_floor_seconds_per_layer (read src + write out)": round(floor / args.layers, 2),
+                      "ratio_to_io_floor": round(seconds / floor, 2),
+                      "projected_real_26B_seconds": round(seconds * real_in / bytes_in),
+                      "projected_real_26B_io_floor_seconds": round(floor * real_in / bytes_in)}, indent=2))
     if args.format == "int8-neuron":
         print(json.dumps({"layers": args.layers, "tp": args.tp, "seconds_total": round(seconds, 1),
                           "bytes_per_rank_GB": round(bytes_out / 1e9, 3),

@@ -3,15 +3,16 @@ modelopt's NVFP4QTensor.quantize in the same run, with a bit-identity check.
 
     python bench/bench_quantizer.py [--repeats 5] [--threads 2]
 
-Prints, per shape: our and modelopt's median seconds, Melem/s, the speed ratio
-(modelopt time / ours; the issue's target is >= 2 on 2 cores) and whether every
-byte (packed codes, fp8 block scales, global scale) is identical.
+Prints, per shape: our (compiled, one pass) and modelopt's best-of-N seconds (the least
+disturbed run on a shared machine), our Melem/s,
+the speed ratio (modelopt time / ours, both timed in this run; the issue's target is
+>= 10 on 2 cores), the same ratio for our eager fallback (G4_NVFP4_EAGER=1), and whether
+every byte (packed codes, fp8 block scales, global scale) of both is identical to modelopt's.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 
@@ -23,19 +24,19 @@ SHAPES = {"expert gate_up [1408, 2816]": (1408, 2816), "expert down [2816, 704]"
           "dense mlp down [2816, 2112]": (2816, 2112)}
 
 
-def median_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,18 +44,28 @@ def main() -> None:
 
     from g4.quantizers import nvfp4
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'shape':30s} {'ours s':>8s} {'modelopt s':>10s} {'ours Melem/s':>12s} {'ratio':>6s}  bit-identical")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}")
+    print(f"{'shape':30s} {'ours s':>8s} {'modelopt s':>10s} {'ours Melem/s':>12s} {'ratio':>6s} "
+          f"{'eager ratio':>11s}  bit-identical")
     for label, shape in SHAPES.items():
         w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
-        ours = nvfp4.quantize(w)
         ref_q, ref_s, ref_g = NVFP4QTensor.quantize(w.clone(), 16)
-        identical = (torch.equal(ours.weight, ref_q._quantized_data)
-                     and torch.equal(ours.weight_scale.view(torch.uint8), ref_s.view(torch.uint8))
-                     and torch.equal(ours.weight_scale_2, ref_g.reshape(())))
-        t_ours = median_seconds(lambda: nvfp4.quantize(w), args.repeats)
-        t_ref = median_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
-        print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f}  {identical}")
+
+        def same(ours):
+            return (torch.equal(ours.weight, ref_q._quantized_data)
+                    and torch.equal(ours.weight_scale.view(torch.uint8), ref_s.view(torch.uint8))
+                    and torch.equal(ours.weight_scale_2, ref_g.reshape(())))
+
+        identical = same(nvfp4.quantize(w))
+        fused = nvfp4._FUSED.get("fn")
+        nvfp4._FUSED["fn"] = None  # the eager fallback
+        identical = identical and same(nvfp4.quantize(w))
+        t_eager = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
+        nvfp4._FUSED["fn"] = fused
+        t_ours = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
+        t_ref = best_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
+        print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
+              f"{t_ref / t_eager:11.2f}  {identical}")
 
 
 if __name__ == "__main__":

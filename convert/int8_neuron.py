@@ -49,10 +49,14 @@ from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
 from .gemma4 import VISION_PREFIXES, release_config
 from .nvfp4 import peak_rss_bytes
+from .pipeline import BackgroundWriter, Prefetcher
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
+
+# Bytes of small source tensors read ahead beyond the next one (see Prefetcher).
+_READ_AHEAD_BYTES = 64 << 20
 
 @dataclass
 class Int8Report:
@@ -188,13 +192,34 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
-    for L, src_names, entries in layers:
-        for e in entries:
-            _write_entry(writers, e, ckpt.get_finite(src_names[e.source]), g, L, layer_prefix(L))
-        bar.update(sum(ckpt.tensors[n].nbytes for n in src_names.values()))
-        log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
-                 " and attention" if quantize_attention else "", g.tp)
-        ckpt.close()  # unmap this layer's pages
+    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries]
+    largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
+    # Read the next tensor while this one is quantized, write in the background: each
+    # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
+    reader = Prefetcher(ckpt, reads, budget_bytes=_READ_AHEAD_BYTES)
+    out = BackgroundWriter(budget_bytes=max(largest // 2, _READ_AHEAD_BYTES))
+    try:
+        for L, src_names, entries in layers:
+            for e in entries:
+                name = src_names[e.source]
+                bar.set_postfix_str(f"layer {L}: reading {e.source}", refresh=False)
+                t = reader.get(name)
+                bar.set_postfix_str(f"layer {L}: quantizing {e.source}" if e.int8 else f"layer {L}: copying {e.source}")
+                _write_entry(writers, e, t, g, L, layer_prefix(L), out.write)
+                del t
+                bar.update(ckpt.tensors[name].nbytes)
+            # tensors a layer has but no entry reads (none in Gemma 4) still count as done
+            rest = sum(ckpt.tensors[n].nbytes for n in src_names.values()) - sum(
+                ckpt.tensors[src_names[e.source]].nbytes for e in entries)
+            bar.update(max(rest, 0))
+            log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
+                     " and attention" if quantize_attention else "", g.tp)
+        bar.set_postfix_str("writing", refresh=False)
+        out.close()
+    finally:
+        reader.close()
+        out.close()
+    ckpt.close()
     embed = ckpt.get_finite(embed_name)
     for e, name in model:
         _write_entry(writers, e, embed if name == embed_name else ckpt.get_finite(name), g, None, "")
@@ -210,9 +235,15 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     return writers[0].total_bytes
 
 
-def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str) -> None:
+def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str,
+                 write=None) -> None:
+    """Quantize (``e.int8``) and shard ``tensor``; ``write(writer, name, t)`` each rank's pieces
+    (default: ``writer.write(name, t)`` now)."""
     value = int8.quantize(tensor) if e.int8 else tensor
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):
-            w.write(n, t)
+            if write is None:
+                w.write(n, t)
+            else:
+                write(w, n, t)

@@ -14,6 +14,7 @@ details in ``g4.exporters.modelopt_nvfp4``.
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections import Counter
@@ -48,12 +49,17 @@ from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_t
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
+from .pipeline import BackgroundWriter, Prefetcher
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
 _CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Small source tensors read ahead beyond the next one, and output bytes queued for the
+# writer thread (see g4.convert.pipeline).
+_READ_AHEAD_BYTES = 64 << 20
+_WRITE_BEHIND_BYTES = 256 << 20
 
 
 @dataclass
@@ -213,12 +219,17 @@ def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, tor
     gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
     in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
     in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
+    # All experts in one kernel call each; gate and up share the global scale of the whole
+    # fused gate_up_proj[e] (vLLM uses one), so the split comes after quantization.
+    qgu, qdn = q.quantize_experts(gate_up), q.quantize_experts(down)
     for e in range(p.num_experts):
-        # gate and up share the global scale of the whole fused gate_up_proj[e] (vLLM uses one).
-        g_gu = q.global_scale_from_amax(q.weight_amax(gate_up[e]))
-        gate, up = split_gate_up(gate_up[e])
-        for proj, x, g, in_s in zip(EXPERT_PROJS, (gate, up, down[e]), (g_gu, g_gu, None), (in_gu, in_gu, in_dn)):
-            yield from _emit_nvfp4(expert_module(p.prefix, e, proj), x, g, in_s)
+        gate_w, up_w = split_gate_up(qgu.weight[e])
+        gate_s, up_s = split_gate_up(qgu.weight_scale[e])
+        parts = ((gate_w, gate_s, qgu.weight_scale_2[e], in_gu), (up_w, up_s, qgu.weight_scale_2[e], in_gu),
+                 (qdn.weight[e], qdn.weight_scale[e], qdn.weight_scale_2[e], in_dn))
+        for proj, (qw, qs, g, in_s) in zip(EXPERT_PROJS, parts):
+            values = (qw, qs, g.clone(), in_s)
+            yield from zip(quantized_names(expert_module(p.prefix, e, proj), with_input_scale=in_s is not None), values)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -326,25 +337,56 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, jobs: lis
         (quantized linears, quantized parameters, bytes of their codes and scales).
     """
     n_quant = params_quant = quant_bytes = 0
-    for p in jobs:
-        w = {s: ckpt.get_finite(n) for s, n in p.sources.items()}
-        amax = calibrator.run_layer(p.index, w) if calibrator is not None else None
-        for name, t in _produce_layer(p, w, amax):
-            writer.write(name, t)
-            if t.dtype == torch.uint8:
-                n_quant += 1
-                params_quant += t.numel() * 2
-            if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
-                quant_bytes += t.numel() * t.dtype.itemsize
-        bar.update(sum(ckpt.tensors[n].nbytes for n in p.sources.values()))
-        log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
-                 p.index, len(p.groups), p.num_experts, len(p.keep))
-        del w
-        ckpt.close()  # unmap this layer's pages so RSS does not grow with the model
+    reads = [n for p in jobs for n in p.sources.values()]
+    # Read the next layer while this one is calibrated and quantized, write in the background.
+    # The reader holds at most one tensor (or _READ_AHEAD_BYTES of small ones) that this layer
+    # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
+    reader = Prefetcher(ckpt, reads, budget_bytes=_READ_AHEAD_BYTES)
+    out = BackgroundWriter(budget_bytes=_WRITE_BEHIND_BYTES)
+    try:
+        for p in jobs:
+            layer_bytes = sum(ckpt.tensors[n].nbytes for n in p.sources.values())
+            bar.set_postfix_str(f"layer {p.index}: reading", refresh=False)
+            w = {s: reader.get(n) for s, n in p.sources.items()}
+            amax = None
+            if calibrator is not None:
+                bar.set_postfix_str(f"layer {p.index}: calibrating")
+                amax = calibrator.run_layer(p.index, w)
+            bar.set_postfix_str(f"layer {p.index}: quantizing")
+            done = 0
+            for name, t in _produce_layer(p, w, amax):
+                out.write(writer, name, t)
+                if t.dtype == torch.uint8:
+                    n_quant += 1
+                    params_quant += t.numel() * 2
+                if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
+                    quant_bytes += t.numel() * t.dtype.itemsize
+                if t.dtype == torch.uint8:  # move the bar by the source share of each quantized linear
+                    step = layer_bytes * t.numel() * 2 // max(params_in_layer(p, ckpt), 1)
+                    bar.update(min(step, layer_bytes - done))
+                    done += min(step, layer_bytes - done)
+            bar.update(layer_bytes - done)
+            log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
+                     p.index, len(p.groups), p.num_experts, len(p.keep))
+            del w
+        bar.set_postfix_str("writing", refresh=False)
+        out.close()
+    finally:
+        reader.close()
+        out.close()
+    ckpt.close()
     for name in model_keep + ([lm_head] if lm_head else []):
         writer.write(name, ckpt.get_finite(name))
         bar.update(ckpt.tensors[name].nbytes)
     return n_quant, params_quant, quant_bytes
+
+
+def params_in_layer(p: _LayerJob, ckpt: Checkpoint) -> int:
+    """Parameters of a layer's quantized linears (dense groups and fused experts): the unit
+    by which the progress bar moves through a layer."""
+    names = [p.sources[f"{m}.weight"] for g in p.groups for m in g.members] + [
+        p.sources[EXPERT_GATE_UP], p.sources[EXPERT_DOWN]]
+    return sum(math.prod(ckpt.tensors[n].shape) for n in names)
 
 
 def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], weight_only: bool) -> None:

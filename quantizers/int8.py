@@ -16,9 +16,13 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 INT8_QMAX = 127.0
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -39,6 +43,34 @@ class Int8Weight:
     scale: torch.Tensor
 
 
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[rows, in]`` and fp32 scales ``[rows, 1]`` of ``x`` ``[rows, in]`` (any float dtype):
+    the one definition of the arithmetic, run eagerly on row chunks or compiled whole."""
+    x = x.float()
+    s = (x.abs().amax(-1, keepdim=True) / INT8_QMAX).clamp(min=SCALE_EPS)
+    return torch.round(x * s.reciprocal()).clamp(-128, 127).to(torch.int8), s
+
+
+# As in g4.quantizers.nvfp4: _quantize_rows compiled by torch.compile (inductor) into one
+# pass, static in the input width, dynamic in the rows; tensors under _FUSED_MIN_ELEMENTS,
+# G4_INT8_EAGER=1 or a compile/run failure use the eager chunks (same bytes; tests check both).
+_FUSED: dict[str, object] = {}
+_FUSED_MIN_ELEMENTS = 1 << 20
+
+
+def _fused_kernel():
+    """The compiled :func:`_quantize_rows`, or None when disabled or unavailable."""
+    if "fn" not in _FUSED:
+        fn = None
+        if os.environ.get("G4_INT8_EAGER", "") in ("", "0"):
+            try:
+                fn = torch.compile(_quantize_rows, dynamic=False)
+            except Exception as e:  # noqa: BLE001
+                log.warning("int8: torch.compile unavailable (%s); using the eager quantizer", e)
+        _FUSED["fn"] = fn
+    return _FUSED["fn"]
+
+
 def quantize(w: torch.Tensor) -> Int8Weight:
     """Quantize ``w`` per output channel; the input dimension is the last one.
 
@@ -55,16 +87,26 @@ def quantize(w: torch.Tensor) -> Int8Weight:
     if w.dim() < 2:
         raise ValueError(f"int8 per-channel quantization needs [..., out, in], got shape {tuple(w.shape)}")
     flat = w.reshape(-1, w.shape[-1])
-    q = torch.empty(flat.shape, dtype=torch.int8)
-    scale = torch.empty(flat.shape[0], 1, dtype=torch.float32)
-    rows = max(1, _CHUNK_ELEMENTS // flat.shape[1])
-    for r0 in range(0, flat.shape[0], rows):
-        chunk = flat[r0 : r0 + rows].float()
-        s = (chunk.abs().amax(-1, keepdim=True) / INT8_QMAX).clamp_(min=SCALE_EPS)
-        if not torch.isfinite(s).all():
-            raise ValueError("int8 quantization: weight holds NaN/Inf")
-        scale[r0 : r0 + rows] = s
-        q[r0 : r0 + rows] = torch.round(chunk * s.reciprocal()).clamp_(-128, 127).to(torch.int8)
+    fused = _fused_kernel() if flat.numel() >= _FUSED_MIN_ELEMENTS else None
+    if fused is not None:
+        try:
+            torch._dynamo.maybe_mark_dynamic(flat, 0)
+            q, scale = fused(flat)
+        except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
+            log.warning("int8: compiled quantizer failed (%s: %s); using the eager quantizer", type(e).__name__,
+                        str(e).strip().splitlines()[0] if str(e).strip() else "")
+            _FUSED["fn"] = fused = None
+        else:
+            if not torch.isfinite(scale).all():
+                raise ValueError("int8 quantization: weight holds NaN/Inf")
+    if fused is None:
+        q = torch.empty(flat.shape, dtype=torch.int8)
+        scale = torch.empty(flat.shape[0], 1, dtype=torch.float32)
+        rows = max(1, _CHUNK_ELEMENTS // flat.shape[1])
+        for r0 in range(0, flat.shape[0], rows):
+            q[r0 : r0 + rows], scale[r0 : r0 + rows] = _quantize_rows(flat[r0 : r0 + rows])
+            if not torch.isfinite(scale[r0 : r0 + rows]).all():
+                raise ValueError("int8 quantization: weight holds NaN/Inf")
     return Int8Weight(q.reshape(w.shape), scale.reshape(*w.shape[:-1], 1))
 
 

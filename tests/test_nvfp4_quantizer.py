@@ -12,6 +12,18 @@ def modelopt_quantize(w, g=None):
     return packed._quantized_data, scale, g2
 
 
+@pytest.fixture(params=["fused", "eager"])
+def mode(request, monkeypatch):
+    """Run a test with the compiled one-pass quantizer and with the eager row chunks."""
+    if request.param == "eager":
+        monkeypatch.setitem(q._FUSED, "fn", None)
+    elif q._fused_kernel() is None:
+        pytest.skip("torch.compile unavailable here")
+    else:
+        monkeypatch.setattr(q, "_FUSED_MIN_ELEMENTS", 0)
+    return request.param
+
+
 def assert_bit_identical(ours: q.NVFP4Weight, ref):
     assert ours.weight.dtype == torch.uint8 and ours.weight_scale.dtype == torch.float8_e4m3fn
     assert torch.equal(ours.weight, ref[0])
@@ -23,13 +35,13 @@ def assert_bit_identical(ours: q.NVFP4Weight, ref):
 @pytest.mark.parametrize("shape", [(64, 128), (176, 2816), (2816, 64), (7, 16)])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_random_matches_modelopt(shape, seed, dtype):
+def test_random_matches_modelopt(shape, seed, dtype, mode):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(shape, generator=g) * 0.02).to(dtype)
     assert_bit_identical(q.quantize(w), modelopt_quantize(w))
 
 
-def test_structured_and_edge_cases_match_modelopt():
+def test_structured_and_edge_cases_match_modelopt(mode):
     w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).sin().bfloat16()
     w[0, :16] = 0  # all-zero block
     w[1, :16] = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -5, -0.1, 0.3, 2.906, -6, 0])
@@ -39,7 +51,7 @@ def test_structured_and_edge_cases_match_modelopt():
     assert_bit_identical(q.quantize(w), modelopt_quantize(w))
 
 
-def test_hand_typed_codes_ties_to_even_and_negative_zero():
+def test_hand_typed_codes_ties_to_even_and_negative_zero(mode):
     # amax 6: global scale 6/2688, block scale 6 / (6 * g) = 448 exactly, so x / (448 * g) = x.
     x = torch.tensor([[6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -5, -0.1, 0.3, 2.906, -6, 0]])
     out = q.quantize(x)
@@ -49,7 +61,7 @@ def test_hand_typed_codes_ties_to_even_and_negative_zero():
     assert out.weight_scale.view(torch.uint8)[0, 0].item() == 0x7E  # fp8 448.0
 
 
-def test_all_zero_weight_gets_finite_positive_scales():
+def test_all_zero_weight_gets_finite_positive_scales(mode):
     # modelopt would divide 0 by 0 here; we must never write a NaN or zero scale.
     out = q.quantize(torch.zeros(4, 32))
     assert (out.weight_scale.view(torch.uint8) == 0x38).all()  # fp8 1.0
@@ -65,7 +77,7 @@ def test_global_scale_is_modelopt_multiplier_not_reciprocal():
     assert q.quantize(w).weight_scale_2.item() == pytest.approx(0.01, rel=1e-6)  # not 100 (compressed-tensors)
 
 
-def test_shared_global_scale_is_used():
+def test_shared_global_scale_is_used(mode):
     w = torch.randn(32, 64)
     shared = q.global_scale_from_amax(torch.tensor(10.0))
     assert_bit_identical(q.quantize(w, weight_scale_2=shared), modelopt_quantize(w, shared))
@@ -87,3 +99,16 @@ def test_bad_shapes_raise():
         q.quantize(torch.zeros(2, 16, 16))
     with pytest.raises(ValueError, match="multiple of the NVFP4 block size"):
         q.quantize(torch.zeros(4, 24))
+
+
+def test_experts_in_one_call_match_one_by_one(mode):
+    w = (torch.randn(5, 48, 64, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    w[2] = 0  # an all-zero expert gets 1 / 2688, as quantize() gives it
+    w[4] *= 100
+    batched = q.quantize_experts(w)
+    assert batched.weight.shape == (5, 48, 32) and batched.weight_scale_2.shape == (5,)
+    for e in range(5):
+        one = q.quantize(w[e])
+        assert torch.equal(batched.weight[e], one.weight)
+        assert torch.equal(batched.weight_scale[e].view(torch.uint8), one.weight_scale.view(torch.uint8))
+        assert torch.equal(batched.weight_scale_2[e], one.weight_scale_2)

@@ -1,0 +1,164 @@
+"""Overlap of reading, quantizing and writing in the conversions (threads: torch and file
+I/O release the GIL).
+
+- :class:`Prefetcher` reads source tensors in the order they will be asked for, in a
+  background thread, at most ``budget_bytes`` ahead of the consumer;
+- :class:`BackgroundWriter` appends tensors to their ``ShardedSafetensorsWriter`` in a
+  background thread, in the order they were queued, at most ``budget_bytes`` behind.
+
+Both keep the sequential order of every read and every write, so the files are the same
+bytes as a sequential run. An exception in a thread is raised again in the caller at its
+next call, or at :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from .checkpoint import Checkpoint
+
+
+class _ByteBudget:
+    """A FIFO of (key, tensor) with blocking put while more than ``budget`` bytes wait
+    (one item larger than the budget is let through alone)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.items: deque = deque()
+        self.bytes = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.cv = threading.Condition()
+
+    def wait_room(self, nbytes: int) -> None:
+        """Block until ``nbytes`` more fit (or nothing waits)."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.error is not None or not self.items or self.bytes + nbytes <= self.budget)
+
+    def put(self, item, nbytes: int) -> None:
+        self.wait_room(nbytes)
+        with self.cv:
+            self.items.append((item, nbytes))
+            self.bytes += nbytes
+            self.cv.notify_all()
+
+    def take(self):
+        """The oldest item, or None once ``done`` and empty."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.items or self.done or self.error is not None)
+            if self.error is not None:
+                raise self.error
+            if not self.items:
+                return None
+            item, nbytes = self.items.popleft()
+            self.bytes -= nbytes
+            self.cv.notify_all()
+            return item
+
+    def fail(self, e: BaseException) -> None:
+        with self.cv:
+            self.error = e
+            self.cv.notify_all()
+
+    def finish(self) -> None:
+        with self.cv:
+            self.done = True
+            self.cv.notify_all()
+
+
+class Prefetcher:
+    """Source tensors read ahead in a background thread.
+
+    Args:
+        ckpt: the source; the thread reads through its own copy of the handles, opening
+            the shard's mmap for one tensor at a time so mapped pages do not add to RSS.
+        names: every tensor name, in the order :meth:`get` will ask for them.
+        budget_bytes: bytes read but not yet taken, at most (one larger tensor alone, read
+            only once everything before it was taken). The consumer's own tensors come on top.
+
+    Raises (from :meth:`get`): whatever reading raised (CheckpointError for NaN/Inf or a bad shard).
+    """
+
+    def __init__(self, ckpt: Checkpoint, names: Sequence[str], budget_bytes: int):
+        self._ckpt = copy.copy(ckpt)
+        self._ckpt._handles = {}
+        self._names = list(names)
+        self._q = _ByteBudget(budget_bytes)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="g4-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name in self._names:
+                if self._stop:
+                    break
+                self._q.wait_room(self._ckpt.tensors[name].nbytes)  # room first, then read
+                if self._stop:
+                    break
+                t = self._ckpt.get_finite(name)
+                self._ckpt.close()
+                self._q.put((name, t), t.numel() * t.element_size())
+            self._q.finish()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._q.fail(e)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The next tensor; ``name`` must be the next one in the order given."""
+        item = self._q.take()
+        if item is None or item[0] != name:
+            raise RuntimeError(f"prefetch order: asked for {name}, next is {item[0] if item else 'nothing'}")
+        return item[1]
+
+    def close(self) -> None:
+        """Stop reading ahead and wait for the thread."""
+        self._stop = True
+        with self._q.cv:
+            self._q.items.clear()
+            self._q.bytes = 0
+            self._q.cv.notify_all()
+        self._thread.join()
+
+
+class BackgroundWriter:
+    """Appends ``(writer, name, tensor)`` in a background thread, in queue order.
+
+    Args:
+        budget_bytes: bytes queued but not yet written, at most (one larger tensor alone);
+            the tensors are held, not copied, so the caller must not modify them afterwards.
+        on_written: called in the thread after each tensor with its bytes (e.g. a progress bar).
+    """
+
+    def __init__(self, budget_bytes: int, on_written=None):
+        self._q = _ByteBudget(budget_bytes)
+        self._on_written = on_written
+        self._thread = threading.Thread(target=self._run, name="g4-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (item := self._q.take()) is not None:
+                writer, name, t = item
+                writer.write(name, t)
+                if self._on_written is not None:
+                    self._on_written(t.numel() * t.element_size())
+        except BaseException as e:  # noqa: BLE001 - handed to the producer
+            self._q.fail(e)
+
+    def write(self, writer, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor`` as the next tensor of ``writer`` (see ``ShardedSafetensorsWriter.write``)."""
+        if self._q.error is not None:
+            raise self._q.error
+        self._q.put((writer, name, tensor), tensor.numel() * tensor.element_size())
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, raise the thread's error if any."""
+        self._q.finish()
+        self._thread.join()
+        if self._q.error is not None:
+            raise self._q.error
