@@ -2,21 +2,7 @@
 readiness, stop the whole process group); the command itself is
 ``g4.exporters.vllm_command``.
 
-Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
-``vllm/model_executor/models/gemma4.py`` and the NVFP4 MoE and linear kernel selection of
-``vllm/model_executor/layers/quantization/modelopt.py``):
-
-- ``--quantization modelopt`` (resolves to ``modelopt_fp4`` from ``hf_quant_config.json``).
-  vLLM 0.19.0 cannot load per-expert NVFP4 Gemma 4 scales (the dot/underscore mapping bug,
-  fixed by vllm-project/vllm PR #39045 in 0.19.1), so older versions are refused.
-- GPUs below compute capability 10.0 have no W4A4 FP4 kernels; vLLM falls back to
-  weight-only Marlin. We pin it: ``--moe-backend marlin`` for the experts (from 0.32.0 vLLM
-  would otherwise prefer Humming on SM90) and, for the dense linears,
-  ``VLLM_NVFP4_GEMM_BACKEND=marlin`` on 0.19.x-0.22.x or ``--linear-backend marlin`` from
-  0.23.0 (the environment variable is gone from 0.24.0).
-- ``--reasoning-parser gemma4`` so that the ``<|channel>thought ... <channel|>`` block goes to
-  ``reasoning_content`` (vLLM ``vllm/reasoning/gemma4_reasoning_parser.py``).
-- ``--max-model-len``, ``--kv-cache-dtype``, ``--served-model-name`` as given.
+The flags and why each is there: ``g4.exporters.vllm_command``'s docstring.
 """
 
 from __future__ import annotations
