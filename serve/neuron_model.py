@@ -403,6 +403,9 @@ def _spmd_worker(rank: int, world: int, port: int, out_dir: str, ids_path: str, 
             logits = model(host_embed(table, ids, manifest.embed_scale, torch.float32), pos)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, result_path)
+        # every rank leaves together: a rank that tears gloo down while its peer still holds the
+        # connection can abort the peer ("terminate called without an active exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
