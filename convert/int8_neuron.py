@@ -2,10 +2,12 @@
 
 Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 
-- ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
+- ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r, keyed and shaped as the
+  ``state_dict()`` of g4's NxDI class at that rank: int8 experts, dense
   MLP and vocabulary-sharded lm_head (built from ``embed_tokens`` when tied, from the
   source's own ``lm_head.weight`` when ``tie_word_embeddings`` is false) with fp32
-  per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms;
+  per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms, the
+  device embedding shard and NxD's rank indices;
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
@@ -86,7 +88,7 @@ def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     model_sources = {"norm.weight": ckpt.prefix + "norm.weight", "embed_tokens.weight": ckpt.prefix + "embed_tokens.weight"}
     if smap.lm_head:
         model_sources["lm_head.weight"] = smap.lm_head
-    model = [(e, model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
+    model = [(e, None if e.source is None else model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
     return smap, layers, model
 
 
@@ -95,12 +97,17 @@ def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]
     specs: list[TensorSpec] = []
     for L, src, entries in layers:
         for e in entries:
-            info = ckpt.tensors[src[e.source]]
-            specs += entry_specs(e, layer_prefix(L), info.shape, info.dtype, g, L)
+            specs += _specs(ckpt, e, None if e.source is None else src[e.source], layer_prefix(L), g, L)
     for e, name in model:
-        info = ckpt.tensors[name]
-        specs += entry_specs(e, "", info.shape, info.dtype, g, None)
+        specs += _specs(ckpt, e, name, "", g, None)
     return specs
+
+
+def _specs(ckpt: Checkpoint, e: Entry, name: str | None, prefix: str, g: Geometry, layer: int | None):
+    if name is None:  # a rank index: no source tensor
+        return entry_specs(e, prefix, (), torch.int32, g, layer)
+    info = ckpt.tensors[name]
+    return entry_specs(e, prefix, info.shape, info.dtype, g, layer)
 
 
 def convert_int8_neuron(
@@ -192,7 +199,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
-    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries]
+    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries if e.source is not None]
     largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
@@ -201,6 +208,9 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     try:
         for L, src_names, entries in layers:
             for e in entries:
+                if e.source is None:  # a rank index
+                    _write_entry(writers, e, None, g, L, layer_prefix(L), out.write)
+                    continue
                 name = src_names[e.source]
                 bar.set_postfix_str(f"layer {L}: reading {e.source}", refresh=False)
                 t = reader.get(name)
@@ -210,7 +220,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
                 bar.update(ckpt.tensors[name].nbytes)
             # tensors a layer has but no entry reads (none in Gemma 4) still count as done
             rest = sum(ckpt.tensors[n].nbytes for n in src_names.values()) - sum(
-                ckpt.tensors[src_names[e.source]].nbytes for e in entries)
+                ckpt.tensors[src_names[e.source]].nbytes for e in entries if e.source is not None)
             bar.update(max(rest, 0))
             log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", g.tp)
@@ -222,7 +232,8 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     ckpt.close()
     embed = ckpt.get_finite(embed_name)
     for e, name in model:
-        _write_entry(writers, e, embed if name == embed_name else ckpt.get_finite(name), g, None, "")
+        value = embed if name == embed_name else None if name is None else ckpt.get_finite(name)
+        _write_entry(writers, e, value, g, None, "")
         if name != embed_name and e.key == "lm_head":  # an untied model's own head
             bar.update(ckpt.tensors[name].nbytes)
     for w in writers:
@@ -235,10 +246,10 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     return writers[0].total_bytes
 
 
-def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str,
+def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, layer: int | None, prefix: str,
                  write=None) -> None:
-    """Quantize (``e.int8``) and shard ``tensor``; ``write(writer, name, t)`` each rank's pieces
-    (default: ``writer.write(name, t)`` now)."""
+    """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
+    each rank's pieces (default: ``writer.write(name, t)`` now)."""
     value = int8.quantize(tensor) if e.int8 else tensor
     names = e.names(prefix)
     for r, w in enumerate(writers):

@@ -4,8 +4,18 @@ the CPU emulator (``g4.serve.neuron_emulator``), the Neuron module tree
 (``g4.serve.neuron_model``) and the runtime loader read it from here, so file keys, module
 names, per-rank shapes and manifest fields cannot drift apart.
 
-Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
-are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
+Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), the keys,
+dtypes and per-rank shapes are exactly the ``state_dict()`` of g4's NxD Inference class at TP ``T``
+(``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel``, built with ``torch_dtype=bfloat16``): the names of
+its module tree, relative to the text model (no ``model.`` prefix). So NxDI's Route 2 (pre-sharded
+per-rank files, aws-neuron/neuronx-distributed-inference
+``src/neuronx_distributed_inference/models/application_base.py``: ``load_weights`` reads
+``weights/tp{rank}_sharded_checkpoint.safetensors`` and calls ``nxd_model.initialize`` with no
+key conversion) can read them as they are. Besides the weights each rank file holds the rank
+indices NxD's SPMD modules keep as parameters (``rank_util.rank`` of ``NeuronBaseModel`` and
+``moe.expert_mlps.spmd_rank.rank`` of ``ExpertMLPsV2``: int32 ``[1]`` = ``[r]``, what NxD's sharder
+cuts from ``arange(T)``) and the class's device embedding shard (NxD ``ParallelEmbedding`` with
+``shard_across_embedding``: ``embed_tokens.weight`` ``[V, H/T]``, unscaled). Rules follow
 aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight`` and the quantized
 parallel layers (``quantization/quantization_layers.py``):
 
@@ -25,6 +35,11 @@ parallel layers (``quantization/quantization_layers.py``):
   rank holds the KV head its query heads use; full-attention layers with
   ``attention_k_eq_v`` have no ``v_proj`` (V is taken from K).
 - everything else (norms, router, ``layer_scalar``) is replicated in bf16.
+
+Module names (rank file -> Hugging Face source): the router is ``moe.router.*`` (``router.*``),
+the experts ``moe.expert_mlps.mlp_op.{gate_up_proj,down_proj}`` (``experts.*``, NxD's
+``ExpertMLPsV2.mlp_op``); attention, dense MLP, norms and ``layer_scalar`` keep the source names.
+:func:`layer_entries` / :func:`model_entries` are the only place these names are written.
 
 The host keeps the unscaled bf16 embedding table (``embed_tokens.safetensors``); the
 runtime multiplies looked-up rows by ``embed_scale = bf16(sqrt(hidden_size))``
@@ -47,6 +62,8 @@ import torch
 from g4.convert.errors import CheckpointError, G4Error
 from g4.convert.gemma4 import (
     ATTENTION_NORMS,
+    EXPERT_DOWN as EXPERT_DOWN_SOURCE,
+    EXPERT_GATE_UP as EXPERT_GATE_UP_SOURCE,
     LAYER_MODULE_KINDS,
     LAYER_NORMS,
     MODEL_MODULE_KINDS,
@@ -58,7 +75,7 @@ from g4.convert.gemma4 import (
 from g4.exporters.safetensors_writer import TensorSpec
 from g4.quantizers.int8 import Int8Weight
 
-LAYOUT_NAME = "g4-int8-neuron/1"
+LAYOUT_NAME = "g4-int8-neuron/2"  # /2: keys are the NxDI class's state_dict() names; /1 had g4's own
 WEIGHTS_DIR = "weights"
 EMBED_FILE = "embed_tokens.safetensors"
 EMBED_TENSOR = "embed_tokens.weight"
@@ -141,6 +158,10 @@ class Rule:
     def local_shape(self, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
         return tuple(shape)
 
+    def dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """dtype of a tensor kept unquantized (the source's)."""
+        return source_dtype
+
     def scale_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         return (local[0], 1)
 
@@ -199,6 +220,38 @@ class _Row(Rule):
         return w[:, rank * per : (rank + 1) * per], s
 
 
+class _EmbedColumns(Rule):
+    """The device embedding of NxD's ``ParallelEmbedding(shard_across_embedding=True)``
+    (aws-neuron/neuronx-distributed ``src/neuronx_distributed/parallel_layers/layers.py``):
+    ``[V, H]`` -> ``[V, H/T]``, rank r the columns ``[r*H/T, (r+1)*H/T)``."""
+
+    name = "embedding_columns"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0], shape[1] // g.tp)
+
+    def take(self, w, s, g, layer, rank):
+        per = w.shape[1] // g.tp
+        return w[:, rank * per : (rank + 1) * per], s
+
+
+class _RankIndex(Rule):
+    """An NxD SPMD rank index (``SPMDRank.rank``, aws-neuron/neuronx-distributed
+    ``src/neuronx_distributed/parallel_layers/layers.py``): a parameter ``arange(T)`` split over
+    the ranks, so rank r holds int32 ``[r]``. It has no source tensor."""
+
+    name = "rank_index"
+
+    def local_shape(self, shape, g, layer):
+        return (1,)
+
+    def dtype(self, source_dtype):
+        return torch.int32
+
+    def take(self, w, s, g, layer, rank):
+        return torch.tensor([rank], dtype=torch.int32), s
+
+
 class _ExpertGateUp(Rule):
     """HF ``[E, 2I, H]`` -> NxD ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2; never a slice of
     the fused dimension, case P11); scale ``[E, 1, 2I/T]`` split the same way."""
@@ -241,6 +294,7 @@ class _ExpertDown(Rule):
 
 REPLICATED, COLUMN, KV_HEADS, ROW = _Replicated(), _Column(), _KvHeads(), _Row()
 EXPERT_GATE_UP, EXPERT_DOWN = _ExpertGateUp(), _ExpertDown()
+EMBED_COLUMNS, RANK_INDEX = _EmbedColumns(), _RankIndex()
 
 
 # --------------------------------------------------------------------------- the table
@@ -250,17 +304,27 @@ EXPERT_GATE_UP, EXPERT_DOWN = _ExpertGateUp(), _ExpertDown()
 class Entry:
     """One module's tensors in a rank file.
 
-    ``key``: module name relative to the layer (or the model); ``source``: the Hugging
-    Face tensor it comes from (relative to the layer / language-model prefix; ``lm_head.weight``
-    is top level); ``rule``: how it is split; ``int8``: written as int8 ``weight`` + fp32
-    ``scale`` (else one tensor in the source dtype under ``key`` + ``suffix``).
+    ``key``: module name relative to the layer (or the model) in the NxDI class's module tree;
+    ``source``: the Hugging Face tensor it comes from (relative to the layer / language-model
+    prefix; ``lm_head.weight`` is top level; None for a rank index, which has no source);
+    ``rule``: how it is split; ``int8``: written as int8 ``weight`` + fp32 ``scale`` (else one
+    tensor in the source dtype under ``key`` + ``suffix``).
     """
 
     key: str
-    source: str
+    source: str | None
     rule: Rule
     int8: bool
     suffix: str = ".weight"
+
+    @property
+    def source_module(self) -> str | None:
+        """The Hugging Face (transformers) module path of the source, relative to the layer or
+        the language model: ``source`` without ``.weight`` (``router.proj``,
+        ``experts.gate_up_proj``, ``router.scale``); None for a rank index."""
+        if self.source is None:
+            return None
+        return self.source[: -len(".weight")] if self.source.endswith(".weight") else self.source
 
     def names(self, prefix: str) -> list[str]:
         """Output tensor names of this entry under ``prefix`` (``layers.{L}.`` or ``""``)."""
@@ -281,27 +345,49 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
         Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
         Entry("mlp.up_proj", "mlp.up_proj.weight", COLUMN, True),
         Entry("mlp.down_proj", "mlp.down_proj.weight", ROW, True),
-        Entry("router.proj", "router.proj.weight", REPLICATED, False),
-        Entry("router.scale", "router.scale", REPLICATED, False, suffix=""),
-        Entry("router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
-        Entry("experts.gate_up_proj", "experts.gate_up_proj", EXPERT_GATE_UP, True),
-        Entry("experts.down_proj", "experts.down_proj", EXPERT_DOWN, True),
+        Entry("moe.router.proj", "router.proj.weight", REPLICATED, False),
+        Entry("moe.router.scale", "router.scale", REPLICATED, False, suffix=""),
+        Entry("moe.router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
+        Entry("moe.expert_mlps.mlp_op.gate_up_proj", EXPERT_GATE_UP_SOURCE, EXPERT_GATE_UP, True),
+        Entry("moe.expert_mlps.mlp_op.down_proj", EXPERT_DOWN_SOURCE, EXPERT_DOWN, True),
+        Entry("moe.expert_mlps.spmd_rank.rank", None, RANK_INDEX, False, suffix=""),
         Entry("layer_scalar", "layer_scalar", REPLICATED, False, suffix=""),
     ]
 
 
 def model_entries(*, tied: bool) -> list[Entry]:
-    """Entries outside the decoder layers, in file order: the final norm and the lm_head, built
-    from ``embed_tokens.weight`` when the model is tied and from its own top-level
-    ``lm_head.weight`` when it is not."""
-    return [Entry("norm", "norm.weight", REPLICATED, False),
-            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
+    """Entries outside the decoder layers, in file order: the model's rank index, the device
+    embedding shard, the final norm and the lm_head, built from ``embed_tokens.weight`` when the
+    model is tied and from its own top-level ``lm_head.weight`` when it is not."""
+    return [Entry("rank_util.rank", None, RANK_INDEX, False, suffix=""),
+            Entry("embed_tokens", EMBED_TENSOR, EMBED_COLUMNS, False),
+            Entry("norm", "norm.weight", REPLICATED, False),
+            Entry("lm_head", EMBED_TENSOR if tied else "lm_head.weight", COLUMN, True)]
+
+
+def entry_of(source: str, *, has_v: bool = True, quantize_attention: bool = False) -> Entry:
+    """The decoder-layer entry whose source is ``source`` (a Hugging Face tensor name relative to
+    the layer, e.g. ``experts.gate_up_proj``).
+
+    Raises:
+        KeyError: no entry reads ``source``.
+    """
+    for e in layer_entries(has_v=has_v, quantize_attention=quantize_attention):
+        if e.source == source:
+            return e
+    raise KeyError(source)
+
+
+def is_rank_index(e: Entry) -> bool:
+    """A per-rank index of NxD's SPMD modules (no source tensor, int32 ``[rank]``)."""
+    return e.rule is RANK_INDEX
 
 
 @dataclass(frozen=True)
 class RankName:
     """One rank-file tensor name read back through the table: its entry, layer (None outside
-    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS`)."""
+    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` of its
+    source module, or :data:`RANK_INDEX_KIND`)."""
 
     entry: Entry
     layer: int | None
@@ -319,20 +405,28 @@ def parse_rank_name(name: str) -> RankName | None:
     """The table's reading of a rank-file tensor name (exact), or None for a name it never writes."""
     if name in _MODEL_NAMES:
         e = _MODEL_NAMES[name]
-        return RankName(e, None, "", MODEL_MODULE_KINDS[e.key])
+        return RankName(e, None, "", _kind(e, MODEL_MODULE_KINDS))
     m = _LAYER_NAME_RE.fullmatch(name)
     e = _LAYER_NAMES.get(m.group(2)) if m else None
     if e is None:
         return None
-    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), LAYER_MODULE_KINDS[e.key])
+    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), _kind(e, LAYER_MODULE_KINDS))
+
+
+RANK_INDEX_KIND = "NxD rank indices"
+
+
+def _kind(e: Entry, kinds: dict[str, str]) -> str:
+    return RANK_INDEX_KIND if e.source is None else kinds[e.source_module]
 
 
 def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,
                 g: Geometry, layer: int | None) -> list[TensorSpec]:
-    """The rank-file tensors of one entry (same names and shapes on every rank)."""
+    """The rank-file tensors of one entry (same names and shapes on every rank); a rank index
+    (no source) ignores ``source_shape`` and ``source_dtype``."""
     shape = e.rule.local_shape(tuple(source_shape), g, layer)
     if not e.int8:
-        return [TensorSpec(e.names(prefix)[0], source_dtype, shape)]
+        return [TensorSpec(e.names(prefix)[0], e.rule.dtype(source_dtype), shape)]
     weight, scale = e.names(prefix)
     return [TensorSpec(weight, torch.int8, shape), TensorSpec(scale, torch.float32, e.rule.scale_shape(shape))]
 
@@ -343,7 +437,7 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
 
     Args:
         value: the full source tensor (Hugging Face layout) or its :class:`Int8Weight`
-            (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales).
+            (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales); None for a rank index.
 
     Returns:
         Contiguous tensors in the shapes :func:`entry_specs` gives.
@@ -356,6 +450,9 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
 
 
 LAYOUT_DESCRIPTION = {
+    "names": "the state_dict() of g4's NxD Inference class (NeuronGemma4MoEModel) at this TP degree: "
+             "moe.router.*, moe.expert_mlps.mlp_op.*, rank_util.rank and moe.expert_mlps.spmd_rank.rank "
+             "(int32 [rank]), embed_tokens.weight [V, H/T] (unscaled bf16)",
     "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
                             "stride 2), scale fp32 [E, 1, 2I/T]",
     "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "

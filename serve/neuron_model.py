@@ -146,6 +146,24 @@ class RankExpertLinear(nn.Module):
         return (y.float() * self.scale.unsqueeze(1)).to(x.dtype)
 
 
+class RankIndex(nn.Module):
+    """This rank's index as NxD's ``SPMDRank`` holds it: ``rank`` int32 ``[1]`` (state only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rank = nn.Parameter(torch.empty(1, dtype=torch.int32), requires_grad=False)
+
+
+class RankEmbedding(nn.Module):
+    """This rank's column shard ``weight [V, H/T]`` of the device embedding that g4's NxDI class
+    holds (NxD ``ParallelEmbedding(shard_across_embedding=True)``). State only: this tree takes
+    ``inputs_embeds`` looked up on the host (:func:`host_embed`)."""
+
+    def __init__(self, vocab: int, hidden_local: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden_local, dtype=dtype), requires_grad=False)
+
+
 class CpuParallelOps:
     """Builds the parallel layers of TP rank ``comm.rank`` of ``comm.world`` in plain torch."""
 
@@ -165,6 +183,12 @@ class CpuParallelOps:
 
     def expert_down(self, experts: int, intermediate: int, hidden: int) -> nn.Module:
         return RankExpertLinear(experts, intermediate // self.tp, hidden)
+
+    def rank_index(self) -> nn.Module:
+        return RankIndex()
+
+    def embedding(self, vocab: int, hidden: int) -> nn.Module:
+        return RankEmbedding(vocab, hidden // self.tp, self.dtype)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(x)
@@ -256,6 +280,25 @@ class _Experts(nn.Module):
         return torch.einsum("enh,ne->nh", y.float(), combine).to(x.dtype)
 
 
+class _ExpertMlps(nn.Module):
+    """Named as NxD's ``ExpertMLPsV2``: the fused expert linears under ``mlp_op``, the rank index
+    under ``spmd_rank``."""
+
+    def __init__(self, g: Geometry, ops, act):
+        super().__init__()
+        self.mlp_op = _Experts(g, ops, act)
+        self.spmd_rank = ops.rank_index()
+
+
+class _Moe(nn.Module):
+    """``moe.router`` and ``moe.expert_mlps``: the names of g4's NxDI class (the layout table's)."""
+
+    def __init__(self, config, g: Geometry, ops, act, dtype: torch.dtype):
+        super().__init__()
+        self.router = _Router(config, g, dtype)
+        self.expert_mlps = _ExpertMlps(g, ops, act)
+
+
 class NeuronDecoderLayer(nn.Module):
     """One Gemma 4 MoE decoder layer's rank share; submodule names are the layout table's keys."""
 
@@ -267,8 +310,7 @@ class NeuronDecoderLayer(nn.Module):
         act = ACT2FN[config.hidden_activation]
         self.self_attn = _Attention(config, g, layer, ops, quantize_attention)
         self.mlp = _Mlp(g, ops, act)
-        self.router = _Router(config, g, dtype)
-        self.experts = _Experts(g, ops, act)
+        self.moe = _Moe(config, g, ops, act, dtype)
         for n in LAYER_NORMS:
             setattr(self, n, Gemma4RMSNorm(g.hidden, eps=config.rms_norm_eps))
         self.layer_scalar = nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False)
@@ -280,7 +322,8 @@ class NeuronDecoderLayer(nn.Module):
         residual = h
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = residual.reshape(-1, residual.shape[-1])
-        moe = self.all_reduce(self.experts(self.pre_feedforward_layernorm_2(flat), self.router(flat)))
+        experts = self.moe.expert_mlps.mlp_op
+        moe = self.all_reduce(experts(self.pre_feedforward_layernorm_2(flat), self.moe.router(flat)))
         h = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(
             moe.reshape(residual.shape)))
         return h * self.layer_scalar.to(h.dtype)
@@ -312,6 +355,8 @@ class NeuronTextModel(nn.Module):
         rest = {k: v for k, v in config.items() if k != "model_type"}
         text = AutoConfig.for_model(config["model_type"], **rest).get_text_config()
         self.text_config = text
+        self.rank_util = ops.rank_index()
+        self.embed_tokens = ops.embedding(g.vocab, g.hidden)  # state only: inputs_embeds come from the host
         self.layers = nn.ModuleList(NeuronDecoderLayer(text, g, L, ops, quantize_attention=quantize_attention,
                                                        dtype=dtype) for L in range(g.num_layers))
         self.norm = Gemma4RMSNorm(g.hidden, eps=text.rms_norm_eps)

@@ -33,7 +33,8 @@ from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entr
 
 def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
                         dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone.
+    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone: the
+    ``state_dict()`` of g4's NxDI class (``g4.serve.nxdi_gemma4``) at TP ``tp`` in ``dtype``.
 
     Raises:
         G4Error: a TP degree the model cannot be split over.
@@ -43,10 +44,10 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
     for L in range(g.num_layers):
         shapes = g.arch.layer_tensor_shapes(L)
         for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
-            specs += entry_specs(e, layer_prefix(L), shapes[e.source], dtype, g, L)
+            specs += entry_specs(e, layer_prefix(L), shapes.get(e.source, ()), dtype, g, L)
     model_shapes = g.arch.model_tensor_shapes()
     for e in model_entries(tied=g.arch.tied):
-        specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
+        specs += entry_specs(e, "", model_shapes.get(e.source, ()), dtype, g, None)
     return specs
 
 
@@ -176,6 +177,12 @@ class NxdParallelOps:
         return self._ql.QuantizedExpertFusedRowParallel(num_experts=experts, input_size=intermediate,
                                                         output_size=hidden, reduce_output=False,
                                                         **self._int8(2, True))
+
+    def rank_index(self):
+        return self._layers.SPMDRank(world_size=self.tp)
+
+    def embedding(self, vocab: int, hidden: int):
+        return self._layers.ParallelEmbedding(vocab, hidden, shard_across_embedding=True, dtype=self.dtype)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._mappings.reduce_from_tensor_model_parallel_region(x)

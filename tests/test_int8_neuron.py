@@ -108,14 +108,20 @@ def test_files_manifest_and_host_embedding(outputs):
     assert torch.equal(host["embed_tokens.weight"], src["model.language_model.embed_tokens.weight"])  # unscaled
     r0, r1 = (load_file(out / rank_file(r)) for r in (0, 1))
     assert r0.keys() == r1.keys()
-    assert r0["layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
-    assert r0["layers.0.experts.gate_up_proj.weight"].shape == (8, 128, 64)
-    assert r0["layers.0.experts.down_proj.scale"].shape == (8, 1, 128)
+    assert r0["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"].dtype == torch.int8
+    assert r0["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (8, 128, 64)
+    assert r0["layers.0.moe.expert_mlps.mlp_op.down_proj.scale"].shape == (8, 1, 128)
+    # NxD's SPMD rank indices and the device embedding's column shard (NxDI class state_dict names)
+    for r, sd in enumerate((r0, r1)):
+        for name in ("rank_util.rank", "layers.0.moe.expert_mlps.spmd_rank.rank", "layers.3.moe.expert_mlps.spmd_rank.rank"):
+            assert sd[name].dtype == torch.int32 and sd[name].tolist() == [r], (r, name)
+        emb = src["model.language_model.embed_tokens.weight"]
+        assert torch.equal(sd["embed_tokens.weight"], emb[:, r * 64:(r + 1) * 64])
     assert r0["lm_head.weight"].shape == (512, 128) and r0["lm_head.scale"].shape == (512, 1)
     assert "layers.3.self_attn.v_proj.weight" not in r0  # k_eq_v
     assert torch.equal(r0["layers.3.self_attn.k_proj.weight"], r1["layers.3.self_attn.k_proj.weight"])  # 1 KV head
     assert r0["layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    assert torch.equal(r0["layers.0.router.proj.weight"], src["model.language_model.layers.0.router.proj.weight"])
+    assert torch.equal(r0["layers.0.moe.router.proj.weight"], src["model.language_model.layers.0.router.proj.weight"])
     assert torch.equal(r0["layers.0.mlp.down_proj.scale"], r1["layers.0.mlp.down_proj.scale"])  # row: replicated
     assert not any(k.startswith(("vision", "model.")) for k in r0)
     for name in ("config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
@@ -217,9 +223,10 @@ def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path)
         assert len(weights) == tp and all(w["layers.0.mlp.gate_proj.weight"].dtype == torch.int8 for w in weights)
     bad = shutil.copytree(outputs[2], tmp_path / "bad")
     sd = load_file(bad / rank_file(1))
-    sd["layers.2.experts.down_proj.weight"] = sd["layers.2.experts.down_proj.weight"][:, :-1].contiguous()
+    down = "layers.2.moe.expert_mlps.mlp_op.down_proj.weight"
+    sd[down] = sd[down][:, :-1].contiguous()
     save_file(sd, bad / rank_file(1))
-    with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.experts.down_proj.weight"):
+    with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.moe.expert_mlps.mlp_op.down_proj.weight"):
         load_rank_weights(bad)
     with pytest.raises(G4Error, match="torch-neuronx / neuronx-distributed are not installed"):
         initialize_traced(tmp_path / "model.pt", outputs[2])

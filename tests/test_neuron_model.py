@@ -50,9 +50,9 @@ def test_module_tree_state_dict_is_the_layout_table(name, config, tps, quantize_
 
 def test_26b_tree_has_the_expected_int8_expert_shapes_per_rank():
     tree = _tree(GEMMA4_26B_A4B, 2, 0, False)
-    assert tree["layers.0.experts.gate_up_proj.weight"] == (torch.int8, (128, 2816, 704))
-    assert tree["layers.0.experts.gate_up_proj.scale"] == (torch.float32, (128, 1, 704))
-    assert tree["layers.0.experts.down_proj.weight"] == (torch.int8, (128, 352, 2816))
+    assert tree["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"] == (torch.int8, (128, 2816, 704))
+    assert tree["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.scale"] == (torch.float32, (128, 1, 704))
+    assert tree["layers.0.moe.expert_mlps.mlp_op.down_proj.weight"] == (torch.int8, (128, 352, 2816))
     assert tree["lm_head.weight"] == (torch.int8, (131072, 2816))
     assert "layers.5.self_attn.v_proj.weight" not in tree  # full-attention layer with k_eq_v
 
@@ -69,7 +69,7 @@ def test_single_rank_tree_matches_emulator(results):
     manifest = json.loads((out / "manifest.json").read_text())
     table = load_file(out / "embed_tokens.safetensors")["embed_tokens.weight"]
     model = load_rank_model(out, SingleRank())
-    assert model.layers[0].experts.gate_up_proj.weight.dtype == torch.int8
+    assert model.layers[0].moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.int8
     with torch.no_grad():
         got = model(host_embed(table, IDS, manifest["embed_scale"], torch.float32), torch.arange(IDS.shape[1])[None])
     ref = NeuronEmulator(out)(IDS)

@@ -99,7 +99,10 @@ def _fused_dim_split(good: Path, bad: Path) -> None:
     shutil.copytree(good, bad)
     files = [bad / "weights" / f"tp{r}_sharded_checkpoint.safetensors" for r in (0, 1)]
     sds = [load_file(f) for f in files]
-    for name in ("layers.0.experts.gate_up_proj.weight", "layers.0.experts.gate_up_proj.scale"):
+    from nxd_cpu.g4names import rank_module
+
+    gate_up = rank_module("layers.0.experts.gate_up_proj")
+    for name in (f"{gate_up}.weight", f"{gate_up}.scale"):
         per = [sd[name] for sd in sds]
         gate = torch.cat([p.chunk(2, -1)[0] for p in per], -1)
         up = torch.cat([p.chunk(2, -1)[1] for p in per], -1)
@@ -240,7 +243,8 @@ def test_sharder_check_catches_a_gate_up_cut_along_the_fused_dim(lane):
     ranks = lane["shard"]["results"]["tp2/fused-dim-split"]["ranks"]
     for rank in ranks:
         named = sorted(d.split(":")[0] for d in rank["diffs"])
-        assert named == ["layers.0.experts.gate_up_proj.scale", "layers.0.experts.gate_up_proj.weight"], rank
+        assert named == ["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.scale",
+                         "layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"], rank
 
 
 # -------------------------------------------------------------------- (b) NxD's quantized layers

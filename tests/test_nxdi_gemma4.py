@@ -33,6 +33,11 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
 - ``int8``: ``g4convert int8-neuron --tp 1`` of the embedded model (``NeuronConfig(quantized=True)``):
   NxD's int8 layers for experts, dense MLP and lm_head; the reference is g4's ``NeuronEmulator``
   (transformers' modules over the dequantized weights), tolerance ``TOL``;
+- ``int8_tp2``: ``g4convert int8-neuron --tp 2`` at TP 2, one process per rank (run after ``chat_tp2`` in
+  the same two processes), each rank given a copy of the result that holds only its own rank file
+  (NxDI's Route 2: pre-sharded files loaded as they are); both ranks against the emulator on the
+  same result, tolerance ``TOL``;
+- ``int8_tp_mismatch``: the TP-2 result at TP 1, which must be refused with a clear error;
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
@@ -163,19 +168,28 @@ def lane(tmp_path_factory):
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
     from g4.convert.int8_neuron import convert_int8_neuron
 
-    int8_dir = convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp1", tp=1, quantize_attention=False,
-                                   target="inf2.xlarge", progress=False).out
+    int8_dirs = {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"int8-tp{tp}", tp=tp, quantize_attention=False,
+                                         target="inf2.xlarge", progress=False).out for tp in (1, 2)}
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
-             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1)}
+             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
+             "int8_tp_mismatch": (chat, {}, 1)}
+    models = {"int8": int8_dirs[1], "int8_tp2": int8_dirs[2], "int8_tp_mismatch": int8_dirs[2]}
     jobs = {}
     for name, (prompt, overrides, tp) in cases.items():
-        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt, "quantized": name == "int8",
-                      "model": str(int8_dir if name == "int8" else EMBEDDED_DIR), "new_tokens": NEW_TOKENS,
-                      "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
+        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt,
+                      "quantized": name.startswith("int8"), "model": str(models.get(name, EMBEDDED_DIR)),
+                      "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN,
+                      "dtype": "bfloat16" if name.endswith("bf16") else "float32",
                       "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
-    # every TP-1 case in one process (NxDI imported once), the TP-2 case in one process per rank
-    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1), "chat_tp2": (jobs["chat_tp2"], 2)}
+    # each rank of int8_tp2 sees a copy of the result that holds only its own rank file (Route 2)
+    jobs["int8_tp2"]["model_per_rank"] = [str(_rank_view(int8_dirs[2], rank, base / f"int8-tp2-rank{rank}"))
+                                          for rank in range(2)]
+    for name in ("chat_tp2", "int8_tp2"):  # run one after the other by the same two processes
+        jobs[name]["master_port"] = _free_port()
+    # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
+    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
+              "tp2": ([j for j in jobs.values() if j["tp"] == 2], 2)}
     procs = []
     for group, (payload, world) in groups.items():
         (base / f"{group}.json").write_text(json.dumps(payload))
@@ -192,7 +206,8 @@ def lane(tmp_path_factory):
                 stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
     refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = _int8_reference(int8_dir, chat)
+    refs["int8"] = _int8_reference(int8_dirs[1], chat)
+    refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
@@ -201,6 +216,9 @@ def lane(tmp_path_factory):
     for name, job in jobs.items():
         for rank in range(job["tp"]):
             r = torch.load(base / (f"{name}.pt.rank{rank}" if job["tp"] > 1 else f"{name}.pt"), weights_only=False)
+            if name == "int8_tp_mismatch":  # meant to fail: kept for its test
+                found[name] = r
+                continue
             assert "error" not in r, (name, rank, r["error"], r["where"])
             r["ref_tokens"], r["ref_logits"] = refs[name]
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
@@ -208,11 +226,25 @@ def lane(tmp_path_factory):
     found["overlay_s"] = t0 - t_overlay
     print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
         f"{n}: {(r['logits'] - r['ref_logits']).abs().max().item():.2g} (ids equal: {r['tokens'] == r['ref_tokens']})"
-        for n, r in found.items() if isinstance(r, dict)))
+        for n, r in found.items() if isinstance(r, dict) and "logits" in r))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
-        f"generate {found[n]['t_gen']:.1f})" for n in cases))
+        f"generate {found[n]['t_gen']:.1f})" for n in cases if "t_gen" in found[n]))
     return found
+
+
+def _rank_view(out: Path, rank: int, view: Path) -> Path:
+    """A directory that is ``out`` (symlinks) without the other ranks' weight files: rank ``rank``
+    can read only ``weights/tp{rank}_sharded_checkpoint.safetensors``."""
+    from g4.exporters.neuron_int8 import WEIGHTS_DIR, rank_file
+
+    view.mkdir()
+    for item in out.iterdir():
+        if item.name != WEIGHTS_DIR:
+            (view / item.name).symlink_to(item)
+    (view / WEIGHTS_DIR).mkdir()
+    (view / rank_file(rank)).symlink_to(out / rank_file(rank))
+    return view
 
 
 def _free_port() -> int:
@@ -223,7 +255,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"])
+@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2",
+                                  "int8_tp2/rank1"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -262,7 +295,7 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8"])
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"])
 def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
     each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
@@ -299,10 +332,33 @@ def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
 
 
 def test_every_weight_comes_from_the_checkpoint(lane):
-    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"):
         assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
     assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
             "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])
+
+
+@pytest.mark.parametrize("case,tp,rank", [("int8", 1, 0), ("int8_tp2", 2, 0), ("int8_tp2/rank1", 2, 1)])
+def test_int8_rank_file_is_the_class_state_dict_and_loads_unchanged(lane, case, tp, rank):
+    """Route 2: the module's ``state_dict()`` (KV cache aside) has exactly the names, dtypes and
+    per-rank shapes g4's layout table gives from the config alone (``expected_rank_specs``; the
+    class is built in fp32 on the CPU, so the table's non-int8 dtype is fp32 here, bf16 in the
+    files), and after ``to_cpu`` every tensor equals rank ``rank``'s file (its own rank index
+    included: rank r holds ``[r]``)."""
+    from g4.convert.resolve import EMBEDDED_DIR
+    from g4.serve.neuron_runtime import expected_rank_specs
+
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    table = {s.name: [str(s.dtype).replace("torch.", ""), list(s.shape)]
+             for s in expected_rank_specs(config, tp, quantize_attention=False, dtype=torch.float32)}
+    r = lane[case]
+    assert r["specs"] == table
+    assert r["loaded_equal"] == sorted(table) and r["rank_file_keys"] == len(table)
+
+
+def test_a_result_for_another_tp_degree_is_refused(lane):
+    r = lane["int8_tp_mismatch"]
+    assert "written for TP 2" in r["error"] and "tp_degree 1" in r["error"], r["error"]
 
 
 def test_lane_fits_its_budget(lane):

@@ -6,8 +6,8 @@ engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distrib
 Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONPATH`` by the
 test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
 
-``python nxdi_worker.py JOB.json``; JOB (or a list of TP-1 JOBs, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
-``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
+``python nxdi_worker.py JOB.json``; JOB (or a list of JOBs of one TP degree, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
+``model_per_rank`` (instead of ``model``: rank r's directory), ``master_port`` (optional: this job's gloo port), ``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
 environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
 ``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
 """
@@ -39,6 +39,10 @@ def main(job: dict) -> dict:
     t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
     main.ran = True
     t0 = time.perf_counter()
+    if "master_port" in job:  # a fresh gloo rendezvous per job (a reused port after destroy can hang)
+        os.environ["MASTER_PORT"] = str(job["master_port"])
+    if "model_per_rank" in job:  # rank r's own view of a pre-sharded result (only weights/tp{r})
+        job = dict(job, model=job["model_per_rank"][int(os.environ.get("RANK", "0"))])
     dtype = getattr(torch, job["dtype"])
     neuron_config = MoENeuronConfig(tp_degree=job.get("tp", 1), batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
                                     on_cpu=True, **({"quantized": True, "quantized_checkpoints_path": job["model"],
@@ -56,9 +60,16 @@ def main(job: dict) -> dict:
 
     # every parameter and buffer of the module must come from the checkpoint (to_cpu loads with
     # strict=False, which would leave a misnamed weight at its initial value)
-    sd = model.get_state_dict(job["model"], config)
+    if job.get("quantized"):  # Route 2: this rank's pre-sharded file, as to_cpu loaded it
+        sd = g.load_g4_int8_neuron(job["model"], config)
+    else:
+        sd = model.get_state_dict(job["model"], config)
     own = {k for k in net.state_dict() if not k.startswith("kv_mgr.")}
     missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+    # the module's own state (names, dtypes, per-rank shapes), and whether it holds the file's values
+    specs = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in net.state_dict().items()
+             if k in own}
+    loaded_equal = sorted(k for k in own & set(sd) if torch.equal(net.state_dict()[k], sd[k].to(net.state_dict()[k].dtype)))
 
     # what the experts ran: ExpertMLPsV2.forward dispatches to forward_all_experts (context
     # encoding of T*top_k < block_size tokens), forward_selective_loading (token generation, only
@@ -85,7 +96,8 @@ def main(job: dict) -> dict:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
         torch.distributed.destroy_process_group()
-    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
+    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected, "specs": specs,
+            "loaded_equal": loaded_equal, "rank_file_keys": len(sd),
             "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
@@ -105,9 +117,10 @@ def run(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    # one job, or a list of TP-1 jobs run one after another in this process (one import of NxDI):
-    # between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
-    # destroy_model_parallel) so that the next to_cpu() initialises it afresh
+    # one job, or a list of jobs of one TP degree run one after another in this process (one import
+    # of NxDI): between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
+    # destroy_model_parallel) so that the next to_cpu() initialises it afresh (at TP > 1 each job
+    # also ends with barrier + destroy_process_group, so the next to_cpu opens the gloo group again)
     jobs = json.loads(Path(sys.argv[1]).read_text())
     for i, job in enumerate(jobs if isinstance(jobs, list) else [jobs]):
         if i:

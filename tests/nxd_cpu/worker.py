@@ -72,7 +72,7 @@ def shard(job: dict) -> dict:
     from neuronx_distributed.utils.model_utils import init_on_device
     from neuronx_distributed_inference.modules.attention.gqa import (
         determine_sharding_strategy, get_shardable_head_counts, replicate_kv)
-    from nxd_cpu.g4names import NeuronTextModel, NxdParallelOps, geometry
+    from nxd_cpu.g4names import NeuronTextModel, NxdParallelOps, geometry, rank_indices
 
     results = {}
     for case in job["cases"]:  # {"name", "full": TP-1 dir, "out": TP-T dir, "tp", "quantize_attention"}
@@ -80,6 +80,8 @@ def shard(job: dict) -> dict:
         config = json.loads((out_dir / "config.json").read_text())
         full = load_file(full_dir / "weights" / "tp0_sharded_checkpoint.safetensors")
         g = geometry(config, T)
+        for name in rank_indices(full):  # NxD's SPMDRank checkpoint value, as NxDI's converters write it
+            full[name] = torch.arange(0, T, dtype=torch.int32)
         replicated = []
         for L in range(g.num_layers):  # NxDI GQA preshard: replicate K/V heads (and their scales) to T
             kv = g.kv_heads[L]
@@ -156,6 +158,7 @@ def source(job: dict) -> dict:
     from safetensors.torch import load_file
 
     from neuronx_distributed.quantization.quantization_utils import extract_q_scale, quantize_per_channel_symmetric
+    from nxd_cpu.g4names import rank_indices, rank_module, rank_tensor
 
     ties = {}
 
@@ -182,16 +185,21 @@ def source(job: dict) -> dict:
             module = name.rsplit(".", 1)[0] if name.endswith(".weight") else name
             if name == "embed_tokens.weight":
                 want["lm_head.weight"], want["lm_head.scale"] = nxd_int8(v, "lm_head.weight")
+                want[name] = v  # the device embedding; at TP 1 the whole table
             elif module.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                module = rank_module(module)
                 q, sc = nxd_int8(v, f"{module}.weight")
                 want[f"{module}.weight"], want[f"{module}.scale"] = q.transpose(1, 2), sc.transpose(1, 2)
                 ties[f"{module}.weight"] = ties[f"{module}.weight"].transpose(1, 2)
             elif module.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") or (
                     case["quantize_attention"] and module.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                module = rank_module(module)
                 want[f"{module}.weight"], want[f"{module}.scale"] = nxd_int8(v, f"{module}.weight")
             else:
-                want[name] = v
+                want[rank_tensor(name)] = v
         g4 = load_file(Path(case["out"]) / "weights" / "tp0_sharded_checkpoint.safetensors")
+        for k in rank_indices(g4):  # NxD's SPMD rank index of rank 0 (no source tensor)
+            want[k] = torch.zeros(1, dtype=torch.int32)
         diffs = []
         missing, extra = sorted(set(want) - set(g4)), sorted(set(g4) - set(want))
         if missing or extra:
@@ -226,7 +234,7 @@ def layers(job: dict) -> dict:
     from safetensors.torch import load_file
 
     from neuronx_distributed.parallel_layers import parallel_state
-    from nxd_cpu.g4names import CpuParallelOps, NeuronTextModel, NxdParallelOps, TorchDistComm, geometry
+    from nxd_cpu.g4names import CpuParallelOps, NeuronTextModel, NxdParallelOps, TorchDistComm, geometry, rank_module
 
     rank, T = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -308,24 +316,25 @@ def layers(job: dict) -> dict:
                 x = rnd(E, N, H)
                 if shape == "bcast":  # one token set for every expert: NxD's Experts gets [1, C, H]
                     x = x[:1].expand(E, N, H)
-                layer = build(lambda: ops.expert_gate_up(E, H, I), "layers.0.experts.gate_up_proj")
+                layer = build(lambda: ops.expert_gate_up(E, H, I), rank_module("layers.0.experts.gate_up_proj"))
                 arg = {"3d": x, "4d": x.unsqueeze(1), "bcast": x[:1].unsqueeze(1)}[shape]
                 y = layer(arg)
                 y = y if shape == "3d" else y.squeeze(1)
                 gate, up = y.float().chunk(2, -1)  # rank r holds [gate_r | up_r] (stride 2)
-                ref = torch.einsum("enh,ehi->eni", x.float(), deq("layers.0.experts.gate_up_proj"))
+                ref = torch.einsum("enh,ehi->eni", x.float(), deq(rank_module("layers.0.experts.gate_up_proj")))
                 return torch.cat([gather_last(gate), gather_last(up)], -1), ref
             return run
 
         def expert_down(shape4):
             def run():
                 x = rnd(E, N, I)
-                layer = build(lambda: ops.expert_down(E, I, H), "layers.0.experts.down_proj")
+                layer = build(lambda: ops.expert_down(E, I, H), rank_module("layers.0.experts.down_proj"))
                 xr = own(x)
                 y = layer(xr.unsqueeze(1) if shape4 else xr)
                 y = y.squeeze(1) if shape4 else y
                 # reduce_output=False: the partial sums are all-reduced after the MoE combine
-                return summed(y.float()), torch.einsum("eni,eih->enh", x.float(), deq("layers.0.experts.down_proj"))
+                return summed(y.float()), torch.einsum("eni,eih->enh", x.float(),
+                                                       deq(rank_module("layers.0.experts.down_proj")))
             return run
 
         record(f"column/{dn}", column, tol)
@@ -358,8 +367,8 @@ def layers(job: dict) -> dict:
         built = trees()
         x = torch.randn(N, H, generator=gen)
         combine = F.softmax(torch.randn(N, E, generator=gen), -1)
-        ref = summed(built["cpu"].layers[0].experts(x, combine))
-        return summed(built["nxd"].layers[0].experts(x, combine)), ref
+        ref = summed(built["cpu"].layers[0].moe.expert_mlps.mlp_op(x, combine))
+        return summed(built["nxd"].layers[0].moe.expert_mlps.mlp_op(x, combine)), ref
 
     def whole_tree():
         built = trees()
