@@ -193,12 +193,13 @@ def load_gemma4_config(model_path: str):
 # ------------------------------------------------------------------------------------------ pieces
 class Gemma4RMSNorm(nn.Module):
     """``x * (mean(x^2) + eps)^-0.5``, times ``weight`` (not ``1 + weight``) when it has one; fp32
-    inside, cast back (transformers' ``Gemma4RMSNorm``)."""
+    inside, cast back (transformers' ``Gemma4RMSNorm``). The weight is held in ``dtype`` (the
+    model's ``torch_dtype``, as every other weight of the class and of the rank files)."""
 
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+    def __init__(self, dim: int, eps: float, with_scale: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
@@ -334,8 +335,8 @@ class NeuronGemma4Attention(nn.Module):
         self.v_proj = None if self.k_eq_v else col(H, kv_total * d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, H, bias=False, input_is_parallel=True,
                                         dtype=dtype)
-        self.q_norm = Gemma4RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = Gemma4RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = Gemma4RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = Gemma4RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         self.v_norm = Gemma4RMSNorm(d, config.rms_norm_eps, with_scale=False)
         self.register_buffer("inv_freq", gemma4_inv_freq(config, self.layer_type), persistent=False)
 
@@ -489,7 +490,7 @@ class NeuronGemma4MoEDecoderLayer(nn.Module):
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
                      "post_feedforward_layernorm_2"):
-            setattr(self, name, Gemma4RMSNorm(H, eps))
+            setattr(self, name, Gemma4RMSNorm(H, eps, dtype=config.neuron_config.torch_dtype))
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.neuron_config.torch_dtype))
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
@@ -594,7 +595,7 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
                                                   dtype=dtype, shard_across_embedding=True,
                                                   embed_scale=config.hidden_size ** 0.5)
         self.layers = nn.ModuleList([NeuronGemma4MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = Gemma4SoftcappedLMHead(config.hidden_size, config.vocab_size, bias=False,
                                               gather_output=not self.on_device_sampling, dtype=dtype,
                                               softcap=config.final_logit_softcapping)

@@ -67,6 +67,7 @@ NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-infe
 OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
 TOL, TOL_BF16 = 1e-4, 0.25
+SPEC_TPS = {"embedded": [1, 2, 4], "26B-A4B": [2, 4, 8]}
 NEW_TOKENS, SEQ_LEN = 12, 32
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
@@ -185,6 +186,14 @@ def lane(tmp_path_factory):
     # each rank of int8_tp2 sees a copy of the result that holds only its own rank file (Route 2)
     jobs["int8_tp2"]["model_per_rank"] = [str(_rank_view(int8_dirs[2], rank, base / f"int8-tp2-rank{rank}"))
                                           for rank in range(2)]
+    # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
+    from g4.convert.synth import GEMMA4_26B_A4B
+
+    (base / "26b").mkdir()
+    (base / "26b" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    jobs["specs"] = {"kind": "specs", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
+                     "configs": {"embedded": str(EMBEDDED_DIR), "26B-A4B": str(base / "26b")},
+                     "tps": SPEC_TPS, "result": str(base / "specs.pt")}
     for name in ("chat_tp2", "int8_tp2"):  # run one after the other by the same two processes
         jobs[name]["master_port"] = _free_port()
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
@@ -216,7 +225,7 @@ def lane(tmp_path_factory):
     for name, job in jobs.items():
         for rank in range(job["tp"]):
             r = torch.load(base / (f"{name}.pt.rank{rank}" if job["tp"] > 1 else f"{name}.pt"), weights_only=False)
-            if name == "int8_tp_mismatch":  # meant to fail: kept for its test
+            if name in ("int8_tp_mismatch", "specs"):  # not a generation (the first is meant to fail)
                 found[name] = r
                 continue
             assert "error" not in r, (name, rank, r["error"], r["where"])
@@ -354,6 +363,27 @@ def test_int8_rank_file_is_the_class_state_dict_and_loads_unchanged(lane, case, 
     r = lane[case]
     assert r["specs"] == table
     assert r["loaded_equal"] == sorted(table) and r["rank_file_keys"] == len(table)
+
+
+@pytest.mark.parametrize("name", list(SPEC_TPS))
+def test_the_layout_table_is_the_int8_class_state_dict_at_every_tp(lane, name):
+    """g4's layout table from the config alone (``expected_rank_specs``, bf16 for what is not int8)
+    against the class's own ``state_dict()`` at ``torch_dtype=bfloat16``, built on the meta device:
+    the same names, dtypes and per-rank shapes (embedded at TP 1, 2, 4; the real 26B-A4B config at
+    TP 2, 4, 8, where the full layers' 2 KV heads are replicated at TP 4 and 8)."""
+    from g4.convert.resolve import EMBEDDED_DIR
+    from g4.convert.synth import GEMMA4_26B_A4B
+    from g4.serve.neuron_runtime import expected_rank_specs
+
+    r = lane["specs"]
+    assert "error" not in r, (r.get("error"), r.get("where"))
+    config = {"embedded": json.loads((EMBEDDED_DIR / "config.json").read_text()), "26B-A4B": GEMMA4_26B_A4B}[name]
+    for tp in SPEC_TPS[name]:
+        table = {s.name: [str(s.dtype).replace("torch.", ""), list(s.shape)]
+                 for s in expected_rank_specs(config, tp, quantize_attention=False, dtype=torch.bfloat16)}
+        got = r["specs"][f"{name}/tp{tp}"]
+        assert got.keys() == table.keys(), (name, tp, sorted(got.keys() ^ table.keys())[:4])
+        assert got == table, (name, tp, [(k, got[k], table[k]) for k in got if got[k] != table[k]][:3])
 
 
 def test_a_result_for_another_tp_degree_is_refused(lane):

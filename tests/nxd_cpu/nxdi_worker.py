@@ -10,6 +10,9 @@ test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by th
 ``model_per_rank`` (instead of ``model``: rank r's directory), ``master_port`` (optional: this job's gloo port), ``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
 environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
 ``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
+A JOB with ``"kind": "specs"`` (``configs``: name -> directory with a ``config.json``, ``tps``: name ->
+TP degrees) instead builds the int8 class on the meta device and reports its ``state_dict()`` specs
+(:func:`specs`); run last in a process, it tears down that process's gloo group.
 """
 
 from __future__ import annotations
@@ -103,10 +106,48 @@ def main(job: dict) -> dict:
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
 
 
+def specs(job: dict) -> dict:
+    """The class's int8 ``state_dict()`` (names, dtypes, per-rank shapes; KV cache aside) at
+    ``torch_dtype=bfloat16`` (the Neuron dtype) for each config directory and TP degree, built on the
+    meta device inside NxD's mocked process group, as NxD's ModelBuilder builds for sharding
+    (aws-neuron/neuronx-distributed ``src/neuronx_distributed/trace/model_builder.py``)."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import torch
+
+    from g4.serve import nxdi_gemma4 as g
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.trace.mock_torchdist import mock_distributed
+    from neuronx_distributed.utils.model_utils import init_on_device
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    if torch.distributed.is_initialized():  # the gloo group of an earlier to_cpu() in this process
+        torch.distributed.destroy_process_group()
+    os.environ["NXD_CPU_MODE"] = "0"  # the mocked "xla" group has no gloo groups
+    found = {}
+    for name, model_dir in job["configs"].items():
+        for tp in job["tps"][name]:
+            with mock_distributed(world_size=tp), init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+                torch.distributed.init_process_group(backend="xla", rank=0, world_size=tp)
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, skip_collective_init=True)
+                try:
+                    nc = MoENeuronConfig(tp_degree=tp, batch_size=1, seq_len=32, torch_dtype=torch.bfloat16,
+                                         on_cpu=True, quantized=True, quantized_checkpoints_path=model_dir,
+                                         quantization_type="expert_wise_per_channel_symmetric",
+                                         modules_to_not_convert=["self_attn", "router", "embed_tokens"])
+                    config = g.Gemma4MoEInferenceConfig(nc, load_config=g.load_gemma4_config(model_dir))
+                    net = g.NeuronGemma4MoEModel(config)
+                    found[f"{name}/tp{tp}"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)]
+                                               for k, v in net.state_dict().items() if not k.startswith("kv_mgr.")}
+                finally:
+                    parallel_state.destroy_model_parallel()
+                    torch.distributed.destroy_process_group()
+    return {"specs": found}
+
+
 def run(job: dict) -> None:
     t = time.perf_counter()
     try:
-        result = main(job)
+        result = specs(job) if job.get("kind") == "specs" else main(job)
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.perf_counter() - t
