@@ -100,6 +100,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
+@click.option("--calib-device", default="auto", show_default=True,
+              help="Where calibration runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
 @click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
               help="Largest shard: GB = 10**9 bytes, GiB = 2**30; at least 1MB (smaller shards only multiply "
                    "files). A tensor larger than this gets a shard of its own, as in transformers.")
@@ -108,7 +110,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.pass_context
 @exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          calib_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
+          calib_dtype, calib_device, max_shard_size, overwrite, push_to_hub, private, base_model):
     """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
     to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
 
@@ -118,14 +120,20 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     _hub_preflight(push_to_hub, base_model)
     from .nvfp4 import convert_nvfp4
 
-    if weight_only and (calib_data or ctx.get_parameter_source("calib_samples").name != "DEFAULT"
-                        or ctx.get_parameter_source("calib_seq_len").name != "DEFAULT"):
-        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len")
+    calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
+    if weight_only and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
+        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
+                      "--calib-batch-size / --calib-dtype / --calib-device")
+    if not weight_only:
+        from .calibrate import calibration_device
+
+        calibration_device(calib_device)  # a bad device is an error before SRC is fetched
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
     report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                           calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, max_shard_size=max_shard_size,
+                           calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
+                           max_shard_size=max_shard_size,
                            overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
