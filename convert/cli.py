@@ -237,13 +237,16 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
               help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
                    "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
                    "or more (2048 on an A100), else 2048.")
+@click.option("--bucketing", is_flag=True,
+              help="Neuron plans: NxDI's enable_bucketing (one graph per bucket of 128, 256, ... up to --seq-len, "
+                   "each with its own logits output); default off, as NxDI's NeuronConfig.")
 @click.option("--lm-head", type=click.Choice(LM_HEADS),
               help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
 @click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, bucketing, lm_head, attention, embedding,
          as_json):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
@@ -266,7 +269,7 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
     name, config, directory = load_source(src)
     result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
                          batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens)
+                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing)
     click.echo(result.to_json() if as_json else result.summary())
 
 

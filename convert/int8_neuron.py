@@ -90,6 +90,18 @@ def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     return smap, layers, model
 
 
+def source_rank_specs(ckpt: Checkpoint, tp: int, *, quantize_attention: bool = False) -> list[TensorSpec]:
+    """The tensors (name, dtype, per-rank shape) :func:`convert_int8_neuron` would write into each
+    rank file of ``ckpt`` at TP ``tp``, from the source's headers alone (no weight is read).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over, or a source the converter refuses.
+    """
+    g = geometry(ckpt.config, tp)
+    _, layers, model = _layer_jobs(ckpt, g, quantize_attention)
+    return rank_specs(ckpt, g, layers, model)
+
+
 def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]:
     """Tensors of one rank file in write order (identical names and shapes on every rank)."""
     specs: list[TensorSpec] = []

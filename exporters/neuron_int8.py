@@ -290,12 +290,27 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
     ]
 
 
-def model_entries(*, tied: bool) -> list[Entry]:
+# How the lm_head can be held on a Neuron rank: (rule, int8). ``g4convert int8-neuron`` writes
+# ``int8-sharded``; the memory plan also weighs the bf16 alternatives.
+LM_HEAD_LAYOUTS: dict[str, tuple[Rule, bool]] = {
+    "int8-sharded": (COLUMN, True), "bf16-sharded": (COLUMN, False), "bf16-replicated": (REPLICATED, False)}
+# The embedding table when it is kept on the device instead of the host: bf16, vocabulary rows split
+# (NxD ``ParallelEmbedding(shard_across_embedding=True)``). Not in a rank file; the plan weighs it.
+DEVICE_EMBEDDING = Entry("embed_tokens", "embed_tokens.weight", COLUMN, False)
+
+
+def model_entries(*, tied: bool, lm_head: str = "int8-sharded") -> list[Entry]:
     """Entries outside the decoder layers, in file order: the final norm and the lm_head, built
     from ``embed_tokens.weight`` when the model is tied and from its own top-level
-    ``lm_head.weight`` when it is not."""
+    ``lm_head.weight`` when it is not; ``lm_head`` is a key of :data:`LM_HEAD_LAYOUTS` (the
+    exporter writes the default).
+
+    Raises:
+        KeyError: an ``lm_head`` layout not in :data:`LM_HEAD_LAYOUTS`.
+    """
+    rule, q = LM_HEAD_LAYOUTS[lm_head]
     return [Entry("norm", "norm.weight", REPLICATED, False),
-            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
+            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", rule, q)]
 
 
 @dataclass(frozen=True)
@@ -335,6 +350,36 @@ def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dty
         return [TensorSpec(e.names(prefix)[0], source_dtype, shape)]
     weight, scale = e.names(prefix)
     return [TensorSpec(weight, torch.int8, shape), TensorSpec(scale, torch.float32, e.rule.scale_shape(shape))]
+
+
+def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool, dtype: torch.dtype = torch.bfloat16,
+                        lm_head: str = "int8-sharded") -> list[TensorSpec]:
+    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone: the
+    architecture's source inventory (:meth:`g4.convert.gemma4.Architecture.layer_tensor_shapes`,
+    sources in ``dtype``) through this table's entries and rules. The same on every rank. The
+    runtime loader checks rank files against it and the memory plan's Neuron weight bytes are
+    its ``nbytes`` (``g4.convert.plan``).
+
+    Args:
+        config: ``config.json`` of the source (any form :func:`geometry` reads).
+        tp: tensor-parallel degree.
+        quantize_attention: q/k/v/o int8 (``--quantize-attention``), else in ``dtype``.
+        dtype: dtype of the source tensors kept as they are (bf16 for a Gemma 4 release).
+        lm_head: a key of :data:`LM_HEAD_LAYOUTS` (``g4convert int8-neuron`` writes ``int8-sharded``).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over.
+    """
+    g = geometry(config, tp)
+    specs: list[TensorSpec] = []
+    for L in range(g.num_layers):
+        shapes = g.arch.layer_tensor_shapes(L)
+        for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
+            specs += entry_specs(e, layer_prefix(L), shapes[e.source], dtype, g, L)
+    model_shapes = g.arch.model_tensor_shapes()
+    for e in model_entries(tied=g.arch.tied, lm_head=lm_head):
+        specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
+    return specs
 
 
 def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | None, rank: int

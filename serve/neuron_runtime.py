@@ -27,27 +27,7 @@ import torch
 from safetensors import safe_open
 
 from g4.convert.errors import CheckpointError, G4Error
-from g4.exporters.safetensors_writer import TensorSpec
-from g4.exporters.neuron_int8 import Manifest, entry_specs, geometry, layer_entries, layer_prefix, model_entries
-
-
-def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool,
-                        dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone.
-
-    Raises:
-        G4Error: a TP degree the model cannot be split over.
-    """
-    g = geometry(config, tp)
-    specs: list[TensorSpec] = []
-    for L in range(g.num_layers):
-        shapes = g.arch.layer_tensor_shapes(L)
-        for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
-            specs += entry_specs(e, layer_prefix(L), shapes[e.source], dtype, g, L)
-    model_shapes = g.arch.model_tensor_shapes()
-    for e in model_entries(tied=g.arch.tied):
-        specs += entry_specs(e, "", model_shapes[e.source], dtype, g, None)
-    return specs
+from g4.exporters.neuron_int8 import Manifest, expected_rank_specs, geometry
 
 
 def load_rank_weights(out_dir: str | Path, ranks: list[int] | None = None) -> list[dict[str, torch.Tensor]]:

@@ -234,3 +234,21 @@ def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(G4Error, match=r"embed_scale 1.0, but hidden_size 128 needs bf16\(sqrt\(128\)\) = 11.3125"):
         NeuronEmulator(bad)
+
+
+def test_plan_weights_are_the_rank_file_sizes(outputs):
+    """Issue 11: the memory plan's per-rank weight bytes are what each rank file holds: its size
+    minus the 8-byte length and the JSON header (safetensors format), for TP 1, 2 and 4."""
+    import struct
+
+    from g4.convert.plan import plan_memory
+
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    for tp, out in outputs.items():
+        planned = plan_memory(config, fmt="int8-neuron", tp=tp).weights_per_rank
+        for r in range(tp):
+            path = out / rank_file(r)
+            with open(path, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+            assert path.stat().st_size - 8 - header == planned, (tp, r)
+        assert json.loads((out / "manifest.json").read_text())["memory_plan"]["weights_per_rank"] == planned

@@ -262,6 +262,23 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16"])
+def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
+    """The KV cache NxDI allocated for g4's class (every buffer's bytes, on each rank) is the memory
+    plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
+    per-layer KV heads per rank and head dim), and its per-layer shapes are the shared
+    ``kv_cache_layers``."""
+    from g4.convert.gemma4 import kv_cache_layers, read_architecture
+    from g4.convert.plan import kv_cache_nxdi
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    r, tp = lane[case], 2 if case.startswith("chat_tp2") else 1
+    arch = read_architecture(json.loads((EMBEDDED_DIR / "config.json").read_text()))
+    width = 2 if case == "chat_bf16" else 4
+    assert r["kv_bytes"] == kv_cache_nxdi(arch, tp, SEQ_LEN, 1, dtype_bytes=width).total
+    assert r["kv_shapes"] == [[1, c.heads, SEQ_LEN, c.head_dim] for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
+
+
 @pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8"])
 def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;

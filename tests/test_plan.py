@@ -166,13 +166,52 @@ def test_gpu_kv_cache_follows_max_num_batched_tokens_and_seq_len():
 
 
 def test_neuron_kv_cache_is_nxdi_s_whole_sequence_on_every_layer():
-    """NxDI 0.8's KVCacheManager gives every layer seq_len tokens (sliding ones too)."""
+    """g4's NxDI class (setup_attr_for_model) gives every layer max_length = seq_len positions, sliding
+    ones too, with that layer's own KV heads per rank and head dim (NxDI 0.8 kv_cache_manager.py)."""
     p = int8_neuron_tp2()  # 8192 tokens, TP 2: 4 sliding KV heads and 1 full KV head per rank
     assert p.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 8192 == 838_860_800
     assert p.kv_cache_full == LF * 1 * 512 * 2 * 2 * 8192 == 83_886_080
     assert p.inputs.max_num_batched_tokens is None
     r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--max-num-batched-tokens", "2048")
     assert r.exit_code == 2 and "--max-num-batched-tokens is a vLLM (GPU) setting" in r.output
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_neuron_kv_cache_26b_by_hand(tp):
+    """Hand computation from the release config numbers: sliding layers num_key_value_heads 8 x head_dim
+    256, full layers num_global_key_value_heads 2 x global_head_dim 512; heads split over the ranks, or
+    one per rank (replicated) where fewer than ranks; K and V, bf16, batch 3, 4096 positions on every layer."""
+    tc = GEMMA4_26B_A4B["text_config"]
+    kinds = tc["layer_types"]
+    sliding_heads = tc["num_key_value_heads"] // tp if tc["num_key_value_heads"] >= tp else 1
+    full_heads = tc["num_global_key_value_heads"] // tp if tc["num_global_key_value_heads"] >= tp else 1
+    per_position = (kinds.count("sliding_attention") * sliding_heads * tc["head_dim"],
+                    kinds.count("full_attention") * full_heads * tc["global_head_dim"])
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=tp, seq_len=4096, batch=3)
+    assert (p.kv_cache_sliding, p.kv_cache_full) == tuple(n * 2 * 2 * 3 * 4096 for n in per_position)
+    assert {1: (8, 2), 2: (4, 1), 4: (2, 1), 8: (1, 1)}[tp] == (sliding_heads, full_heads)
+    # NxDI's logits: [batch, 1, vocab] fp32 from the one context-encoding and the one token-generation graph
+    assert p.buckets == {"context_encoding": [4096], "token_generation": [4096]}
+    assert p.logits_outputs == 2 * 3 * V * 4
+    assert p.total_per_rank == p.weights_per_rank + p.kv_cache + p.logits_outputs
+
+
+def test_nxdi_buckets_follow_autobucketing():
+    """NxDI 0.8 modules/autobucketing.py generate_buckets(128, max_length): powers of two from 128 below
+    round(log2(max_length)), then max_length; each bucket graph outputs its own logits."""
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=8192, enable_bucketing=True)
+    assert p.buckets["context_encoding"] == p.buckets["token_generation"] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert p.logits_outputs == 14 * V * 4
+    def tkg(n):
+        return plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=n, enable_bucketing=True).buckets[
+            "token_generation"]
+    # log2(3000) = 11.55 rounds to 12: 2048 is a bucket; log2(2500) = 11.29 rounds to 11: it is not
+    assert tkg(3000) == [128, 256, 512, 1024, 2048, 3000] and tkg(2500) == [128, 256, 512, 1024, 2500]
+    assert tkg(128) == [128] and tkg(100) == [100]
+    r = run("gemma-4-26B-A4B", "--tp", "2", "--seq-len", "1024", "--bucketing", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["buckets"]["context_encoding"] == [128, 256, 512, 1024]
+    r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "80GB", "--bucketing")
+    assert r.exit_code == 2 and "--bucketing is an NxDI (Neuron) setting" in r.output
 
 
 def test_per_layer_config_form_plans_the_same():
@@ -228,7 +267,9 @@ def test_cli_json_has_integer_bytes():
     assert d["weights_per_rank"] == 13_244_114_492 and d["fits"] is True and d["host_fits"] is False
     assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
                            "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
-                           "attention": "bf16", "embedding": "host", "max_num_batched_tokens": None}
+                           "attention": "bf16", "embedding": "host", "max_num_batched_tokens": None,
+                           "enable_bucketing": False}
+    assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [8192], "token_generation": [8192]}
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
     assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == 128 * GiB and d["fits"] is True
@@ -279,3 +320,45 @@ def test_bad_sources_refused(tmp_path):
     assert "invalid JSON" in run(str(tmp_path / "bad.json")).output
     (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
     assert "expected 'gemma4' or 'gemma4_text'" in run(str(tmp_path / "llama.json")).output
+
+
+def _header_only_checkpoint(path, config):
+    """A checkpoint directory whose one safetensors file has the real header of ``config``'s model
+    (names, dtypes and shapes from transformers' own model on the meta device, convert/synth.py) and
+    a sparse, all-zero data section: the exporter's source reader sees the real 26B inventory, and no
+    weight byte is on disk."""
+    from g4.convert.synth import synthetic_specs
+
+    header, offset = {}, 0
+    for spec in synthetic_specs(config):
+        header[spec.name] = {"dtype": "BF16", "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.mkdir()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("attention", ["bf16", "int8"])
+def test_neuron_weights_are_the_bytes_the_exporter_writes(tmp_path, attention):
+    """Issue 11: the int8-neuron plan's per-rank weight bytes equal the bytes of the tensors
+    ``g4convert int8-neuron`` would write into a rank file (its own spec list from the source's
+    headers, convert/int8_neuron.py), for the embedded model and the real 26B-A4B inventory at
+    every TP degree they can be split over (embedded: 1, 2, 4; 26B: 1, 2, 4, 8)."""
+    from g4.convert.int8_neuron import source_rank_specs
+
+    big = Checkpoint(_header_only_checkpoint(tmp_path / "26b", GEMMA4_26B_A4B), source=True)
+    for ckpt, degrees in ((Checkpoint(EMBEDDED_DIR, source=True), (1, 2, 4)), (big, (1, 2, 4, 8))):
+        for tp in degrees:
+            specs = source_rank_specs(ckpt, tp, quantize_attention=attention == "int8")
+            p = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, attention=attention)
+            assert p.weights_per_rank == sum(s.nbytes for s in specs), (ckpt.root, tp)
+            experts = sum(s.nbytes for s in specs if ".experts." in s.name)
+            assert p.experts == experts and p.embedding == 0
+    # the embedded model cannot be split over 8 ranks (4 query heads); the plan says so
+    with pytest.raises(G4Error, match="cannot be mapped"):
+        plan_memory(Checkpoint(EMBEDDED_DIR).config, fmt="int8-neuron", tp=8)

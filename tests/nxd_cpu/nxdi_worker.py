@@ -81,12 +81,13 @@ def main(job: dict) -> dict:
     tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
     t_gen = time.perf_counter() - t1
     kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    kv_bytes = sum(p.numel() * p.element_size() for p in net.kv_mgr.past_key_values)
     local = {k: list(v.shape) for k, v in net.state_dict().items() if ".self_attn." in k or "expert_mlps" in k}
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
         torch.distributed.destroy_process_group()
     return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
-            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "kv_bytes": kv_bytes, "local_shapes": local, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
 
