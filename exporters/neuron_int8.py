@@ -1,8 +1,8 @@
 """The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
 names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
-the CPU emulator (``g4.serve.neuron_emulator``), the Neuron module tree
-(``g4.serve.neuron_model``) and the runtime loader read it from here, so file keys, module
-names, per-rank shapes and manifest fields cannot drift apart.
+the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check
+(``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
+from here, so file keys, per-rank shapes and manifest fields cannot drift apart.
 
 Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
 are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
