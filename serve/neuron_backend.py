@@ -212,7 +212,7 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
     model = build_nxdi_model(path, settings)
     where = f"TP={manifest.tp_degree}, max_length {settings['max_length']}"
     if on_cpu:
-        model.to_cpu()
+        _what_the_class_cannot_load(path, model.to_cpu)
         return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
                             description=f"int8-neuron through NxDI's CPU mode, {where}, float32")
     compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
@@ -222,11 +222,20 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
         log(f"compiling for Neuron into {compiled} ({'replacing a stale compile' if state == 'stale' else 'first start'};"
             " buckets " + ", ".join(f"{k} {settings[k]}" for k in ("context_encoding_buckets", "token_generation_buckets"))
             + ")")
-        _compile(model, compiled, stamp, replace=state == "stale")
+        _what_the_class_cannot_load(path, lambda: _compile(model, compiled, stamp, replace=state == "stale"))
     log(f"loading the compiled model from {compiled}")
-    model.load(str(compiled))
+    _what_the_class_cannot_load(path, lambda: model.load(str(compiled)))
     return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
                         description=f"int8-neuron on NeuronCores through NxDI 0.8, {where}, bfloat16")
+
+
+def _what_the_class_cannot_load(path: Path, run) -> None:
+    """``run()``; a result g4's NxDI class does not load yet (its ``NotImplementedError``, e.g. an
+    int8-neuron result at TP > 1) becomes one ``error:`` line naming ``path``."""
+    try:
+        run()
+    except NotImplementedError as e:
+        raise G4Error(f"{path}: the neuron backend cannot load this result yet: {e}") from e
 
 
 def _compile(model, compiled: Path, stamp: dict, *, replace: bool) -> None:
