@@ -94,8 +94,8 @@ class NeuronEngine(Engine):
             raise G4Error(f"prompt plus reply is {first + n} tokens; the neuron model holds {self.max_length}")
         input_ids = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(first, first + n, dtype=torch.long)[None]
-        # context encoding takes a mask of the real (unpadded) tokens; token generation builds its
-        # own from the positions (as greedy_generate in g4.serve.nxdi_gemma4 calls it)
+        # context encoding: a mask of the real (unpadded) tokens; token generation: none, NxDI
+        # infers it from the positions (models/model_base.py: _infer_attention_mask)
         mask = torch.ones_like(input_ids) if first == 0 else None
         out = self.model(input_ids=input_ids, position_ids=positions, seq_ids=torch.zeros(1, dtype=torch.int32),
                          attention_mask=mask)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -94,7 +95,7 @@ class _Compiles:
 
     def compile(self, path):
         self.calls += 1
-        (nb.Path(path) / nb.COMPILED_MODEL).write_bytes(b"compiled")
+        (Path(path) / nb.COMPILED_MODEL).write_bytes(b"compiled")
 
 
 def test_the_compiled_folder_is_reused_recompiled_when_stale_and_never_taken_when_foreign(int8_out, tmp_path):
@@ -129,7 +130,7 @@ def test_the_compiled_folder_is_reused_recompiled_when_stale_and_never_taken_whe
 def test_a_failed_compile_leaves_nothing(int8_out, tmp_path):
     class Fails:
         def compile(self, path):
-            (nb.Path(path) / "half").write_text("x")
+            (Path(path) / "half").write_text("x")
             raise RuntimeError("neuronx-cc failed")
 
     with pytest.raises(RuntimeError):
