@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
+
 from .errors import G4Error, exit_on_user_error, raise_terminated
 from .options import COUNT, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
@@ -149,11 +151,15 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
               help="Neuron instance the memory plan is checked against (see `g4convert plan`).")
 @click.option("--force", is_flag=True, help="Write even if the memory plan says it does not fit the target "
                                            "(more ranks than the target has NeuronCores is always refused).")
+@click.option("--seq-len", type=COUNT, default=None,
+              help="Tokens (prompt plus reply) to compile and serve for on Neuron; the memory plan sizes the KV "
+                   f"cache for it. Default: {DEFAULT_MAX_LENGTH}, at most the model's max_position_embeddings.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite, push_to_hub, private, base_model):
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, overwrite, push_to_hub, private,
+                base_model):
     """Write AWS Neuron (NxD) int8 per-channel weights of SRC (a checkpoint directory,
     'embedded', or a Hub repo id owner/name[@revision]) pre-sharded per TP rank into OUT.
 
@@ -167,7 +173,8 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
     src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
-                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"])
+                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"],
+                                 seq_len=seq_len)
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 

@@ -63,6 +63,7 @@ OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
 TOL, TOL_BF16 = 1e-4, 0.25
 NEW_TOKENS, SEQ_LEN = 12, 32
+QUESTION = "What is the capital of France?"
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
 
@@ -158,13 +159,13 @@ def lane(tmp_path_factory):
     from g4.convert.resolve import EMBEDDED_DIR
 
     base = tmp_path_factory.mktemp("nxdi_gemma4")
-    chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
+    chat, other = _chat_ids(QUESTION), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
     from g4.convert.int8_neuron import convert_int8_neuron
 
     int8_dir = convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp1", tp=1, quantize_attention=False,
-                                   target="inf2.xlarge", progress=False).out
+                                   target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
              "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1)}
@@ -174,6 +175,9 @@ def lane(tmp_path_factory):
                       "model": str(int8_dir if name == "int8" else EMBEDDED_DIR), "new_tokens": NEW_TOKENS,
                       "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
                       "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
+    jobs["engine"] = {"kind": "engine", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": chat,
+                      "question": QUESTION, "model": str(int8_dir), "new_tokens": NEW_TOKENS, "tp": 1,
+                      "result": str(base / "engine.pt")}
     # every TP-1 case in one process (NxDI imported once), the TP-2 case in one process per rank
     groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1), "chat_tp2": (jobs["chat_tp2"], 2)}
     procs = []
@@ -192,7 +196,7 @@ def lane(tmp_path_factory):
                 stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
     refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = _int8_reference(int8_dir, chat)
+    refs["int8"] = refs["engine"] = _int8_reference(int8_dir, chat)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
@@ -211,7 +215,7 @@ def lane(tmp_path_factory):
         for n, r in found.items() if isinstance(r, dict)))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
-        f"generate {found[n]['t_gen']:.1f})" for n in cases))
+        f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"]))
     return found
 
 
@@ -325,3 +329,52 @@ def test_every_weight_comes_from_the_checkpoint(lane):
 def test_lane_fits_its_budget(lane):
     """Workers and references within 2 minutes on 2 cores (the one-time overlay build not counted)."""
     assert lane["wall_s"] < 120, lane["wall_s"]
+
+
+# ------------------------------------------------------------------ g4serve's neuron engine over the class
+def test_neuron_engine_gives_the_int8_reference_ids_through_start_and_step(lane):
+    """``NeuronEngine`` (``g4/serve/neuron_backend.py``) on a ``g4convert int8-neuron --tp 1 --seq-len 32``
+    result in NxDI's CPU mode: ``start`` + 11 ``step`` calls give g4's ``NeuronEmulator`` ids and logits
+    (``TOL``), and the same as ``greedy_generate`` on the same model object."""
+    r = lane["engine"]
+    assert r["tokens"] == r["ref_tokens"], (r["tokens"], r["ref_tokens"])
+    assert r["tokens"] == r["greedy_tokens"]
+    assert (r["logits"] - r["ref_logits"]).abs().max().item() < TOL
+    assert (r["logits"] - r["greedy_logits"]).abs().max().item() < TOL
+    assert r["logits"].abs().max() > 5
+    assert "QuantizedExpertFusedColumnParallel" in r["classes"]
+
+
+def test_neuron_engine_steps_on_the_kv_cache_within_the_manifest_length(lane):
+    """One context-encoding call (prompt padded to the manifest's ``max_length`` 32, the one bucket
+    of NxDI's CPU mode), then one ``[1, 1]`` token-generation call per step: no recompute. The
+    engine's context is the manifest's ``max_length``."""
+    r = lane["engine"]
+    assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
+    assert r["max_context"] == SEQ_LEN
+    assert r["state"] == len(_chat_ids(QUESTION)) + NEW_TOKENS - 1
+
+
+def test_neuron_serving_modules_import_under_transformers_457(lane):
+    """How g4 sits beside the Neuron SDK's NxDI (installed with ``--no-deps``, transformers 4.57
+    kept): every module of the neuron serving path imports, and the result's tokenizer (written by
+    transformers 5) loads."""
+    r = lane["engine"]
+    assert r["transformers"].startswith("4.57")
+    assert all(v == "ok" for v in r["imports"].values()), r["imports"]
+
+
+def test_http_chat_through_the_neuron_engine(lane):
+    """``create_app`` over the engine inside the NxDI process: a chat request answers the embedded
+    fact with the engine's greedy ids; a request whose prompt plus ``max_tokens`` exceeds the
+    manifest's length gets the server's usual 400."""
+    r = lane["engine"]
+    chat = r["chat"]
+    assert chat["status"] == 200, chat
+    choice = chat["body"]["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    n = len(choice["token_ids"])
+    assert choice["token_ids"] == r["tokens"][:n]
+    too_long = r["too_long"]
+    assert too_long["status"] == 400 and too_long["body"]["error"]["code"] == "context_length_exceeded", too_long
+    assert r["models"]["data"][0]["max_model_len"] == SEQ_LEN
