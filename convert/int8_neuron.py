@@ -42,6 +42,7 @@ from g4.exporters.neuron_int8 import (
     layer_prefix,
     model_entries,
     rank_file,
+    serving_max_length,
     shard,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
@@ -92,6 +93,18 @@ def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     return smap, layers, model
 
 
+def source_rank_specs(ckpt: Checkpoint, tp: int, *, quantize_attention: bool = False) -> list[TensorSpec]:
+    """The tensors (name, dtype, per-rank shape) :func:`convert_int8_neuron` would write into each
+    rank file of ``ckpt`` at TP ``tp``, from the source's headers alone (no weight is read).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over, or a source the converter refuses.
+    """
+    g = geometry(ckpt.config, tp)
+    _, layers, model = _layer_jobs(ckpt, g, quantize_attention)
+    return rank_specs(ckpt, g, layers, model)
+
+
 def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]:
     """Tensors of one rank file in write order (identical names and shapes on every rank)."""
     specs: list[TensorSpec] = []
@@ -120,6 +133,7 @@ def convert_int8_neuron(
     force: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    seq_len: int | None = None,
 ) -> Int8Report:
     """Convert a Gemma 4 MoE checkpoint to per-rank int8 NxD shards.
 
@@ -132,6 +146,10 @@ def convert_int8_neuron(
         target: Neuron instance the memory plan is checked against (``None``: no check).
         force: write even when the plan says the result does not fit ``target``.
         overwrite: replace an existing ``out`` once the new result is complete.
+        seq_len: tokens (prompt plus reply) the result is compiled and served for on Neuron;
+            the memory plan sizes the KV cache for it and the manifest records it with its
+            bucket ladders (``None``: ``DEFAULT_MAX_LENGTH`` capped at ``max_position_embeddings``,
+            :func:`g4.exporters.neuron_int8.serving_max_length`).
 
     Returns:
         :class:`Int8Report`.
@@ -144,7 +162,8 @@ def convert_int8_neuron(
     t0 = time.perf_counter()
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
-    plan = _checked_plan(ckpt, tp, target, quantize_attention, force)
+    max_length = serving_max_length(seq_len, g.arch.max_positions)
+    plan = _checked_plan(ckpt, tp, target, quantize_attention, force, max_length)
     smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, model)
@@ -159,7 +178,7 @@ def convert_int8_neuron(
             g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
             not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
             source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
-            memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
+            memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
         write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
@@ -168,8 +187,9 @@ def convert_int8_neuron(
                       time.perf_counter() - t0, peak_rss_bytes())
 
 
-def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool):
-    """The memory plan for ``target`` (None without one); a result that does not fit is refused
+def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
+                  seq_len: int):
+    """The memory plan for ``target`` at ``seq_len`` tokens (None without a target); a result that does not fit is refused
     unless ``force``, and host RAM that cannot hold every rank file at once is warned about.
 
     Raises:
@@ -179,7 +199,7 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 
     if target is None:
         return None
-    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
+    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target, seq_len=seq_len,
                        attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
     if not plan.fits and not force:
         raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "

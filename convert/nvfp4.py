@@ -45,7 +45,7 @@ from g4.exporters.nvfp4_names import (
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
 
-from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
+from .calibrate import LayerCalibrator, calibration_device, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
@@ -76,6 +76,8 @@ class ConvertReport:
     seconds: float
     peak_rss_bytes: int
     calibration_tokens: int
+    calibration_seconds: float = 0.0
+    layers: int = 0
 
     @property
     def bits_per_quantized_weight(self) -> float:
@@ -88,7 +90,16 @@ class ConvertReport:
                 f"{self.bits_per_quantized_weight:.3f} bits/weight on quantized linears; "
                 f"{self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
                 f"({self.bytes_out / max(self.bytes_in, 1):.3f}x); {self.seconds:.1f} s; "
-                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens")
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens"
+                + self.calibration_cost())
+
+    def calibration_cost(self) -> str:
+        """``"; calibration S s (s per layer, us per token per layer)"``, or ``""`` for W4A16."""
+        if not self.calibration_tokens or not self.layers:
+            return ""
+        per_layer = self.calibration_seconds / self.layers
+        return (f"; calibration {self.calibration_seconds:.1f} s ({per_layer:.2f} s per layer, "
+                f"{per_layer / self.calibration_tokens * 1e6:.1f} us per token per layer)")
 
 
 def peak_rss_bytes() -> int:
@@ -246,6 +257,7 @@ def convert_nvfp4(
     calib_seq_len: int = 256,
     calib_batch_size: int = 8,
     calib_dtype: str = "float32",
+    calib_device: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: bool = True,
@@ -266,6 +278,8 @@ def convert_nvfp4(
         calib_batch_size: samples per layer forward during calibration.
         calib_dtype: ``"float32"`` (fast on CPUs; amaxes within bf16 rounding of a bf16
             run) or ``"bfloat16"`` (the bf16 model bit for bit, as modelopt calibrates it).
+        calib_device: ``"auto"`` (a CUDA device where torch sees one, else the CPU),
+            ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (:func:`g4.convert.calibrate.calibration_device`).
         max_shard_size: shard data limit, e.g. ``"5GB"`` (10**9) or ``"4GiB"`` (2**30).
         overwrite: replace an existing ``out`` (only once the new one is complete).
         progress: show a tqdm bar in source bytes.
@@ -283,6 +297,7 @@ def convert_nvfp4(
     if calib_dtype not in _CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     parts = PRESETS[preset]
+    device = None if weight_only else calibration_device(calib_device)
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
     jobs, model_keep, lm_head = layer_jobs(ckpt, parts)
@@ -294,7 +309,7 @@ def convert_nvfp4(
     calibrator, calib_tokens = None, 0
     if not weight_only:
         calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-                                               _CALIB_DTYPES[calib_dtype])
+                                               _CALIB_DTYPES[calib_dtype], device)
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     for name in model_keep:  # fail before the long layer loop, not after it
@@ -317,16 +332,18 @@ def convert_nvfp4(
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
-                         bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
+                         bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens,
+                         calibrator.seconds if calibrator else 0.0, len(jobs))
 
 
 def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
-                compute_dtype: torch.dtype) -> tuple[LayerCalibrator, int]:
+                compute_dtype: torch.dtype, device: torch.device) -> tuple[LayerCalibrator, int]:
     """The per-layer calibrator over the calibration text, and its number of tokens."""
     tokenizer = _load_tokenizer(ckpt.root)
     ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
                                seq_len=seq_len)
-    return LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype), ids.numel()
+    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype, device=device)
+    return calibrator, ids.numel()
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str],

@@ -1,8 +1,8 @@
 """The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
 names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
-the CPU emulator (``g4.serve.neuron_emulator``), the Neuron module tree
-(``g4.serve.neuron_model``) and the runtime loader read it from here, so file keys, module
-names, per-rank shapes and manifest fields cannot drift apart.
+the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check
+(``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
+from here, so file keys, per-rank shapes and manifest fields cannot drift apart.
 
 Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), the keys,
 dtypes and per-rank shapes are exactly the ``state_dict()`` of g4's NxD Inference class at TP ``T``
@@ -53,8 +53,9 @@ rank's ``take`` of it (weight and int8 scale together); KV projections have thei
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -80,6 +81,13 @@ WEIGHTS_DIR = "weights"
 EMBED_FILE = "embed_tokens.safetensors"
 EMBED_TENSOR = "embed_tokens.weight"
 MANIFEST = "manifest.json"
+# Tokens (prompt plus reply) an int8-neuron result is served with when neither the conversion
+# (``g4convert int8-neuron --seq-len``) nor an older manifest says otherwise: the length the
+# memory plan sizes the KV cache for; capped at the model's ``max_position_embeddings``.
+DEFAULT_MAX_LENGTH = 8192
+# The smallest bucket of NxDI's default bucketing (aws-neuron/neuronx-distributed-inference
+# ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets(128, max)``).
+MIN_BUCKET = 128
 
 
 def layer_prefix(layer: int) -> str:
@@ -90,6 +98,33 @@ def layer_prefix(layer: int) -> str:
 def rank_file(rank: int) -> str:
     """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
     return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+
+
+def neuron_buckets(max_length: int) -> list[int]:
+    """NxDI's default bucket ladder for sequences of at most ``max_length`` tokens: powers of two
+    from :data:`MIN_BUCKET` below ``round(log2(max_length))``, then ``max_length`` itself (just
+    ``[max_length]`` when it is at most :data:`MIN_BUCKET`), as aws-neuron/neuronx-distributed-inference
+    ``src/neuronx_distributed_inference/modules/autobucketing.py: generate_buckets`` computes it.
+    E.g. 8192 -> ``[128, 256, 512, 1024, 2048, 4096, 8192]``, 3000 -> ``[128, ..., 2048, 3000]``."""
+    if max_length <= MIN_BUCKET:
+        return [max_length]
+    low, high = MIN_BUCKET.bit_length() - 1, round(math.log2(max_length))
+    return [2 ** i for i in range(low, high) if 2 ** i < max_length] + [max_length]
+
+
+def serving_max_length(seq_len: int | None, max_positions: int | None) -> int:
+    """Tokens an int8-neuron result is compiled and served for: ``seq_len`` (asked for at
+    conversion), else :data:`DEFAULT_MAX_LENGTH` capped at ``max_positions``
+    (``max_position_embeddings``).
+
+    Raises:
+        G4Error: ``seq_len`` below 1 or above ``max_positions``.
+    """
+    if seq_len is None:
+        return min(DEFAULT_MAX_LENGTH, max_positions or DEFAULT_MAX_LENGTH)
+    if seq_len < 1 or (max_positions and seq_len > max_positions):
+        raise G4Error(f"--seq-len {seq_len}: the model takes 1 to {max_positions} tokens (max_position_embeddings)")
+    return seq_len
 
 
 # --------------------------------------------------------------------------- geometry
@@ -355,14 +390,30 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
     ]
 
 
-def model_entries(*, tied: bool) -> list[Entry]:
+# How the lm_head can be held on a Neuron rank: (rule, int8). ``g4convert int8-neuron`` writes
+# ``int8-sharded``; the memory plan also weighs the bf16 alternatives.
+LM_HEAD_LAYOUTS: dict[str, tuple[Rule, bool]] = {
+    "int8-sharded": (COLUMN, True), "bf16-sharded": (COLUMN, False), "bf16-replicated": (REPLICATED, False)}
+# The embedding table g4's NxDI class holds on the device: bf16, unscaled, hidden columns split
+# (NxD ``ParallelEmbedding(shard_across_embedding=True)``). In every rank file.
+DEVICE_EMBEDDING = Entry("embed_tokens", EMBED_TENSOR, EMBED_COLUMNS, False)
+
+
+def model_entries(*, tied: bool, lm_head: str = "int8-sharded") -> list[Entry]:
     """Entries outside the decoder layers, in file order: the model's rank index, the device
-    embedding shard, the final norm and the lm_head, built from ``embed_tokens.weight`` when the
-    model is tied and from its own top-level ``lm_head.weight`` when it is not."""
+    embedding shard (:data:`DEVICE_EMBEDDING`), the final norm and the lm_head, built from
+    ``embed_tokens.weight`` when the model is tied and from its own top-level ``lm_head.weight``
+    when it is not; ``lm_head`` is a key of :data:`LM_HEAD_LAYOUTS` (the exporter writes the
+    default).
+
+    Raises:
+        KeyError: an ``lm_head`` layout not in :data:`LM_HEAD_LAYOUTS`.
+    """
+    rule, q = LM_HEAD_LAYOUTS[lm_head]
     return [Entry("rank_util.rank", None, RANK_INDEX, False, suffix=""),
-            Entry("embed_tokens", EMBED_TENSOR, EMBED_COLUMNS, False),
+            DEVICE_EMBEDDING,
             Entry("norm", "norm.weight", REPLICATED, False),
-            Entry("lm_head", EMBED_TENSOR if tied else "lm_head.weight", COLUMN, True)]
+            Entry("lm_head", EMBED_TENSOR if tied else "lm_head.weight", rule, q)]
 
 
 def entry_of(source: str, *, has_v: bool = True, quantize_attention: bool = False) -> Entry:
@@ -431,6 +482,37 @@ def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dty
     return [TensorSpec(weight, torch.int8, shape), TensorSpec(scale, torch.float32, e.rule.scale_shape(shape))]
 
 
+def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool, dtype: torch.dtype = torch.bfloat16,
+                        lm_head: str = "int8-sharded") -> list[TensorSpec]:
+    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone: the
+    ``state_dict()`` of g4's NxDI class (``g4.serve.nxdi_gemma4``) at TP ``tp`` with
+    ``torch_dtype=dtype``. Computed from the architecture's source inventory (:meth:`g4.convert.gemma4.Architecture.layer_tensor_shapes`,
+    sources in ``dtype``) through this table's entries and rules. The same on every rank. The
+    runtime loader checks rank files against it and the memory plan's Neuron weight bytes are
+    its ``nbytes`` (``g4.convert.plan``).
+
+    Args:
+        config: ``config.json`` of the source (any form :func:`geometry` reads).
+        tp: tensor-parallel degree.
+        quantize_attention: q/k/v/o int8 (``--quantize-attention``), else in ``dtype``.
+        dtype: dtype of the source tensors kept as they are (bf16 for a Gemma 4 release).
+        lm_head: a key of :data:`LM_HEAD_LAYOUTS` (``g4convert int8-neuron`` writes ``int8-sharded``).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over.
+    """
+    g = geometry(config, tp)
+    specs: list[TensorSpec] = []
+    for L in range(g.num_layers):
+        shapes = g.arch.layer_tensor_shapes(L)
+        for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
+            specs += entry_specs(e, layer_prefix(L), shapes.get(e.source, ()), dtype, g, L)
+    model_shapes = g.arch.model_tensor_shapes()
+    for e in model_entries(tied=g.arch.tied, lm_head=lm_head):
+        specs += entry_specs(e, "", model_shapes.get(e.source, ()), dtype, g, None)
+    return specs
+
+
 def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | None, rank: int
           ) -> list[torch.Tensor]:
     """Rank ``rank``'s tensors of entry ``e``: ``[weight, scale]`` for int8 entries, else ``[tensor]``.
@@ -479,13 +561,22 @@ class Manifest:
     source: dict
     memory_plan: dict | None
     format: str = LAYOUT_NAME
+    # Serving shape (NxDI ``NeuronConfig``: ``max_length`` = ``seq_len``, bucket ladders), written
+    # since the NxDI serving path; ``None`` in results written before, see :meth:`serving_shape`.
+    max_length: int | None = None
+    context_encoding_buckets: list[int] | None = None
+    token_generation_buckets: list[int] | None = None
 
     @classmethod
     def build(cls, g: Geometry, *, embed_dtype: torch.dtype, quantize_attention: bool, not_exported: list[str],
-              source: dict, memory_plan: dict | None) -> "Manifest":
-        """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``)."""
+              source: dict, memory_plan: dict | None, max_length: int) -> "Manifest":
+        """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``), to be served for
+        ``max_length`` tokens (prompt plus reply) with NxDI's default bucket ladder
+        (:func:`neuron_buckets`) for context encoding and token generation."""
         tp = g.tp
         return cls(
+            max_length=max_length, context_encoding_buckets=neuron_buckets(max_length),
+            token_generation_buckets=neuron_buckets(max_length),
             tp_degree=tp, rank_files=[rank_file(r) for r in range(tp)],
             host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": "bfloat16", "scaled": False},
             embed_scale=embed_scale(g.hidden, embed_dtype),
@@ -526,7 +617,8 @@ class Manifest:
             raw = json.loads(path.read_text())
             if raw.get("format") != LAYOUT_NAME:
                 raise CheckpointError(f"{path}: unknown layout {raw.get('format')!r} (expected {LAYOUT_NAME!r})")
-            names = [f for f in cls.__dataclass_fields__]
+            fields = cls.__dataclass_fields__
+            names = [f for f in fields if f in raw or fields[f].default is MISSING]
             missing = [f for f in names if f not in raw]
             if missing:
                 raise CheckpointError(f"{path}: missing {', '.join(missing)}")
@@ -535,6 +627,29 @@ class Manifest:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{Path(out_dir)}: not a readable int8-neuron result ({type(e).__name__}: {e})") from e
+
+    def serving_shape(self, max_positions: int | None) -> tuple[int, list[int], list[int]]:
+        """``(max_length, context_encoding_buckets, token_generation_buckets)`` to compile and serve
+        with (tokens). A manifest written before these fields existed gets the length its memory
+        plan sized the KV cache for (``memory_plan.inputs.seq_len``; :data:`DEFAULT_MAX_LENGTH`
+        without a plan), capped at ``max_positions``, and :func:`neuron_buckets` of it.
+
+        Raises:
+            CheckpointError: a length or bucket that is not a positive integer, buckets not
+                ascending, or a largest bucket other than ``max_length``.
+        """
+        plan = ((self.memory_plan or {}).get("inputs") or {}).get("seq_len")
+        length = self.max_length if self.max_length is not None else min(
+            plan or DEFAULT_MAX_LENGTH, max_positions or plan or DEFAULT_MAX_LENGTH)
+        cte = self.context_encoding_buckets or neuron_buckets(length)
+        tkg = self.token_generation_buckets or neuron_buckets(length)
+        for what, value in (("max_length", [length]), ("context_encoding_buckets", cte),
+                            ("token_generation_buckets", tkg)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) or \
+                    value != sorted(set(value)) or value[-1] != length:
+                raise CheckpointError(f"{MANIFEST}: {what} {value!r}: positive integers, ascending, the largest "
+                                      f"equal to max_length {length!r}")
+        return length, list(cte), list(tkg)
 
     def check_embed_scale(self, arch: Architecture, where) -> float:
         """:attr:`embed_scale`, checked against ``bf16(sqrt(hidden_size))`` from the config (what

@@ -129,10 +129,11 @@ class NeuronEmulator(nn.Module):
             setattr(owner, attr, nn.Parameter(t, requires_grad=False))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Host-side lookup: unscaled bf16 rows times ``embed_scale`` rounded to the table dtype."""
-        from g4.serve.neuron_model import host_embed
-
-        return host_embed(self.embed_table, input_ids, self.embed_scale, self.dtype)
+        """Host lookup of int64 ``input_ids [B, S]`` in the unscaled bf16 table ``[V, H]``, times
+        ``embed_scale`` rounded to the table dtype (as ``Gemma4TextScaledWordEmbedding``), as
+        ``self.dtype``."""
+        rows = self.embed_table[input_ids]
+        return (rows * torch.tensor(self.embed_scale).to(rows.dtype)).to(self.dtype)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,7 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
 
 from g4.convert.errors import CheckpointError
+from g4.convert.gemma4 import ATTENTION_CONFIG_KEYS, attention_layers, kv_cache_layers, kv_heads_per_rank
 from g4.exporters.neuron_int8 import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -263,35 +264,30 @@ class Gemma4SoftcappedLMHead(ColumnParallelLinear):
 
 class Gemma4KVCacheManager(KVCacheManager):
     """NxDI's ``KVCacheManager`` with one K and one V buffer shape per layer: that layer's KV heads
-    per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B). NxDI 0.8 allocates per-layer
-    shapes when ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``,
-    ``__init__`` / ``_init_kv_shape``); only the head geometry is Gemma 4's."""
+    per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B), from
+    :func:`g4.convert.gemma4.kv_cache_layers`, the function the memory plan sizes the cache with
+    (``g4.convert.plan.kv_cache_nxdi``). NxDI 0.8 allocates per-layer shapes when
+    ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``, ``__init__`` /
+    ``_init_kv_shape``); only the head geometry is Gemma 4's."""
 
     def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
         tp = config.neuron_config.tp_degree
         batch = config.neuron_config.kv_cache_batch_size + config.neuron_config.kv_cache_padding_size
+        layers = kv_cache_layers(attention_layers({k: getattr(config, k, None) for k in ATTENTION_CONFIG_KEYS}), tp)
         self.padded_layer_ids = []
         self.k_shapes, self.v_shapes = [], []
-        for layer, cache_len in enumerate(layer_to_cache_size_mapping):
-            kv_heads = _kv_heads_per_rank(config.kv_heads_of(layer), tp)
-            k_shape, v_shape = get_kv_shapes(cache_len, batch, kv_heads, config.head_dim_of(layer),
+        for layer, cache_len in zip(layers, layer_to_cache_size_mapping, strict=True):
+            k_shape, v_shape = get_kv_shapes(cache_len, batch, layer.heads, layer.head_dim,
                                              self.k_cache_transposed, self.is_kv_cache_tiled)
             self.k_shapes.append(k_shape)
             self.v_shapes.append(v_shape)
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
-    """KV heads each rank holds. Fewer KV heads than ranks are replicated whole, as NxDI's GQA
-    ``REPLICATE_TO_TP_DEGREE`` does (``modules/attention/gqa.py``): rank r holds head
-    ``r * kv_heads // tp``, the one its query heads read (the 26B's 2 full-attention KV heads at TP 4,
-    the embedded model's 1 at TP 2)."""
-    if kv_heads >= tp:
-        if kv_heads % tp:
-            raise NotImplementedError(f"{kv_heads} KV heads do not split over TP {tp}")
-        return kv_heads // tp
-    if tp % kv_heads:
-        raise NotImplementedError(f"{kv_heads} KV heads cannot be replicated evenly over TP {tp}")
-    return 1
+    """KV heads each rank holds: :func:`g4.convert.gemma4.kv_heads_per_rank` (fewer KV heads than
+    ranks are replicated whole, as NxDI's GQA ``REPLICATE_TO_TP_DEGREE`` does, ``modules/attention/gqa.py``:
+    the 26B's 2 full-attention KV heads at TP 4, the embedded model's 1 at TP 2)."""
+    return kv_heads_per_rank(kv_heads, tp)
 
 
 def replicate_kv_rows(weight: torch.Tensor, kv_heads: int, head_dim: int, tp: int) -> torch.Tensor:

@@ -214,9 +214,9 @@ def test_result_that_does_not_fit_is_refused_unless_forced(tmp_path):
 
 
 def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path):
-    """The weight list a Neuron runtime gets is checked against the shared table (names,
-    dtypes, per-rank shapes computed from config.json, independently of the exporter)."""
-    from g4.serve.neuron_runtime import initialize_traced, load_rank_weights
+    """Rank files are checked against the shared table (names, dtypes, per-rank shapes computed
+    from config.json, independently of the exporter)."""
+    from g4.serve.neuron_runtime import load_rank_weights
 
     for tp, out in outputs.items():
         weights = load_rank_weights(out)
@@ -228,8 +228,6 @@ def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path)
     save_file(sd, bad / rank_file(1))
     with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.moe.expert_mlps.mlp_op.down_proj.weight"):
         load_rank_weights(bad)
-    with pytest.raises(G4Error, match="torch-neuronx / neuronx-distributed are not installed"):
-        initialize_traced(tmp_path / "model.pt", outputs[2])
 
 
 def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
@@ -241,3 +239,21 @@ def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(G4Error, match=r"embed_scale 1.0, but hidden_size 128 needs bf16\(sqrt\(128\)\) = 11.3125"):
         NeuronEmulator(bad)
+
+
+def test_plan_weights_are_the_rank_file_sizes(outputs):
+    """Issue 11: the memory plan's per-rank weight bytes are what each rank file holds: its size
+    minus the 8-byte length and the JSON header (safetensors format), for TP 1, 2 and 4."""
+    import struct
+
+    from g4.convert.plan import plan_memory
+
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    for tp, out in outputs.items():
+        planned = plan_memory(config, fmt="int8-neuron", tp=tp).weights_per_rank
+        for r in range(tp):
+            path = out / rank_file(r)
+            with open(path, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+            assert path.stat().st_size - 8 - header == planned, (tp, r)
+        assert json.loads((out / "manifest.json").read_text())["memory_plan"]["weights_per_rank"] == planned

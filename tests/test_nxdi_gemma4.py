@@ -69,6 +69,7 @@ WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
 TOL, TOL_BF16 = 1e-4, 0.25
 SPEC_TPS = {"embedded": [1, 2, 4], "26B-A4B": [2, 4, 8]}
 NEW_TOKENS, SEQ_LEN = 12, 32
+QUESTION = "What is the capital of France?"
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
 
@@ -164,13 +165,13 @@ def lane(tmp_path_factory):
     from g4.convert.resolve import EMBEDDED_DIR
 
     base = tmp_path_factory.mktemp("nxdi_gemma4")
-    chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
+    chat, other = _chat_ids(QUESTION), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
     from g4.convert.int8_neuron import convert_int8_neuron
 
     int8_dirs = {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"int8-tp{tp}", tp=tp, quantize_attention=False,
-                                         target="inf2.xlarge", progress=False).out for tp in (1, 2)}
+                                         target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out for tp in (1, 2)}
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
              "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
@@ -186,6 +187,9 @@ def lane(tmp_path_factory):
     # each rank of int8_tp2 sees a copy of the result that holds only its own rank file (Route 2)
     jobs["int8_tp2"]["model_per_rank"] = [str(_rank_view(int8_dirs[2], rank, base / f"int8-tp2-rank{rank}"))
                                           for rank in range(2)]
+    jobs["engine"] = {"kind": "engine", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": chat,
+                      "question": QUESTION, "model": str(int8_dirs[1]), "new_tokens": NEW_TOKENS, "tp": 1,
+                      "result": str(base / "engine.pt")}
     # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
     from g4.convert.synth import GEMMA4_26B_A4B
 
@@ -215,7 +219,7 @@ def lane(tmp_path_factory):
                 stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
     refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = _int8_reference(int8_dirs[1], chat)
+    refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
     refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
@@ -238,7 +242,7 @@ def lane(tmp_path_factory):
         for n, r in found.items() if isinstance(r, dict) and "logits" in r))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
-        f"generate {found[n]['t_gen']:.1f})" for n in cases if "t_gen" in found[n]))
+        f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"] if "t_gen" in found[n]))
     return found
 
 
@@ -302,6 +306,23 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
     # per-layer cache shapes: [batch, KV heads, positions, head_dim], K and V per layer
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
+
+
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16"])
+def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
+    """The KV cache NxDI allocated for g4's class (every buffer's bytes, on each rank) is the memory
+    plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
+    per-layer KV heads per rank and head dim), and its per-layer shapes are the shared
+    ``kv_cache_layers``."""
+    from g4.convert.gemma4 import kv_cache_layers, read_architecture
+    from g4.convert.plan import kv_cache_nxdi
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    r, tp = lane[case], 2 if case.startswith("chat_tp2") else 1
+    arch = read_architecture(json.loads((EMBEDDED_DIR / "config.json").read_text()))
+    width = 2 if case == "chat_bf16" else 4
+    assert r["kv_bytes"] == kv_cache_nxdi(arch, tp, SEQ_LEN, 1, dtype_bytes=width).total
+    assert r["kv_shapes"] == [[1, c.heads, SEQ_LEN, c.head_dim] for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
 
 
 @pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"])
@@ -394,3 +415,52 @@ def test_a_result_for_another_tp_degree_is_refused(lane):
 def test_lane_fits_its_budget(lane):
     """Workers and references within 2 minutes on 2 cores (the one-time overlay build not counted)."""
     assert lane["wall_s"] < 120, lane["wall_s"]
+
+
+# ------------------------------------------------------------------ g4serve's neuron engine over the class
+def test_neuron_engine_gives_the_int8_reference_ids_through_start_and_step(lane):
+    """``NeuronEngine`` (``g4/serve/neuron_backend.py``) on a ``g4convert int8-neuron --tp 1 --seq-len 32``
+    result in NxDI's CPU mode: ``start`` + 11 ``step`` calls give g4's ``NeuronEmulator`` ids and logits
+    (``TOL``), and the same as ``greedy_generate`` on the same model object."""
+    r = lane["engine"]
+    assert r["tokens"] == r["ref_tokens"], (r["tokens"], r["ref_tokens"])
+    assert r["tokens"] == r["greedy_tokens"]
+    assert (r["logits"] - r["ref_logits"]).abs().max().item() < TOL
+    assert (r["logits"] - r["greedy_logits"]).abs().max().item() < TOL
+    assert r["logits"].abs().max() > 5
+    assert "QuantizedExpertFusedColumnParallel" in r["classes"]
+
+
+def test_neuron_engine_steps_on_the_kv_cache_within_the_manifest_length(lane):
+    """One context-encoding call (prompt padded to the manifest's ``max_length`` 32, the one bucket
+    of NxDI's CPU mode), then one ``[1, 1]`` token-generation call per step: no recompute. The
+    engine's context is the manifest's ``max_length``."""
+    r = lane["engine"]
+    assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
+    assert r["max_context"] == SEQ_LEN
+    assert r["state"] == len(_chat_ids(QUESTION)) + NEW_TOKENS - 1
+
+
+def test_neuron_serving_modules_import_under_transformers_457(lane):
+    """How g4 sits beside the Neuron SDK's NxDI (installed with ``--no-deps``, transformers 4.57
+    kept): every module of the neuron serving path imports, and the result's tokenizer (written by
+    transformers 5) loads."""
+    r = lane["engine"]
+    assert r["transformers"].startswith("4.57")
+    assert all(v == "ok" for v in r["imports"].values()), r["imports"]
+
+
+def test_http_chat_through_the_neuron_engine(lane):
+    """``create_app`` over the engine inside the NxDI process: a chat request answers the embedded
+    fact with the engine's greedy ids; a request whose prompt plus ``max_tokens`` exceeds the
+    manifest's length gets the server's usual 400."""
+    r = lane["engine"]
+    chat = r["chat"]
+    assert chat["status"] == 200, chat
+    choice = chat["body"]["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    n = len(choice["token_ids"])
+    assert choice["token_ids"] == r["tokens"][:n]
+    too_long = r["too_long"]
+    assert too_long["status"] == 400 and too_long["body"]["error"]["code"] == "context_length_exceeded", too_long
+    assert r["models"]["data"][0]["max_model_len"] == SEQ_LEN

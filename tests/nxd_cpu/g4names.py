@@ -6,9 +6,21 @@ import re
 
 from g4.convert.resolve import EMBEDDED_DIR  # noqa: F401
 from g4.convert.int8_neuron import convert_int8_neuron  # noqa: F401
-from g4.exporters.neuron_int8 import geometry, is_rank_index, layer_entries, layer_prefix, parse_rank_name  # noqa: F401
-from g4.serve.neuron_model import CpuParallelOps, NeuronTextModel, TorchDistComm  # noqa: F401
-from g4.serve.neuron_runtime import NxdParallelOps, load_rank_weights  # noqa: F401
+from g4.exporters.neuron_int8 import (  # noqa: F401
+    COLUMN,
+    EMBED_COLUMNS,
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    KV_HEADS,
+    RANK_INDEX,
+    ROW,
+    geometry,
+    is_rank_index,
+    layer_entries,
+    layer_prefix,
+    model_entries,
+    parse_rank_name,
+)
 
 
 def rank_module(hf_module: str) -> str:

@@ -10,9 +10,10 @@ test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by th
 ``model_per_rank`` (instead of ``model``: rank r's directory), ``master_port`` (optional: this job's gloo port), ``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
 environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
 ``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
-A JOB with ``"kind": "specs"`` (``configs``: name -> directory with a ``config.json``, ``tps``: name ->
-TP degrees) instead builds the int8 class on the meta device and reports its ``state_dict()`` specs
-(:func:`specs`); run last in a process, it tears down that process's gloo group.
+A job with ``"kind": "engine"`` drives g4's serving engine instead (:func:`engine`). A JOB with
+``"kind": "specs"`` (``configs``: name -> directory with a ``config.json``, ``tps``: name -> TP degrees)
+builds the int8 class on the meta device and reports its ``state_dict()`` specs (:func:`specs`); run
+last in a process, it tears down that process's gloo group.
 """
 
 from __future__ import annotations
@@ -95,13 +96,81 @@ def main(job: dict) -> dict:
     tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
     t_gen = time.perf_counter() - t1
     kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    kv_bytes = sum(p.numel() * p.element_size() for p in net.kv_mgr.past_key_values)
     local = {k: list(v.shape) for k, v in net.state_dict().items() if ".self_attn." in k or "expert_mlps" in k}
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
         torch.distributed.destroy_process_group()
     return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected, "specs": specs,
             "loaded_equal": loaded_equal, "rank_file_keys": len(sd),
-            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "kv_bytes": kv_bytes, "local_shapes": local, "transformers": transformers.__version__,
+            "classes": sorted({type(m).__name__ for m in net.modules()}),
+            "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+G4_SERVING_MODULES = ("g4.serve.engine", "g4.serve.chat", "g4.serve.server", "g4.serve.cli", "g4.serve.neuron_backend",
+                      "g4.serve.nxdi_gemma4", "g4.serve.neuron_emulator", "g4.exporters.neuron_int8")
+
+
+def engine(job: dict) -> dict:
+    """``g4.serve.neuron_backend.NeuronEngine`` on ``job["model"]`` (an int8-neuron result whose
+    manifest says ``max_length`` = ``seq_len``) in NxDI's CPU mode: greedy through ``start`` and
+    ``step`` for ``new_tokens`` tokens, then ``greedy_generate`` on the same model object; then the
+    HTTP app (``create_app``) over the engine, one chat request and one that does not fit."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import importlib
+
+    import torch
+    import transformers
+
+    imports = {}
+    for name in G4_SERVING_MODULES:  # the modules g4's neuron serving path needs, under transformers 4.57
+        try:
+            importlib.import_module(name)
+            imports[name] = "ok"
+        except Exception as e:  # noqa: BLE001  (reported)
+            imports[name] = f"{type(e).__name__}: {e}"
+    from g4.serve import nxdi_gemma4 as g
+    from g4.serve.neuron_backend import NeuronEngine, load_neuron_engine
+
+    t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
+    main.ran = True
+    t0 = time.perf_counter()
+    eng = load_neuron_engine(job["model"], on_cpu=True)
+    t_load = time.perf_counter() - t0
+    assert isinstance(eng, NeuronEngine)
+    net = eng.model.context_encoding_model.model
+    shapes = []
+    hook = net.register_forward_pre_hook(lambda m, args: shapes.append(list(args[0].shape)))
+    t1 = time.perf_counter()
+    tokens, logits = [], []
+    state, step_logits = eng.start(job["prompt"])
+    for i in range(job["new_tokens"]):
+        tokens.append(int(step_logits.argmax()))
+        logits.append(step_logits)
+        if i + 1 < job["new_tokens"]:
+            state, step_logits = eng.step(state, tokens[-1])
+    t_gen = time.perf_counter() - t1
+    hook.remove()
+    ref_tokens, ref_logits = g.greedy_generate(eng.model, job["prompt"], job["new_tokens"])
+
+    from fastapi.testclient import TestClient
+
+    from g4.serve.server import create_app
+
+    app = create_app(eng, served_model_name="tiny-neuron")
+    question = {"model": "tiny-neuron", "messages": [{"role": "user", "content": job["question"]}], "temperature": 0,
+                "max_tokens": 8, "return_token_ids": True}
+    with TestClient(app) as client:
+        chat = client.post("/v1/chat/completions", json=question)
+        too_long = client.post("/v1/chat/completions", json=dict(question, max_tokens=eng.max_length))
+        models = client.get("/v1/models").json()
+    app.state.worker.close()
+    return {"tokens": tokens, "logits": torch.stack(logits), "greedy_tokens": ref_tokens, "greedy_logits": ref_logits,
+            "input_shapes": shapes, "state": state, "max_context": eng.max_context, "description": eng.description,
+            "chat": {"status": chat.status_code, "body": chat.json()},
+            "too_long": {"status": too_long.status_code, "body": too_long.json()}, "models": models,
+            "imports": imports, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
 
@@ -147,7 +216,8 @@ def specs(job: dict) -> dict:
 def run(job: dict) -> None:
     t = time.perf_counter()
     try:
-        result = specs(job) if job.get("kind") == "specs" else main(job)
+        kind = job.get("kind")
+        result = specs(job) if kind == "specs" else engine(job) if kind == "engine" else main(job)
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.perf_counter() - t
