@@ -636,9 +636,8 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
             tp = config.neuron_config.tp_degree
             if tp > 1:
                 raise NotImplementedError(
-                    f"{model_name_or_path} is pre-sharded for TP {tp}: each rank loads its own "
-                    "weights/tp{rank}_sharded_checkpoint.safetensors (to_cpu() here); NxDI's sharder must not cut "
-                    "it again")
+                    f"{model_name_or_path} is pre-sharded for TP {tp}: each rank loads its own rank file "
+                    "(to_cpu() here); NxDI's sharder must not cut it again")
             return load_g4_int8_neuron(model_name_or_path, config, rank=0)
         return super().get_state_dict(model_name_or_path, config)
 
