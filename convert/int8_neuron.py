@@ -47,7 +47,7 @@ from g4.quantizers import int8
 
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4 import VISION_PREFIXES, release_config
+from .gemma4 import VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
 from .pipeline import BackgroundWriter, Prefetcher
 from .progress import progress_bar
@@ -150,7 +150,7 @@ def convert_int8_neuron(
         ckpt.close()
         Manifest.build(
             g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
-            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
+            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
             source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
             memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")

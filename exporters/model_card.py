@@ -297,31 +297,32 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
 
 
 def _nvfp4_facts(out: Path) -> dict:
-    """What the NVFP4 files hold, read through the name table (``exporters/nvfp4_names.py``)."""
-    from g4.exporters.nvfp4_names import parse_output_name, quantized_names
+    """What the NVFP4 files hold, classified by the output table (``exporters/nvfp4_names.py``)."""
+    from g4.convert.checkpoint import Checkpoint
+    from g4.exporters.modelopt_nvfp4 import output_layout
+    from g4.exporters.nvfp4_names import Role
 
+    layout = output_layout(Checkpoint(out))
     tensors = [t for f in _weight_files(out) for t in _header(out / f)]
     by_name = {t.name: t for t in tensors}
-    parsed = {t.name: parse_output_name(t.name) for t in tensors}
-    linears = sorted((o for o in parsed.values() if o is not None and o.suffix == "weight"
-                      and by_name[o.name].dtype == "U8"), key=lambda o: o.module)
-    member = {n for o in linears for n in quantized_names(o.module, with_input_scale=True)}
+    linears = [lin for lin in layout.linears
+               if lin.name(Role.WEIGHT) in by_name and by_name[lin.name(Role.WEIGHT)].dtype == "U8"]
+    member = {n for lin in linears for n in lin.names}
     quant: dict[str, dict] = {}
     params = qbytes = 0
-    for o in linears:
-        q = quant.setdefault(o.kind, {"linears": 0, "layers": set(), "experts": set()})
+    for lin in linears:
+        q = quant.setdefault(lin.kind, {"linears": 0, "layers": set(), "experts": set()})
         q["linears"] += 1
-        if o.layer is not None:
-            q["layers"].add(o.layer)
-        if o.expert is not None:
-            q["experts"].add(o.expert)
-        params += by_name[o.name].numel * 2  # two E2M1 codes per byte
-        qbytes += sum(by_name[n].nbytes for n in quantized_names(o.module, with_input_scale=True) if n in by_name)
+        q["layers"].add(lin.layer)
+        if lin.expert is not None:
+            q["experts"].add(lin.expert)
+        params += by_name[lin.name(Role.WEIGHT)].numel * 2  # two E2M1 codes per byte
+        qbytes += sum(by_name[n].nbytes for n in lin.names if n in by_name)
     kept: dict[str, dict] = {}
     for t in tensors:
         if t.name in member:
             continue
-        o = parsed[t.name]
+        o = layout.by_name.get(t.name)
         k = kept.setdefault(o.kind if o is not None else "other", {"tensors": 0, "dtypes": set(), "bytes": 0})
         k["tensors"] += 1
         k["dtypes"].add(t.dtype)
