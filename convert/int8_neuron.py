@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import (
     EMBED_FILE,
     EMBED_TENSOR,
@@ -45,6 +44,7 @@ from g4.exporters.neuron_int8 import (
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
 
+from .card import write_model_card
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
 from .gemma4 import VISION_PREFIXES, release_config, tower_of

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from g4.exporters import modelopt_nvfp4 as meta
-from g4.exporters.model_card import write_model_card
 from g4.exporters.nvfp4_names import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -38,6 +37,7 @@ from g4.exporters.nvfp4_names import (
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
 
+from .card import write_model_card
 from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
@@ -256,7 +256,7 @@ def convert_nvfp4(
         meta.check_export(tmp, label=Path(out), layout=layout)
         write_model_card(tmp, "nvfp4", src=ckpt.root, out_name=Path(out).name, options=dict(  # README.md (hub helper)
             preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
-            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size))
+            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
