@@ -42,6 +42,7 @@ from g4.exporters.model_card import (
     render_card,
 )
 
+from .checkpoint import Checkpoint
 from .resolve import EMBEDDED_DIR, REPO_ID_PATTERN
 
 _REPO_ID = re.compile(rf"^{REPO_ID_PATTERN}$")
@@ -104,7 +105,7 @@ def _weight_files(root: Path) -> list[str]:
     return sorted(p.name for p in root.glob("*.safetensors"))
 
 
-def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: str, options: dict,
+def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: str, options: dict,
                      layout=None) -> None:
     """Write ``g4_conversion.json`` and the rendered ``README.md`` into a conversion's
     temporary output directory ``tmp`` (before it is renamed to OUT).
@@ -112,8 +113,8 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
     Args:
         tmp: the directory holding the finished result files.
         fmt: ``"nvfp4"`` or ``"int8-neuron"``.
-        src: the source checkpoint directory (read: config, README front matter, the
-            sizes of its safetensors files in bytes).
+        src: the source checkpoint as the conversion opened it (its config and resolved
+            shards are used as held; its README front matter and shard sizes are read).
         out_name: the final OUT directory name (used in the card until it is pushed).
         options: the result-affecting conversion options; a ``calib_data`` path is
             stored as its file name and sha256, never as a local path.
@@ -122,12 +123,9 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
     Raises:
         CardError: unreadable source README front matter.
     """
-    from g4.convert.checkpoint import read_index
-
-    tmp, src = Path(tmp), Path(src)
-    config = json.loads((src / "config.json").read_text())
+    config, shards = src.config, src.shards  # the files the conversion read, as it resolved them
+    tmp, src = Path(tmp), src.root
     embedded = src.resolve() == EMBEDDED_DIR.resolve()
-    _, shards = read_index(src)  # the files the conversion read, as it resolved them
     text = config.get("text_config") or {}
     opts = {}
     for k, v in sorted(options.items()):
@@ -156,6 +154,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: st
 
 
 def g4_version() -> str:
+    """The installed g4's version (its distribution metadata; the converter version when not installed)."""
     from importlib import metadata
 
     try:
@@ -272,7 +271,6 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
 def _nvfp4_facts(out: Path, layout=None) -> dict:
     """What the NVFP4 files hold, classified by the output table (``exporters/nvfp4_names.py``;
     ``layout``: the converter's, default rebuilt from OUT), and the serve commands for OUT."""
-    from g4.convert.checkpoint import Checkpoint
     from g4.exporters.modelopt_nvfp4 import declares_input_activations, output_layout
     from g4.exporters.nvfp4_names import Role
     from g4.exporters.vllm_command import vllm_command

@@ -155,7 +155,7 @@ def convert_int8_neuron(
             memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
-        write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
+        write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())

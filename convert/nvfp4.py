@@ -254,7 +254,7 @@ def convert_nvfp4(
         copy_side_files(ckpt.root, tmp)
         meta.write_metadata(tmp, ckpt.config, excludes=layout.exclude_modules(), weight_only=weight_only)
         meta.check_export(tmp, label=Path(out), layout=layout)
-        write_model_card(tmp, "nvfp4", src=ckpt.root, out_name=Path(out).name, options=dict(  # README.md (hub helper)
+        write_model_card(tmp, "nvfp4", src=ckpt, out_name=Path(out).name, options=dict(  # README.md (hub helper)
             preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
             calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
