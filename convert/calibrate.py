@@ -26,9 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from g4.exporters.nvfp4_names import DENSE_GROUPS
+
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error
-from .gemma4 import embed_scale
+from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, embed_scale
+
+_DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)  # the dense linears calibrated
 
 log = logging.getLogger(__name__)
 
@@ -233,13 +237,13 @@ class LayerCalibrator:
         t0 = time.perf_counter()
         with torch.device("meta"):
             module = Gemma4TextDecoderLayer(self.config, layer)
-        weights = {k: v if k.startswith("experts.") else v.to(self.dtype) for k, v in weights.items()}
+        weights = {k: v if k in (EXPERT_GATE_UP, EXPERT_DOWN) else v.to(self.dtype) for k, v in weights.items()}
         module.load_state_dict(weights, strict=True, assign=True)
         module.to(self.device).eval()
         stats: dict[str, torch.Tensor] = {}
         hooks = []
         for name, sub in module.named_modules():
-            if isinstance(sub, nn.Linear) and name.startswith(("self_attn.", "mlp.")):
+            if isinstance(sub, nn.Linear) and name in _DENSE_MODULES:
                 hooks.append(sub.register_forward_pre_hook(lambda m, args, key=name: _record_max(stats, key, args[0])))
         module.experts.forward = experts_forward_with_input_hook(
             module.experts, lambda kind, x: _record_max(stats, kind, x))

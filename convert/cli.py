@@ -49,7 +49,7 @@ def _hub_preflight(push_to_hub: str | None, base_model: str | None) -> None:
 
 
 def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: str | None) -> None:
-    from g4.exporters.model_card import set_base_model
+    from g4.convert.card import set_base_model
 
     if base_model and not push_to_hub:
         set_base_model(out, base_model)

@@ -73,6 +73,15 @@ TOWERS_KIND = "vision tower and embed_vision"
 TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 VISION_PREFIXES = TOWER_PREFIXES[:2]
 
+
+def tower_of(name: str) -> str | None:
+    """The tower prefix (:data:`TOWER_PREFIXES`) a tensor lies under, or None.
+
+    A prefix test, on purpose: g4 does not model the towers' own inventory (the vision and
+    audio configs), so a tower is a sub-tree whose tensors are kept as the source stores
+    them; which tensors it holds is read from the file (the source, or OUT when checked)."""
+    return next((t for t in TOWER_PREFIXES if name.startswith(t)), None)
+
 RELEASE_GLOBAL_HEAD_DIM_DEFAULT = 512  # Gemma4TextConfig.__post_init__: global_head_dim = kwargs.pop(..., 512)
 _OVERRIDE_KEYS = ("head_dim", "num_key_value_heads")
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import (
     EMBED_FILE,
     EMBED_TENSOR,
@@ -48,9 +47,10 @@ from g4.exporters.neuron_int8 import (
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
 
+from .card import write_model_card
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4 import VISION_PREFIXES, release_config
+from .gemma4 import VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
 from .pipeline import BackgroundWriter, Prefetcher
 from .progress import progress_bar
@@ -176,12 +176,12 @@ def convert_int8_neuron(
         ckpt.close()
         Manifest.build(
             g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
-            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
+            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
             source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
             memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
-        write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
+        write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())

@@ -58,7 +58,17 @@ import torch
 from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, parse_rank_name
 
 from .errors import G4Error
-from .gemma4 import LAYER_NORMS, NVFP4_BLOCK as _NVFP4_BLOCK, Architecture, KvCacheLayer, kv_cache_layers, read_architecture, tp_problems
+from .gemma4 import (
+    NVFP4_BLOCK as _NVFP4_BLOCK,
+    LAYER_NORMS,
+    VISION_PREFIXES,
+    Architecture,
+    KvCacheLayer,
+    kv_cache_layers,
+    read_architecture,
+    tower_of,
+    tp_problems,
+)
 from .resolve import EMBEDDED, resolve_source, source_name
 
 GB = 10**9
@@ -380,7 +390,7 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
 
             ckpt = Checkpoint(root, source=True)
             n = sum(math.prod(info.shape) for name, info in ckpt.tensors.items()
-                    if name.startswith(("model.vision_tower.", "model.embed_vision.")))
+                    if tower_of(name) in VISION_PREFIXES)
             return n, f"safetensors headers of {root}"
     return _vision_params_meta(json.dumps(config, sort_keys=True)), "the config, built on the meta device"
 
