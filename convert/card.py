@@ -150,7 +150,29 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
         "options": opts,
     }
     _write_json_atomic(tmp / FACTS_FILE, facts)
-    _write_text_atomic(tmp / CARD_FILE, render_card(card_inputs(tmp, name=out_name, facts=facts, layout=layout)))
+    _write_text_atomic(tmp / CARD_FILE, card_text(tmp, name=out_name, facts=facts, layout=layout))
+
+
+# The last line of every card g4 writes: the sha256 of the text above it. A README.md whose
+# text no longer matches its line (or has none) is its owner's, and g4 does not write over it.
+_CARD_STAMP = re.compile(r"\n<!-- g4 card sha256 ([0-9a-f]{64}) -->\n\Z")
+
+
+def _stamped(body: str) -> str:
+    return f"{body}\n<!-- g4 card sha256 {hashlib.sha256(body.encode('utf-8')).hexdigest()} -->\n"
+
+
+def edited_card(out: str | Path) -> str | None:
+    """The text of ``OUT/README.md`` when it is not a card as g4 wrote it (edited since, or
+    without g4's sha256 line); None when it is g4's own or absent."""
+    path = Path(out) / CARD_FILE
+    if not path.is_file():
+        return None
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    stamp = _CARD_STAMP.search(text)
+    if stamp and hashlib.sha256(text[: stamp.start()].encode("utf-8")).hexdigest() == stamp.group(1):
+        return None
+    return text
 
 
 def g4_version() -> str:
@@ -183,9 +205,12 @@ def load_conversion_facts(out: str | Path) -> dict:
     return check_facts(facts, str(path))
 
 
-def set_base_model(out: str | Path, base_model: str) -> None:
+def set_base_model(out: str | Path, base_model: str) -> bool:
     """Record ``base_model`` (a Hub repo id ``org/name``) in OUT's facts and re-render
-    OUT's ``README.md`` (both written atomically).
+    OUT's ``README.md`` (both written atomically) unless its owner has edited it.
+
+    Returns:
+        True when the edited ``README.md`` was kept (not re-rendered).
 
     Raises:
         CardError: not a repo id, or OUT has no facts file.
@@ -194,7 +219,9 @@ def set_base_model(out: str | Path, base_model: str) -> None:
     facts = load_conversion_facts(out)
     facts["base_model"] = base_model
     write_facts(out, facts)
+    kept = edited_card(out) is not None
     write_card(out, facts=facts)
+    return kept
 
 
 def write_facts(out: str | Path, facts: dict) -> None:
@@ -203,8 +230,12 @@ def write_facts(out: str | Path, facts: dict) -> None:
 
 
 def write_card(out: str | Path, *, repo_id: str | None = None, facts: dict | None = None) -> str:
-    """Re-render ``OUT/README.md`` from OUT's files (atomic replace) and return its text;
+    """Re-render ``OUT/README.md`` from OUT's files (atomic replace) unless its owner has
+    edited it (:func:`edited_card`): then it is left as it is. Returns README.md's text.
     ``facts``: OUT's ``g4_conversion.json`` when the caller holds it."""
+    mine = edited_card(out)
+    if mine is not None:
+        return mine
     text = card_text(out, repo_id=repo_id, facts=facts)
     _write_text_atomic(Path(out) / CARD_FILE, text)
     return text
@@ -392,5 +423,6 @@ def card_inputs(out: str | Path, *, repo_id: str | None = None, name: str | None
 
 
 def card_text(out: str | Path, **kw) -> str:
-    """:func:`~g4.exporters.model_card.render_card` of :func:`card_inputs` (same arguments)."""
-    return render_card(card_inputs(out, **kw))
+    """:func:`~g4.exporters.model_card.render_card` of :func:`card_inputs` (same arguments),
+    ending in g4's sha256 line (:func:`edited_card`)."""
+    return _stamped(render_card(card_inputs(out, **kw)))

@@ -40,7 +40,7 @@ from g4.exporters.model_card import CARD_FILE, FACTS_FILE, INDEX_NAME, check_rep
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
-from .card import g4_version, card_text, load_conversion_facts, repo_files, write_card, write_facts
+from .card import card_text, edited_card, g4_version, load_conversion_facts, repo_files, write_card, write_facts
 from .errors import G4Error, OptionError
 from .resolve import quiet_http_logs
 
@@ -312,7 +312,10 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     if base_model is not None:
         facts["base_model"] = base_model
         write_facts(out, facts)
+    kept = edited_card(out) is not None
     card = write_card(out, repo_id=repo_id, facts=facts)
+    if kept:
+        notes.append(f"{CARD_FILE} was edited after g4 wrote it: it is uploaded as it is, not re-rendered")
     files = local_files(out)  # README.md changed
     check_complete(out, files, max_file_bytes=max_file_bytes)
 
@@ -354,7 +357,11 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
 def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int,
              notes: list[str], facts: dict) -> PushReport:
     """What a push would send: the card rendered in memory and OUT's files; nothing written."""
-    card = card_text(out, repo_id=repo_id, base_model=base_model, facts=facts)
+    card = edited_card(out)
+    if card is not None:
+        notes.append(f"{CARD_FILE} was edited after g4 wrote it: a push uploads it as it is, not re-rendered")
+    else:
+        card = card_text(out, repo_id=repo_id, base_model=base_model, facts=facts)
     files = [f for f in local_files(out) if f.rel != CARD_FILE]
     files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
     check_complete(out, files, max_file_bytes=max_file_bytes)

@@ -120,7 +120,9 @@ def test_render_card_reads_no_file(tiny_mm_nvfp4, tmp_path):
     out = shutil.copytree(tiny_mm_nvfp4, tmp_path / tiny_mm_nvfp4.name)
     inputs = card_inputs(out, repo_id="someone/tiny-nvfp4")
     shutil.rmtree(out)
-    assert render_card(inputs) == card_text(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
+    body = render_card(inputs)
+    stamped = card_text(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")  # the same text plus g4's sha256 line
+    assert stamped.startswith(body) and stamped[len(body):].startswith("\n<!-- g4 card sha256 ")
 
 
 def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):

@@ -112,6 +112,20 @@ def test_push_one_commit_then_remote_equals_local(hub, out):
     assert len(repo.commits) == 2 and hub.lfs_uploads == 3 and "already held exactly these files" in r.stdout
 
 
+def test_a_card_its_owner_edited_is_pushed_as_it_is_never_rewritten(hub, out):
+    card = out / CARD_FILE
+    mine = card.read_text() + "\n## Our evaluation\n\nNotes nobody else has.\n"
+    card.write_text(mine)
+    r = g4push(hub, "push", str(out), REPO, "--dry-run")
+    assert r.returncode == 0 and "README.md was edited after g4 wrote it" in r.stderr, r.stderr
+    assert "Notes nobody else has." in r.stdout and card.read_text() == mine
+    r = g4push(hub, "push", str(out), REPO)
+    assert r.returncode == 0, r.stderr
+    assert "README.md was edited after g4 wrote it: it is uploaded as it is" in r.stderr
+    assert card.read_text() == mine and hub.content(REPO, CARD_FILE).decode() == mine
+    assert_remote_equals_local(hub, out)
+
+
 def test_interrupted_upload_leaves_main_untouched_and_rerun_resumes(hub, out):
     hub.fail_lfs_after = 2  # the third shard upload fails
     r = g4push(hub, "push", str(out), REPO)
