@@ -143,10 +143,22 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
         sd[name] = t
     for layer, by_expert in experts.items():
         n = len(by_expert)
-        sd[layer + EXPERT_GATE_UP] = torch.stack(
-            [fuse_gate_up(by_expert[e]["gate_proj"], by_expert[e]["up_proj"]) for e in range(n)])
-        sd[layer + EXPERT_DOWN] = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
+        sd[layer + EXPERT_GATE_UP] = _stack_dropping(
+            n, lambda e: fuse_gate_up(by_expert[e].pop("gate_proj"), by_expert[e].pop("up_proj")))
+        sd[layer + EXPERT_DOWN] = _stack_dropping(n, lambda e: by_expert[e].pop("down_proj"))
     return sd, input_scales
+
+
+def _stack_dropping(n: int, take) -> torch.Tensor:
+    """``torch.stack([take(e) for e in range(n)])`` filled one expert at a time, so that (with a
+    ``take`` that drops its inputs) a layer's experts are never in RAM twice."""
+    first = take(0)
+    out = first.new_empty((n, *first.shape))
+    out[0] = first
+    del first
+    for e in range(1, n):
+        out[e] = take(e)
+    return out
 
 
 def missing_weights(missing: list[str], config: dict) -> list[str]:
@@ -189,7 +201,9 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
     src_config = Checkpoint(src, source=True).config
-    model = _model_class(src_config)(config).to(dtype).eval()
+    # _from_config builds in `dtype` as from_pretrained does: RoPE inv_freq stays fp32 (`.to(dtype)` would
+    # cast it to bf16, a RoPE error the source model does not have)
+    model = _model_class(src_config)._from_config(config, dtype=dtype).eval()
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, src_config)

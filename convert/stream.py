@@ -80,6 +80,7 @@ class StreamedModel:
         as ``Gemma4TextScaledWordEmbedding`` of a model in that dtype (the scale cast to it:
         ``bf16(sqrt(2816)) = 53.0`` in bf16)."""
         rows = self.ckpt.get_rows(self.embed_name, ids).to(self.dtype)
+        self.ckpt.close()
         scale = torch.tensor(embed_scale(self.config.hidden_size, self.dtype), dtype=self.dtype)
         return (rows * scale).unsqueeze(0)
 
@@ -92,6 +93,7 @@ class StreamedModel:
         from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
 
         tensors, input_scales = self.layer_tensors(layer)
+        self.ckpt.close()  # unmap the shards: their pages read so far would otherwise stay in this process's RSS
         with torch.device("meta"):
             module = Gemma4TextDecoderLayer(self.config, layer)
         try:
@@ -112,6 +114,7 @@ class StreamedModel:
         norm = Gemma4RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.load_state_dict({"weight": self.ckpt.get(self.ckpt.prefix + "norm.weight").to(self.dtype)}, assign=True)
         weight = self.ckpt.get(self.head_name).to(self.dtype)
+        self.ckpt.close()
         cap = self.config.final_logit_softcapping
 
         def logits(hidden: torch.Tensor) -> torch.Tensor:
