@@ -174,6 +174,17 @@ def _model_class(config: dict):
     return Gemma4ForConditionalGeneration if config.get("model_type") == "gemma4" else Gemma4ForCausalLM
 
 
+def empty_model(config, raw_config: dict, dtype: torch.dtype):
+    """The transformers model class of ``raw_config`` (config.json as a dict) built from the
+    transformers ``config`` in ``dtype``, eval mode, weights to be loaded by the caller.
+
+    Built as ``from_pretrained`` builds (``_from_config(dtype=)``): the RoPE ``inv_freq`` buffers
+    stay fp32 as in the source model; ``model.to(bf16)`` would cast them, a RoPE error the source
+    does not have.
+    """
+    return _model_class(raw_config)._from_config(config, dtype=dtype).eval()
+
+
 def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
     """The source checkpoint as a transformers model (eval mode, eager experts).
 
@@ -201,9 +212,7 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
     src_config = Checkpoint(src, source=True).config
-    # _from_config builds in `dtype` as from_pretrained does: RoPE inv_freq stays fp32 (`.to(dtype)` would
-    # cast it to bf16, a RoPE error the source model does not have)
-    model = _model_class(src_config)._from_config(config, dtype=dtype).eval()
+    model = empty_model(config, src_config, dtype)
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, src_config)

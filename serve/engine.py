@@ -235,7 +235,8 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     """
     from transformers import AutoConfig
 
-    from g4.convert.reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
+    from g4.convert.reference import (_install_activation_quant, empty_model, load_nvfp4_as_hf, load_source_model,
+                                      missing_weights)
 
     if fmt.format == BF16:
         return load_source_model(path, dtype)
@@ -243,7 +244,7 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
     raw_config = _read_json_if(path / "config.json")
-    model = _model_class(raw_config)(config).to(dtype).eval()
+    model = empty_model(config, raw_config, dtype)
     sd, input_scales = load_nvfp4_as_hf(path, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, raw_config)

@@ -213,3 +213,14 @@ def test_verify_reports_layer_errors(embedded_nvfp4):
     assert len(report.layer_rel_error) == 4 and all(0 < e < 1 for e in report.layer_rel_error)
     assert json.loads(report.to_json())["layer_rel_error"] == report.layer_rel_error
     assert "hidden-state relative error per layer: 0:" in report.summary()
+
+
+def test_converted_reference_keeps_rope_inv_freq_fp32_like_the_source(embedded_nvfp4):
+    """A bf16 whole-model reference built with .to(bf16) had bf16 RoPE frequencies, which the source
+    (from_pretrained) and the streamed reference do not: a RoPE error counted as quantization error."""
+    def inv_freq(model):
+        return {k: v.dtype for k, v in model.named_buffers() if k.endswith("inv_freq")}
+
+    src = inv_freq(load_source_model(EMBEDDED_DIR))
+    assert src and set(src.values()) == {torch.float32}
+    assert inv_freq(load_converted_model(embedded_nvfp4, EMBEDDED_DIR)) == src
