@@ -68,6 +68,7 @@ class StreamedModel:
         self.ckpt = ckpt
         self.dtype = dtype
         self.num_layers = ckpt.num_layers
+        self.rope = _Rope(self.config)
         self.embed_name = ckpt.prefix + "embed_tokens.weight"
         self.head_name = self.embed_name if ckpt.arch.tied else "lm_head.weight"
 
@@ -195,15 +196,42 @@ def streamed_logits(model: StreamedModel, sequences: Sequence[Sequence[int]]) ->
         per sequence ``[S_i, V]`` logits in the compute dtype (what the whole transformers
         model returns for ``model(ids).logits[0]``).
     """
-    rope = _Rope(model.config)
     hidden = [model.embed(torch.tensor(list(s))) for s in sequences]
-    pos = [rope.positions(h, 0) for h in hidden]
+    pos = [model.rope.positions(h, 0) for h in hidden]
     for layer in range(model.num_layers):
         module = model.layer(layer)
         hidden = [_run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
         del module
     head = model.head()
     return [head(h)[0] for h in hidden]
+
+
+def _decode_pass(model: StreamedModel, feed: dict[int, list[int]], caches: dict, past: dict[int, int]
+                 ) -> dict[int, torch.Tensor]:
+    """Run each sequence's new tokens ``feed[i]`` (after ``past[i]`` cached ones) through every
+    layer, updating ``caches[i]``; return each sequence's last-position logits ``[V]``."""
+    hidden = {i: model.embed(torch.tensor(t)) for i, t in feed.items()}
+    pos = {i: model.rope.positions(h, past[i], caches[i]) for i, h in hidden.items()}
+    for layer in range(model.num_layers):
+        module = model.layer(layer)
+        hidden = {i: _run_layer(module, layer, h, pos[i], caches[i]) for i, h in hidden.items()}
+        del module
+    head = model.head()
+    return {i: head(h[0, -1]) for i, h in hidden.items()}
+
+
+def new_cache(model: StreamedModel):
+    """An empty transformers ``DynamicCache`` for ``model`` (sliding layers keep their window)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def decode_step(model: StreamedModel, cache, ids: Sequence[int], past: int) -> torch.Tensor:
+    """One pass over the layers for one sequence: ``ids`` follow the ``past`` tokens already in
+    ``cache`` (from :func:`new_cache`; updated). Returns fp32 ``[V]`` logits of the last position."""
+    return _decode_pass(model, {0: list(ids)}, {0: cache}, {0: past})[0].float()
 
 
 @torch.no_grad()
@@ -220,30 +248,19 @@ def streamed_greedy(model: StreamedModel, prompts: Sequence[Sequence[int]], *, m
     Returns:
         the generated ids of each prompt (at most ``max_new_tokens``, ending at an EOS id).
     """
-    from transformers import DynamicCache
-
-    rope = _Rope(model.config)
     eos = set(eos_token_ids)
-    caches = [DynamicCache(config=model.config) for _ in prompts]
+    caches = {i: new_cache(model) for i in range(len(prompts))}
     new: list[list[int]] = [[] for _ in prompts]
     feed = {i: list(p) for i, p in enumerate(prompts)}  # tokens each live prompt has not run yet
     past = {i: 0 for i in feed}
     for _ in range(max_new_tokens):
-        hidden = {i: model.embed(torch.tensor(t)) for i, t in feed.items()}
-        pos = {i: rope.positions(h, past[i], caches[i]) for i, h in hidden.items()}
-        for layer in range(model.num_layers):
-            module = model.layer(layer)
-            hidden = {i: _run_layer(module, layer, h, pos[i], caches[i]) for i, h in hidden.items()}
-            del module
-        head = model.head()
-        for i, h in hidden.items():
-            token = int(head(h[:, -1]).argmax(-1))
+        for i, logits in _decode_pass(model, feed, caches, past).items():
+            token = int(logits.argmax(-1))
             new[i].append(token)
             past[i] += len(feed[i])
             feed[i] = [token]
             if token in eos:
                 del feed[i]
-        del head
         if not feed:
             break
     return new
@@ -271,11 +288,10 @@ def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence
     """
     from .reference import compare_logprobs
 
-    rope = _Rope(src.config)
     seqs = [torch.tensor(list(s)) for s in sequences]
     h_src = [src.embed(s) for s in seqs]
     h_res = [res.embed(s) for s in seqs]
-    pos = [rope.positions(h, 0) for h in h_src]
+    pos = [src.rope.positions(h, 0) for h in h_src]
     reply = [slice(p - 1, len(s) - 1) for p, s in zip(prompt_lengths, seqs)]
     rel = []
     for layer in range(src.num_layers):
