@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from g4.exporters.nvfp4_names import DENSE_GROUPS
+
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error
-from .gemma4 import embed_scale
+from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, embed_scale
+
+_DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)  # the dense linears calibrated
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +160,20 @@ class LayerCalibrator:
             reproduces the bf16 model bit for bit, so amaxes equal modelopt's own CPU
             calibration; ``torch.float32`` keeps activations in fp32 (about 6x faster
             on CPUs without bf16 matrix units; amaxes differ at bf16 rounding level).
+        device: where the layer forward runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``; see
+            :func:`calibration_device`). The hidden states stay in host RAM and go to the
+            device one batch at a time; the layer's weights go once per layer.
+
+    Attributes:
+        seconds: wall seconds spent in :meth:`run_layer` so far (forwards and transfers);
+            with ``tokens`` (``N * S``) the cost per layer and per token.
 
     Raises:
         CheckpointError: the config cannot be turned into a transformers Gemma 4 config.
     """
 
     def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, *, batch_size: int = 8,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
         from transformers import AutoConfig
 
         try:
@@ -175,8 +187,11 @@ class LayerCalibrator:
             raise G4Error(f"--calib-seq-len {input_ids.shape[1]} exceeds the model's max_position_embeddings {max_pos}")
         self.ckpt = ckpt
         self.batch_size = batch_size
+        self.device = torch.device(device)
         self.dtype = compute_dtype or ckpt.tensors[ckpt.prefix + "embed_tokens.weight"].dtype
         self.hidden = self._embed(input_ids).to(self.dtype)
+        self.tokens = input_ids.numel()
+        self.seconds = 0.0
         self._position = self._position_inputs(input_ids.shape[1])
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -196,7 +211,13 @@ class LayerCalibrator:
                        "cache": None, "position_ids": position_ids}
         masks = {"full_attention": create_causal_mask(**mask_kwargs),
                  "sliding_attention": create_sliding_window_causal_mask(**mask_kwargs)}
-        return {t: (rotary(probe, position_ids, t), masks[t], position_ids) for t in set(self.config.layer_types)}
+        on = self.device
+
+        def to_device(x):
+            return x if x is None else tuple(t.to(on) for t in x) if isinstance(x, tuple) else x.to(on)
+
+        return {t: (to_device(rotary(probe, position_ids, t)), to_device(masks[t]), position_ids.to(on))
+                for t in set(self.config.layer_types)}
 
     @torch.no_grad()
     def run_layer(self, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -213,30 +234,62 @@ class LayerCalibrator:
         """
         from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
 
+        t0 = time.perf_counter()
         with torch.device("meta"):
             module = Gemma4TextDecoderLayer(self.config, layer)
-        weights = {k: v if k.startswith("experts.") else v.to(self.dtype) for k, v in weights.items()}
+        weights = {k: v if k in (EXPERT_GATE_UP, EXPERT_DOWN) else v.to(self.dtype) for k, v in weights.items()}
         module.load_state_dict(weights, strict=True, assign=True)
-        module.eval()
+        module.to(self.device).eval()
         stats: dict[str, torch.Tensor] = {}
         hooks = []
         for name, sub in module.named_modules():
-            if isinstance(sub, nn.Linear) and name.startswith(("self_attn.", "mlp.")):
+            if isinstance(sub, nn.Linear) and name in _DENSE_MODULES:
                 hooks.append(sub.register_forward_pre_hook(lambda m, args, key=name: _record_max(stats, key, args[0])))
         module.experts.forward = experts_forward_with_input_hook(
             module.experts, lambda kind, x: _record_max(stats, kind, x))
         position_embeddings, mask, position_ids = self._position[self.config.layer_types[layer]]
         try:
             for start in range(0, self.hidden.shape[0], self.batch_size):
-                batch = self.hidden[start : start + self.batch_size]
+                batch = self.hidden[start : start + self.batch_size].to(self.device)
                 self.hidden[start : start + self.batch_size] = module(
                     batch, None, shared_kv_states={}, position_embeddings=position_embeddings,
                     attention_mask=mask, position_ids=position_ids,
-                )
+                ).to(self.hidden.device)
         finally:
             for h in hooks:
                 h.remove()
             del module.experts.forward  # the closure refers to the module: break the cycle now
         if not torch.isfinite(self.hidden).all():
             raise CheckpointError(f"{self.ckpt.root}: calibration activations are not finite after layer {layer}")
+        stats = {k: v.cpu() for k, v in stats.items()}
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        log.info("layer %d: calibrated on %d tokens (%s) in %.2f s, %.1f us per token", layer, self.tokens,
+                 self.device, seconds, seconds / max(self.tokens, 1) * 1e6)
         return stats
+
+
+def calibration_device(name: str) -> torch.device:
+    """The device calibration runs on: ``"auto"`` is the first CUDA device where torch sees
+    one, else the CPU; ``"cpu"``, ``"cuda"`` and ``"cuda:N"`` as torch names them.
+
+    The CPU path is the reference: on a CUDA device the amaxes differ only by the device's
+    matmul rounding (``tests/test_calibrate_device.py`` compares them).
+
+    Raises:
+        G4Error: an unknown name, or a CUDA device that torch does not see here.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise G4Error(f"--calib-device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise G4Error(f"--calib-device {name!r}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise G4Error(f"--calib-device {name}: torch sees {count} CUDA device(s) here"
+                          + ("" if count else f" (torch {torch.__version__})"))
+    return device

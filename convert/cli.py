@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
+
 from .errors import G4Error, exit_on_user_error, raise_terminated
 from .options import COUNT, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
@@ -47,7 +49,7 @@ def _hub_preflight(push_to_hub: str | None, base_model: str | None) -> None:
 
 
 def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: str | None) -> None:
-    from g4.exporters.model_card import set_base_model
+    from g4.convert.card import set_base_model
 
     if base_model and not push_to_hub:
         set_base_model(out, base_model)
@@ -100,6 +102,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
+@click.option("--calib-device", default="auto", show_default=True,
+              help="Where calibration runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
 @click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
               help="Largest shard: GB = 10**9 bytes, GiB = 2**30; at least 1MB (smaller shards only multiply "
                    "files). A tensor larger than this gets a shard of its own, as in transformers.")
@@ -108,7 +112,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.pass_context
 @exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          calib_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
+          calib_dtype, calib_device, max_shard_size, overwrite, push_to_hub, private, base_model):
     """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
     to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
 
@@ -118,14 +122,20 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     _hub_preflight(push_to_hub, base_model)
     from .nvfp4 import convert_nvfp4
 
-    if weight_only and (calib_data or ctx.get_parameter_source("calib_samples").name != "DEFAULT"
-                        or ctx.get_parameter_source("calib_seq_len").name != "DEFAULT"):
-        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len")
+    calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
+    if weight_only and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
+        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
+                      "--calib-batch-size / --calib-dtype / --calib-device")
+    if not weight_only:
+        from .calibrate import calibration_device
+
+        calibration_device(calib_device)  # a bad device is an error before SRC is fetched
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
     report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                           calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, max_shard_size=max_shard_size,
+                           calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
+                           max_shard_size=max_shard_size,
                            overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
@@ -141,16 +151,21 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
               help="Neuron instance the memory plan is checked against (see `g4convert plan`).")
 @click.option("--force", is_flag=True, help="Write even if the memory plan says it does not fit the target "
                                            "(more ranks than the target has NeuronCores is always refused).")
+@click.option("--seq-len", type=COUNT, default=None,
+              help="Tokens (prompt plus reply) to compile and serve for on Neuron; the memory plan sizes the KV "
+                   f"cache for it. Default: {DEFAULT_MAX_LENGTH}, at most the model's max_position_embeddings.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite, push_to_hub, private, base_model):
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, overwrite, push_to_hub, private,
+                base_model):
     """Write AWS Neuron (NxD) int8 per-channel weights of SRC (a checkpoint directory,
     'embedded', or a Hub repo id owner/name[@revision]) pre-sharded per TP rank into OUT.
 
     Experts, dense MLP and the tied lm_head (vocabulary-sharded) become int8 with fp32
-    per-channel scales; the embedding table stays on the host (bf16, unscaled); a manifest
+    per-channel scales; each rank file is the state dict of g4's NxDI class at that rank (with
+    its bf16 embedding shard); the whole unscaled table is also written for the host; a manifest
     records the layout, embed_scale and the per-rank memory plan.
     """
     _hub_preflight(push_to_hub, base_model)
@@ -159,7 +174,8 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, overwrite,
     src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
-                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"])
+                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"],
+                                 seq_len=seq_len)
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 
@@ -231,13 +247,16 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
               help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
                    "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
                    "or more (2048 on an A100), else 2048.")
+@click.option("--bucketing", is_flag=True,
+              help="Neuron plans: NxDI's enable_bucketing (one graph per bucket of 128, 256, ... up to --seq-len, "
+                   "each with its own logits output); default off, as NxDI's NeuronConfig.")
 @click.option("--lm-head", type=click.Choice(LM_HEADS),
               help="Default: int8-sharded for int8-neuron, tied to the embedding on a GPU.")
 @click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
-@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: host for int8-neuron, else device.")
+@click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: device (int8-neuron: always, its rank files hold the shard).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, lm_head, attention, embedding,
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, bucketing, lm_head, attention, embedding,
          as_json):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
@@ -260,7 +279,7 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
     name, config, directory = load_source(src)
     result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
                          batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens)
+                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing)
     click.echo(result.to_json() if as_json else result.summary())
 
 

@@ -73,6 +73,15 @@ TOWERS_KIND = "vision tower and embed_vision"
 TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 VISION_PREFIXES = TOWER_PREFIXES[:2]
 
+
+def tower_of(name: str) -> str | None:
+    """The tower prefix (:data:`TOWER_PREFIXES`) a tensor lies under, or None.
+
+    A prefix test, on purpose: g4 does not model the towers' own inventory (the vision and
+    audio configs), so a tower is a sub-tree whose tensors are kept as the source stores
+    them; which tensors it holds is read from the file (the source, or OUT when checked)."""
+    return next((t for t in TOWER_PREFIXES if name.startswith(t)), None)
+
 RELEASE_GLOBAL_HEAD_DIM_DEFAULT = 512  # Gemma4TextConfig.__post_init__: global_head_dim = kwargs.pop(..., 512)
 _OVERRIDE_KEYS = ("head_dim", "num_key_value_heads")
 
@@ -88,8 +97,66 @@ class AttentionLayer:
     has_v: bool
 
     def kv_per_rank(self, tp: int) -> int:
-        """KV heads each of ``tp`` ranks holds (1 when whole heads are replicated)."""
-        return max(1, self.kv_heads // tp)
+        """KV heads each of ``tp`` ranks holds (:func:`kv_heads_per_rank`)."""
+        return kv_heads_per_rank(self.kv_heads, tp)
+
+
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads each of ``tp`` ranks holds for a layer with ``kv_heads`` KV heads: ``kv_heads / tp``,
+    or 1 when there are fewer KV heads than ranks and whole heads are replicated (rank r then holds
+    head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE`` does
+    (aws-neuron/neuronx-distributed-inference ``src/neuronx_distributed_inference/modules/attention/gqa.py``,
+    ``determine_sharding_strategy`` / ``get_shardable_head_counts``). The one rule of the int8-neuron
+    layout, the memory plan's KV cache and g4's NxDI KV cache manager.
+
+    Raises:
+        G4Error: ``kv_heads`` does not split evenly over ``tp`` ranks, or is fewer than ``tp`` and
+            does not divide it.
+    """
+    if tp < 1 or kv_heads < 1:
+        raise G4Error(f"KV heads {kv_heads} over TP {tp}: both must be >= 1")
+    if kv_heads >= tp:
+        if kv_heads % tp:
+            raise G4Error(f"{kv_heads} KV heads cannot be split evenly over {tp} ranks")
+        return kv_heads // tp
+    if tp % kv_heads:
+        raise G4Error(f"{kv_heads} KV heads cannot be replicated over {tp} ranks ({tp} is not a multiple of {kv_heads})")
+    return 1
+
+
+# The text-config keys :func:`attention_layers` reads (release form), for readers that hold the
+# config as attributes (NxDI's InferenceConfig) rather than as a dict.
+ATTENTION_CONFIG_KEYS = ("num_hidden_layers", "layer_types", "head_dim", "num_key_value_heads", "global_head_dim",
+                         "num_global_key_value_heads", "attention_k_eq_v")
+
+
+@dataclass(frozen=True)
+class KvCacheLayer:
+    """The K (and, with the same shape, the V) cache of one decoder layer on one rank:
+    ``heads`` KV heads per rank (:func:`kv_heads_per_rank`) of ``head_dim``; ``sliding`` marks a
+    sliding-window layer. K and V are both cached on k_eq_v full layers (they are normalised and
+    roped differently)."""
+
+    sliding: bool
+    heads: int
+    head_dim: int
+
+
+def kv_cache_layers(layers, tp: int) -> tuple[KvCacheLayer, ...]:
+    """Per-layer KV cache geometry on one of ``tp`` ranks, from :func:`attention_layers` (sliding
+    layers: ``num_key_value_heads`` x ``head_dim``; full layers: ``num_global_key_value_heads`` (with
+    ``attention_k_eq_v``) x ``global_head_dim``). Read by the memory plan
+    (``g4.convert.plan.kv_cache_nxdi``) and by g4's NxDI KV cache manager
+    (``g4.serve.nxdi_gemma4.Gemma4KVCacheManager``), so the planned and the allocated cache agree.
+
+    Args:
+        layers: the :class:`AttentionLayer` s of a model, in layer order.
+        tp: tensor-parallel degree.
+
+    Raises:
+        G4Error: a layer's KV heads cannot be placed on ``tp`` ranks (:func:`kv_heads_per_rank`).
+    """
+    return tuple(KvCacheLayer(a.sliding, kv_heads_per_rank(a.kv_heads, tp), a.head_dim) for a in layers)
 
 
 def text_config_of(config: dict) -> dict:

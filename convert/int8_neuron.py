@@ -2,10 +2,12 @@
 
 Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 
-- ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r: int8 experts, dense
+- ``weights/tp{r}_sharded_checkpoint.safetensors`` for each rank r, keyed and shaped as the
+  ``state_dict()`` of g4's NxDI class at that rank: int8 experts, dense
   MLP and vocabulary-sharded lm_head (built from ``embed_tokens`` when tied, from the
   source's own ``lm_head.weight`` when ``tie_word_embeddings`` is false) with fp32
-  per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms;
+  per-channel scales; bf16 attention (int8 with ``quantize_attention``), router, norms, the
+  device embedding shard and NxD's rank indices;
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
@@ -26,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.model_card import write_model_card
 from g4.exporters.neuron_int8 import (
     EMBED_FILE,
     EMBED_TENSOR,
@@ -40,14 +41,16 @@ from g4.exporters.neuron_int8 import (
     layer_prefix,
     model_entries,
     rank_file,
+    serving_max_length,
     shard,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
 from g4.quantizers import int8
 
+from .card import write_model_card
 from .checkpoint import Checkpoint, copy_side_files, file_sha256
 from .errors import G4Error
-from .gemma4 import VISION_PREFIXES, release_config
+from .gemma4 import VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
 from .pipeline import BackgroundWriter, Prefetcher
 from .progress import progress_bar
@@ -86,8 +89,20 @@ def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
     model_sources = {"norm.weight": ckpt.prefix + "norm.weight", "embed_tokens.weight": ckpt.prefix + "embed_tokens.weight"}
     if smap.lm_head:
         model_sources["lm_head.weight"] = smap.lm_head
-    model = [(e, model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
+    model = [(e, None if e.source is None else model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
     return smap, layers, model
+
+
+def source_rank_specs(ckpt: Checkpoint, tp: int, *, quantize_attention: bool = False) -> list[TensorSpec]:
+    """The tensors (name, dtype, per-rank shape) :func:`convert_int8_neuron` would write into each
+    rank file of ``ckpt`` at TP ``tp``, from the source's headers alone (no weight is read).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over, or a source the converter refuses.
+    """
+    g = geometry(ckpt.config, tp)
+    _, layers, model = _layer_jobs(ckpt, g, quantize_attention)
+    return rank_specs(ckpt, g, layers, model)
 
 
 def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]:
@@ -95,12 +110,17 @@ def rank_specs(ckpt: Checkpoint, g: Geometry, layers, model) -> list[TensorSpec]
     specs: list[TensorSpec] = []
     for L, src, entries in layers:
         for e in entries:
-            info = ckpt.tensors[src[e.source]]
-            specs += entry_specs(e, layer_prefix(L), info.shape, info.dtype, g, L)
+            specs += _specs(ckpt, e, None if e.source is None else src[e.source], layer_prefix(L), g, L)
     for e, name in model:
-        info = ckpt.tensors[name]
-        specs += entry_specs(e, "", info.shape, info.dtype, g, None)
+        specs += _specs(ckpt, e, name, "", g, None)
     return specs
+
+
+def _specs(ckpt: Checkpoint, e: Entry, name: str | None, prefix: str, g: Geometry, layer: int | None):
+    if name is None:  # a rank index: no source tensor
+        return entry_specs(e, prefix, (), torch.int32, g, layer)
+    info = ckpt.tensors[name]
+    return entry_specs(e, prefix, info.shape, info.dtype, g, layer)
 
 
 def convert_int8_neuron(
@@ -113,6 +133,7 @@ def convert_int8_neuron(
     force: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    seq_len: int | None = None,
 ) -> Int8Report:
     """Convert a Gemma 4 MoE checkpoint to per-rank int8 NxD shards.
 
@@ -125,6 +146,10 @@ def convert_int8_neuron(
         target: Neuron instance the memory plan is checked against (``None``: no check).
         force: write even when the plan says the result does not fit ``target``.
         overwrite: replace an existing ``out`` once the new result is complete.
+        seq_len: tokens (prompt plus reply) the result is compiled and served for on Neuron;
+            the memory plan sizes the KV cache for it and the manifest records it with its
+            bucket ladders (``None``: ``DEFAULT_MAX_LENGTH`` capped at ``max_position_embeddings``,
+            :func:`g4.exporters.neuron_int8.serving_max_length`).
 
     Returns:
         :class:`Int8Report`.
@@ -137,7 +162,8 @@ def convert_int8_neuron(
     t0 = time.perf_counter()
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
-    plan = _checked_plan(ckpt, tp, target, quantize_attention, force)
+    max_length = serving_max_length(seq_len, g.arch.max_positions)
+    plan = _checked_plan(ckpt, tp, target, quantize_attention, force, max_length)
     smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, model)
@@ -150,19 +176,20 @@ def convert_int8_neuron(
         ckpt.close()
         Manifest.build(
             g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
-            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(k.startswith(n) for k in smap.model_keep)],
+            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
             source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
-            memory_plan=plan.to_dict() if plan is not None else None).write(tmp)
+            memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
         (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
         copy_side_files(ckpt.root, tmp)
-        write_model_card(tmp, "int8-neuron", src=ckpt.root, out_name=Path(out).name,  # README.md (hub helper)
+        write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
                          options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())
 
 
-def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool):
-    """The memory plan for ``target`` (None without one); a result that does not fit is refused
+def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
+                  seq_len: int):
+    """The memory plan for ``target`` at ``seq_len`` tokens (None without a target); a result that does not fit is refused
     unless ``force``, and host RAM that cannot hold every rank file at once is warned about.
 
     Raises:
@@ -172,7 +199,7 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 
     if target is None:
         return None
-    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target,
+    plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target, seq_len=seq_len,
                        attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
     if not plan.fits and not force:
         raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
@@ -192,7 +219,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
-    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries]
+    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries if e.source is not None]
     largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
@@ -201,6 +228,9 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     try:
         for L, src_names, entries in layers:
             for e in entries:
+                if e.source is None:  # a rank index
+                    _write_entry(writers, e, None, g, L, layer_prefix(L), out.write)
+                    continue
                 name = src_names[e.source]
                 bar.set_postfix_str(f"layer {L}: reading {e.source}", refresh=False)
                 t = reader.get(name)
@@ -210,7 +240,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
                 bar.update(ckpt.tensors[name].nbytes)
             # tensors a layer has but no entry reads (none in Gemma 4) still count as done
             rest = sum(ckpt.tensors[n].nbytes for n in src_names.values()) - sum(
-                ckpt.tensors[src_names[e.source]].nbytes for e in entries)
+                ckpt.tensors[src_names[e.source]].nbytes for e in entries if e.source is not None)
             bar.update(max(rest, 0))
             log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", g.tp)
@@ -222,7 +252,8 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     ckpt.close()
     embed = ckpt.get_finite(embed_name)
     for e, name in model:
-        _write_entry(writers, e, embed if name == embed_name else ckpt.get_finite(name), g, None, "")
+        value = embed if name == embed_name else None if name is None else ckpt.get_finite(name)
+        _write_entry(writers, e, value, g, None, "")
         if name != embed_name and e.key == "lm_head":  # an untied model's own head
             bar.update(ckpt.tensors[name].nbytes)
     for w in writers:
@@ -235,10 +266,10 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     return writers[0].total_bytes
 
 
-def _write_entry(writers, e: Entry, tensor: torch.Tensor, g: Geometry, layer: int | None, prefix: str,
+def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, layer: int | None, prefix: str,
                  write=None) -> None:
-    """Quantize (``e.int8``) and shard ``tensor``; ``write(writer, name, t)`` each rank's pieces
-    (default: ``writer.write(name, t)`` now)."""
+    """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
+    each rank's pieces (default: ``writer.write(name, t)`` now)."""
     value = int8.quantize(tensor) if e.int8 else tensor
     names = e.names(prefix)
     for r, w in enumerate(writers):

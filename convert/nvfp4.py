@@ -14,7 +14,6 @@ details in ``g4.exporters.modelopt_nvfp4``.
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import time
 from collections import Counter
@@ -25,27 +24,21 @@ from pathlib import Path
 import torch
 
 from g4.exporters import modelopt_nvfp4 as meta
-from g4.exporters.model_card import write_model_card
 from g4.exporters.nvfp4_names import (
-    DENSE_GROUPS,
     EXPERT_DOWN,
     EXPERT_GATE_UP,
-    EXPERT_PROJS,
-    LAYER_KEEP,
     PRESETS,
-    QUANT_SUFFIXES,
-    TOWER_PREFIXES,
-    LinearGroup,
+    LayerLayout,
+    Linear,
+    Nvfp4Layout,
     Part,
-    exclude_modules,
-    expert_module,
-    parse_output_name,
-    quantized_names,
+    Role,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
 from g4.quantizers import nvfp4 as q
 
-from .calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
+from .card import write_model_card
+from .calibrate import LayerCalibrator, calibration_device, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
@@ -76,6 +69,8 @@ class ConvertReport:
     seconds: float
     peak_rss_bytes: int
     calibration_tokens: int
+    calibration_seconds: float = 0.0
+    layers: int = 0
 
     @property
     def bits_per_quantized_weight(self) -> float:
@@ -88,7 +83,16 @@ class ConvertReport:
                 f"{self.bits_per_quantized_weight:.3f} bits/weight on quantized linears; "
                 f"{self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
                 f"({self.bytes_out / max(self.bytes_in, 1):.3f}x); {self.seconds:.1f} s; "
-                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens")
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens"
+                + self.calibration_cost())
+
+    def calibration_cost(self) -> str:
+        """``"; calibration S s (s per layer, us per token per layer)"``, or ``""`` for W4A16."""
+        if not self.calibration_tokens or not self.layers:
+            return ""
+        per_layer = self.calibration_seconds / self.layers
+        return (f"; calibration {self.calibration_seconds:.1f} s ({per_layer:.2f} s per layer, "
+                f"{per_layer / self.calibration_tokens * 1e6:.1f} us per token per layer)")
 
 
 def peak_rss_bytes() -> int:
@@ -99,81 +103,34 @@ def peak_rss_bytes() -> int:
 # --------------------------------------------------------------------------- planning
 
 
-@dataclass
-class _LayerJob:
-    index: int
-    prefix: str  # output key prefix of the layer
-    sources: dict[str, str]  # canonical suffix -> source tensor name
-    groups: list[LinearGroup]  # dense groups present and quantized
-    keep: list[str]  # canonical suffixes copied unchanged
-    num_experts: int
-
-
-def _nvfp4_specs(name: str, out_features: int, in_features: int, with_input_scale: bool) -> list[TensorSpec]:
-    kinds = [(torch.uint8, (out_features, in_features // 2)),
-             (torch.float8_e4m3fn, (out_features, in_features // q.BLOCK_SIZE)),
-             (torch.float32, ()), (torch.float32, ())]
-    return [TensorSpec(n, dtype, shape)
-            for n, (dtype, shape) in zip(quantized_names(name, with_input_scale=with_input_scale), kinds)]
-
-
-def _check_in_features(name: str, shape: tuple[int, ...]) -> None:
-    if shape[-1] % q.BLOCK_SIZE:
-        raise CheckpointError(f"tensor {name}: input dimension {shape[-1]} is not a multiple of "
+def _check_in_features(name: str, in_features: int) -> None:
+    if in_features % q.BLOCK_SIZE:
+        raise CheckpointError(f"tensor {name}: input dimension {in_features} is not a multiple of "
                               f"the NVFP4 block size {q.BLOCK_SIZE}; use a preset that leaves it bf16")
 
 
-def layer_jobs(ckpt: Checkpoint, parts: frozenset[Part]) -> tuple[list[_LayerJob], list[str], str | None]:
-    """Map every source tensor and check each layer's structure before anything is written.
-
-    Returns:
-        (layer jobs, kept model-level tensor names, untied lm_head name or None).
+def source_layout(ckpt: Checkpoint, parts: frozenset[Part], *, act_quant: bool) -> Nvfp4Layout:
+    """Map every source tensor, check each layer's structure and expand the output table, before
+    anything is written.
 
     Raises:
         MappingError: unmapped or missing tensors, a v_proj on a k_eq_v layer.
-        CheckpointError: expert shapes that disagree with the config or are not NVFP4-able.
+        CheckpointError: shapes that disagree with the config, or a quantized linear whose input
+            dimension is not a multiple of the NVFP4 block (16).
     """
     smap = checked_sources(ckpt)
-    jobs = []
-    for ls in smap.layers:
-        L, src = ls.index, ls.tensors
-        gu, dn = ckpt.tensors[src[EXPERT_GATE_UP]].shape, ckpt.tensors[src[EXPERT_DOWN]].shape
-        _check_in_features(src[EXPERT_GATE_UP], gu)
-        _check_in_features(src[EXPERT_DOWN], dn)
-        groups, keep = [], list(LAYER_KEEP)
-        for g in DENSE_GROUPS:
-            members = tuple(m for m in g.members if f"{m}.weight" in src)
-            if g.part in parts:
-                for m in members:
-                    _check_in_features(src[f"{m}.weight"], ckpt.tensors[src[f"{m}.weight"]].shape)
-                groups.append(LinearGroup(g.part, members))
-            else:
-                keep.extend(f"{m}.weight" for m in members)
-        jobs.append(_LayerJob(L, ckpt.layer_prefix(L), src, groups, keep, gu[0]))
-    return jobs, smap.model_keep, smap.lm_head
+    layout = Nvfp4Layout.build(
+        ckpt.arch, prefix=ckpt.prefix, parts=parts, act_quant=act_quant,
+        layer_sources=[ls.tensors for ls in smap.layers], model_sources=smap.model_keep, lm_head=smap.lm_head,
+        dtypes={n: i.dtype for n, i in ckpt.tensors.items()}, shapes={n: i.shape for n, i in ckpt.tensors.items()})
+    for lin in layout.linears:
+        _check_in_features(lin.source, lin.in_features)
+    return layout
 
 
-def output_specs(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], lm_head: str | None,
-                 *, with_input_scale: bool) -> list[TensorSpec]:
+def output_specs(layout: Nvfp4Layout) -> list[TensorSpec]:
     """Every output tensor (name, dtype, shape) in the order :func:`convert_nvfp4` produces it."""
-    specs: list[TensorSpec] = []
-    for p in jobs:
-        for suffix in p.keep:
-            info = ckpt.tensors[p.sources[suffix]]
-            specs.append(TensorSpec(p.prefix + suffix, info.dtype, info.shape))
-        for g in p.groups:
-            for m in g.members:
-                out_f, in_f = ckpt.tensors[p.sources[f"{m}.weight"]].shape
-                specs += _nvfp4_specs(p.prefix + m, out_f, in_f, with_input_scale)
-        _, two_i, hidden = ckpt.tensors[p.sources[EXPERT_GATE_UP]].shape
-        inter = two_i // 2
-        for e in range(p.num_experts):
-            for proj, (out_f, in_f) in zip(EXPERT_PROJS, ((inter, hidden), (inter, hidden), (hidden, inter))):
-                specs += _nvfp4_specs(expert_module(p.prefix, e, proj), out_f, in_f, with_input_scale)
-    for name in model_keep + ([lm_head] if lm_head else []):
-        info = ckpt.tensors[name]
-        specs.append(TensorSpec(name, info.dtype, info.shape))
-    return specs
+    return [TensorSpec(t.name, t.dtype, t.shape) for t in layout.tensors]
 
 
 # --------------------------------------------------------------------------- producing
@@ -195,41 +152,41 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
     return q.global_scale_from_amax(a)
 
 
-def _emit_nvfp4(name: str, w: torch.Tensor, g: torch.Tensor, input_scale: torch.Tensor | None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    qw = q.quantize(w, weight_scale_2=g)
-    values = (qw.weight, qw.weight_scale, qw.weight_scale_2, input_scale)
-    yield from zip(quantized_names(name, with_input_scale=input_scale is not None), values)
-
-
-def _produce_layer(p: _LayerJob, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
+def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Output tensors of one layer, in :func:`output_specs` order."""
-    for suffix in p.keep:
-        yield p.prefix + suffix, w[suffix]
+    """Output tensors of one layer (``w``: source name -> tensor), in the table's order."""
+    for t in lay.kept:
+        yield t.name, w[t.source]
     layer_max = torch.stack(list(amax.values())).amax() if amax else torch.tensor(1.0)
     if not layer_max > 0:
         layer_max = torch.tensor(1.0)
-    for g in p.groups:
-        weights = [w[f"{m}.weight"] for m in g.members]
+    for group in lay.groups:
+        weights = [w[lin.source] for lin in group]
         shared_g = q.global_scale_from_amax(torch.stack([q.weight_amax(x) for x in weights]).amax())
-        shared_in = _input_scale(amax, g.members, layer_max, p.index) if amax is not None else None
-        for m, x in zip(g.members, weights):
-            yield from _emit_nvfp4(p.prefix + m, x, shared_g, shared_in)
-    gate_up, down = w[EXPERT_GATE_UP], w[EXPERT_DOWN]
-    in_gu = _input_scale(amax, (EXPERT_GATE_UP,), layer_max, p.index) if amax is not None else None
-    in_dn = _input_scale(amax, (EXPERT_DOWN,), layer_max, p.index) if amax is not None else None
+        keys = tuple(lin.key for lin in group)
+        shared_in = _input_scale(amax, keys, layer_max, lay.index) if amax is not None else None
+        for lin, x in zip(group, weights):
+            qw = q.quantize(x, weight_scale_2=shared_g)
+            yield from _named(lin, (qw.weight, qw.weight_scale, qw.weight_scale_2, shared_in))
+    if not lay.experts:
+        return
+    gate, _, down = lay.experts[0]
+    in_gu = _input_scale(amax, (gate.key,), layer_max, lay.index) if amax is not None else None
+    in_dn = _input_scale(amax, (down.key,), layer_max, lay.index) if amax is not None else None
     # All experts in one kernel call each; gate and up share the global scale of the whole
     # fused gate_up_proj[e] (vLLM uses one), so the split comes after quantization.
-    qgu, qdn = q.quantize_experts(gate_up), q.quantize_experts(down)
-    for e in range(p.num_experts):
+    qgu, qdn = q.quantize_experts(w[gate.source]), q.quantize_experts(w[down.source])
+    for e, (gate, up, down) in enumerate(lay.experts):
         gate_w, up_w = split_gate_up(qgu.weight[e])
         gate_s, up_s = split_gate_up(qgu.weight_scale[e])
-        parts = ((gate_w, gate_s, qgu.weight_scale_2[e], in_gu), (up_w, up_s, qgu.weight_scale_2[e], in_gu),
-                 (qdn.weight[e], qdn.weight_scale[e], qdn.weight_scale_2[e], in_dn))
-        for proj, (qw, qs, g, in_s) in zip(EXPERT_PROJS, parts):
-            values = (qw, qs, g.clone(), in_s)
-            yield from zip(quantized_names(expert_module(p.prefix, e, proj), with_input_scale=in_s is not None), values)
+        yield from _named(gate, (gate_w, gate_s, qgu.weight_scale_2[e].clone(), in_gu))
+        yield from _named(up, (up_w, up_s, qgu.weight_scale_2[e].clone(), in_gu))
+        yield from _named(down, (qdn.weight[e], qdn.weight_scale[e], qdn.weight_scale_2[e].clone(), in_dn))
+
+
+def _named(lin: Linear, values: tuple) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each of ``lin``'s roles (weight, weight_scale, weight_scale_2[, input_scale])."""
+    return zip(lin.names, values)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -246,6 +203,7 @@ def convert_nvfp4(
     calib_seq_len: int = 256,
     calib_batch_size: int = 8,
     calib_dtype: str = "float32",
+    calib_device: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: bool = True,
@@ -266,6 +224,8 @@ def convert_nvfp4(
         calib_batch_size: samples per layer forward during calibration.
         calib_dtype: ``"float32"`` (fast on CPUs; amaxes within bf16 rounding of a bf16
             run) or ``"bfloat16"`` (the bf16 model bit for bit, as modelopt calibrates it).
+        calib_device: ``"auto"`` (a CUDA device where torch sees one, else the CPU),
+            ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (:func:`g4.convert.calibrate.calibration_device`).
         max_shard_size: shard data limit, e.g. ``"5GB"`` (10**9) or ``"4GiB"`` (2**30).
         overwrite: replace an existing ``out`` (only once the new one is complete).
         progress: show a tqdm bar in source bytes.
@@ -283,124 +243,126 @@ def convert_nvfp4(
     if calib_dtype not in _CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     parts = PRESETS[preset]
+    device = None if weight_only else calibration_device(calib_device)
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
-    jobs, model_keep, lm_head = layer_jobs(ckpt, parts)
-    specs = output_specs(ckpt, jobs, model_keep, lm_head, with_input_scale=not weight_only)
-    towers = sorted({t for t in TOWER_PREFIXES for n in model_keep if n.startswith(t)})
-    excludes = exclude_modules(prefix=ckpt.prefix, num_layers=ckpt.num_layers, parts=parts, towers=towers)
+    layout = source_layout(ckpt, parts, act_quant=not weight_only)
+    specs = output_specs(layout)
 
-    _log_tensor_kinds(ckpt, jobs, model_keep, weight_only)
+    _log_tensor_kinds(ckpt, layout)
     calibrator, calib_tokens = None, 0
     if not weight_only:
         calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-                                               _CALIB_DTYPES[calib_dtype])
+                                               _CALIB_DTYPES[calib_dtype], device)
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
-    for name in model_keep:  # fail before the long layer loop, not after it
-        ckpt.get_finite(name)
+    for t in layout.model:  # fail before the long layer loop, not after it
+        ckpt.get_finite(t.source)
         ckpt.close()
     need = sum(spec.nbytes for spec in specs)
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, jobs, model_keep, lm_head, calibrator,
-                                                                bar)
+            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
-        meta.write_metadata(tmp, ckpt.config, excludes=excludes, weight_only=weight_only)
-        meta.check_export(tmp, label=Path(out))
-        write_model_card(tmp, "nvfp4", src=ckpt.root, out_name=Path(out).name, options=dict(  # README.md (hub helper)
+        meta.write_metadata(tmp, ckpt.config, excludes=layout.exclude_modules(), weight_only=weight_only)
+        meta.check_export(tmp, label=Path(out), layout=layout)
+        write_model_card(tmp, "nvfp4", src=ckpt, out_name=Path(out).name, options=dict(  # README.md (hub helper)
             preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
-            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size))
+            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
-                         bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens)
+                         bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens,
+                         calibrator.seconds if calibrator else 0.0, len(layout.layers))
 
 
 def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
-                compute_dtype: torch.dtype) -> tuple[LayerCalibrator, int]:
+                compute_dtype: torch.dtype, device: torch.device) -> tuple[LayerCalibrator, int]:
     """The per-layer calibrator over the calibration text, and its number of tokens."""
     tokenizer = _load_tokenizer(ckpt.root)
     ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
                                seq_len=seq_len)
-    return LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype), ids.numel()
+    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype, device=device)
+    return calibrator, ids.numel()
 
 
-def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str],
-                   lm_head: str | None, calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
-    """Every output tensor in :func:`output_specs` order, one decoder layer in RAM at a time.
+def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: Nvfp4Layout,
+                   calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
+    """Every output tensor in the table's order, one decoder layer in RAM at a time.
 
     Returns:
         (quantized linears, quantized parameters, bytes of their codes and scales).
     """
     n_quant = params_quant = quant_bytes = 0
-    reads = [n for p in jobs for n in p.sources.values()]
+    reads = [n for lay in layout.layers for n in lay.sources.values()]
     # Read the next layer while this one is calibrated and quantized, write in the background.
     # The reader holds at most one tensor (or _READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
     reader = Prefetcher(ckpt, reads, budget_bytes=_READ_AHEAD_BYTES)
     out = BackgroundWriter(budget_bytes=_WRITE_BEHIND_BYTES)
     try:
-        for p in jobs:
-            layer_bytes = sum(ckpt.tensors[n].nbytes for n in p.sources.values())
-            bar.set_postfix_str(f"layer {p.index}: reading", refresh=False)
-            w = {s: reader.get(n) for s, n in p.sources.items()}
+        for lay in layout.layers:
+            layer_bytes = sum(ckpt.tensors[n].nbytes for n in lay.sources.values())
+            layer_params = params_in_layer(lay)
+            bar.set_postfix_str(f"layer {lay.index}: reading", refresh=False)
+            w = {s: reader.get(n) for s, n in lay.sources.items()}
             amax = None
             if calibrator is not None:
-                bar.set_postfix_str(f"layer {p.index}: calibrating")
-                amax = calibrator.run_layer(p.index, w)
-            bar.set_postfix_str(f"layer {p.index}: quantizing")
+                bar.set_postfix_str(f"layer {lay.index}: calibrating")
+                amax = calibrator.run_layer(lay.index, w)
+            bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
-            for name, t in _produce_layer(p, w, amax):
+            by_source = {lay.sources[s]: t for s, t in w.items()}
+            for name, t in _produce_layer(lay, by_source, amax):
                 out.write(writer, name, t)
-                if t.dtype == torch.uint8:
+                role = layout.by_name[name].role
+                if role != Role.KEPT:
+                    quant_bytes += t.numel() * t.dtype.itemsize
+                if role == Role.WEIGHT:  # move the bar by the source share of each quantized linear
                     n_quant += 1
                     params_quant += t.numel() * 2
-                if t.dtype == torch.uint8 or parse_output_name(name).suffix in QUANT_SUFFIXES[1:]:
-                    quant_bytes += t.numel() * t.dtype.itemsize
-                if t.dtype == torch.uint8:  # move the bar by the source share of each quantized linear
-                    step = layer_bytes * t.numel() * 2 // max(params_in_layer(p, ckpt), 1)
+                    step = layer_bytes * t.numel() * 2 // max(layer_params, 1)
                     bar.update(min(step, layer_bytes - done))
                     done += min(step, layer_bytes - done)
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
-                     p.index, len(p.groups), p.num_experts, len(p.keep))
-            del w
+                     lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
+            del w, by_source
         bar.set_postfix_str("writing", refresh=False)
         out.close()
     finally:
         reader.close()
         out.close()
     ckpt.close()
-    for name in model_keep + ([lm_head] if lm_head else []):
-        writer.write(name, ckpt.get_finite(name))
-        bar.update(ckpt.tensors[name].nbytes)
+    for t in layout.model:
+        writer.write(t.name, ckpt.get_finite(t.source))
+        bar.update(ckpt.tensors[t.source].nbytes)
     return n_quant, params_quant, quant_bytes
 
 
-def params_in_layer(p: _LayerJob, ckpt: Checkpoint) -> int:
-    """Parameters of a layer's quantized linears (dense groups and fused experts): the unit
-    by which the progress bar moves through a layer."""
-    names = [p.sources[f"{m}.weight"] for g in p.groups for m in g.members] + [
-        p.sources[EXPERT_GATE_UP], p.sources[EXPERT_DOWN]]
-    return sum(math.prod(ckpt.tensors[n].shape) for n in names)
+def params_in_layer(lay: LayerLayout) -> int:
+    """Parameters of a layer's quantized linears (dense groups and experts): the unit by which
+    the progress bar moves through a layer."""
+    return sum(lin.out_features * lin.in_features for lin in lay.linears)
 
 
-def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[str], weight_only: bool) -> None:
-    """One log line per tensor kind and source shape: how many, and what is written for them."""
-    act = "" if weight_only else " + input_scale"
+def _log_tensor_kinds(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
+    """One log line per tensor kind and shape: how many, and what is written for them."""
+    act = " + input_scale" if layout.act_quant else ""
     kinds: Counter = Counter()
-    for p in jobs:
-        for g in p.groups:
-            for m in g.members:
-                info = ckpt.tensors[p.sources[f"{m}.weight"]]
-                kinds[(m, info.dtype, info.shape, "/".join(x.rsplit(".", 1)[-1] for x in g.members))] += 1
-        for fused in (EXPERT_GATE_UP, EXPERT_DOWN):
-            info = ckpt.tensors[p.sources[fused]]
-            kinds[(fused, info.dtype, info.shape, "")] += 1
+    for lay in layout.layers:
+        for group in lay.groups:
+            for lin in group:
+                label = "/".join(g.key.rpartition(".")[2] for g in group)
+                kinds[(lin.key, ckpt.tensors[lin.source].dtype, (lin.out_features, lin.in_features), label)] += 1
+        if lay.experts:
+            gate, _, down = lay.experts[0]
+            for lin in (gate, down):
+                info = ckpt.tensors[lin.source]
+                kinds[(lin.key, info.dtype, info.shape, "")] += 1
     for (kind, dtype, shape, group), n in kinds.items():
         if kind == EXPERT_GATE_UP:
             what = f"{shape[0]} x gate_proj + up_proj nvfp4 [{shape[1] // 2}, {shape[2]}] (one weight_scale_2 per expert)"
@@ -409,9 +371,11 @@ def _log_tensor_kinds(ckpt: Checkpoint, jobs: list[_LayerJob], model_keep: list[
         else:
             what = f"nvfp4 [{shape[0]}, {shape[1]}] (weight_scale_2 shared by {group})"
         log.info("%-22s x%-3d %s %-18s -> %s%s", kind, n, str(dtype).removeprefix("torch."), list(shape), what, act)
-    if jobs:
-        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(jobs), ", ".join(jobs[0].keep))
-    log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors", len(model_keep))
+    if layout.layers:
+        log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(layout.layers),
+                 ", ".join(t.name[len(layout.layers[0].prefix):] for t in layout.layers[0].kept))
+    log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors",
+             sum(t.name != "lm_head.weight" for t in layout.model))
 
 
 def _load_tokenizer(root: Path):

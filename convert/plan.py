@@ -26,18 +26,22 @@ Sources:
   ``about-neuron/arch/neuron-hardware/inf2-arch.rst``, ``trn1-arch.rst`` and
   ``libraries/nxd-inference/developer_guides/feature-guide.rst``.
 
-Sharding rules (per rank, TP degree ``tp``):
+Weights per rank. The ``int8-neuron`` plan is the ``nbytes`` of the tensors ``g4convert
+int8-neuron`` writes into one rank file, from the same layout table and sharding rules
+(:func:`g4.exporters.neuron_int8.expected_rank_specs`; only the bf16 lm_head variants and a
+device embedding are weighed beyond what the exporter writes), so the plan cannot drift from the
+files. The GPU formats (``nvfp4``, ``bf16``) are costed by the formulas below with the same
+rules (per rank, TP degree ``tp``):
 
 - column-parallel (q/k/v, dense gate/up, expert gate_up, lm_head): output rows split;
-  an int8 per-channel scale is split with them;
-- row-parallel (o_proj, dense down, expert down): input columns split; the int8
-  per-output-channel scale is replicated;
-- KV heads: a layer with ``kv`` heads gives each rank ``max(1, kv // tp)`` heads (whole
-  heads are replicated when ``tp > kv``, which needs ``tp % kv == 0``);
+- row-parallel (o_proj, dense down, expert down): input columns split;
+- KV heads: :func:`g4.convert.gemma4.kv_heads_per_rank` (whole heads replicated when
+  ``tp > kv``, which needs ``tp % kv == 0``);
 - norms, ``layer_scalar`` and routers: replicated bf16.
 
-What is not counted: activations, compiler scratchpad, CUDA context and graphs, the
-runtime itself. The margin is what is left for those.
+Neuron plans also count the fp32 logits each compiled NxDI bucket graph outputs
+(:func:`nxdi_logits_bytes`). What is not counted: activations, compiler scratchpad, compiled
+graphs, CUDA context and graphs, the runtime itself. The margin is what is left for those.
 """
 
 from __future__ import annotations
@@ -49,8 +53,22 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, parse_rank_name
+
 from .errors import G4Error
-from .gemma4 import LAYER_NORMS, NVFP4_BLOCK as _NVFP4_BLOCK, AttentionLayer, Architecture, read_architecture, tp_problems
+from .gemma4 import (
+    NVFP4_BLOCK as _NVFP4_BLOCK,
+    LAYER_NORMS,
+    VISION_PREFIXES,
+    Architecture,
+    KvCacheLayer,
+    kv_cache_layers,
+    read_architecture,
+    tower_of,
+    tp_problems,
+)
 from .resolve import EMBEDDED, resolve_source, source_name
 
 GB = 10**9
@@ -63,7 +81,7 @@ EMBEDDINGS = ("host", "device")
 KNOWN_MODELS = ("gemma-4-26B-A4B",)  # convert/synth.py PRESETS
 
 _BF16 = 2  # bytes per bf16 element
-_FP32 = 4  # bytes per int8 per-channel scale
+_FP32 = 4  # bytes per fp32 element (NxDI's logits)
 _NVFP4_SCALARS = 8  # fp32 weight_scale_2 + fp32 input_scale per exported linear (W4A4)
 _QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of the experts and dense MLP
 
@@ -111,48 +129,38 @@ def valid_tp_degrees(g: Architecture, *, fmt: str = "bf16") -> list[int]:
 # --------------------------------------------------------------------------- bytes
 
 
-def _matrix_bytes(dtype: str, rows: int, cols: int, *, scales: int) -> int:
-    """Bytes one rank stores for a ``[rows, cols]`` slice of a weight matrix.
+def _matrix_bytes(dtype: str, rows: int, cols: int) -> int:
+    """Bytes one GPU rank stores for a ``[rows, cols]`` slice of a weight matrix.
 
-    ``dtype``: ``bf16`` (2 bytes per element), ``int8`` (1 byte per element plus
-    ``scales`` fp32 per-channel scales held by this rank) or ``nvfp4`` (``n/2`` bytes of
-    e2m1 codes, ``n/16`` float8_e4m3 block scales, plus the fp32 ``weight_scale_2`` and
-    ``input_scale`` of the linear; NVIDIA/Model-Optimizer
-    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``).
+    ``dtype``: ``bf16`` (2 bytes per element) or ``nvfp4`` (``n/2`` bytes of e2m1 codes,
+    ``n/16`` float8_e4m3 block scales, plus the fp32 ``weight_scale_2`` and ``input_scale``
+    of the linear; NVIDIA/Model-Optimizer
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``). int8 is costed from the
+    int8-neuron layout table (:func:`neuron_int8_weight_bytes`), not here.
     """
     n = rows * cols
     if dtype == "bf16":
         return n * _BF16
-    if dtype == "int8":
-        return n + scales * _FP32
     if dtype == "nvfp4":
         return n // 2 + rows * (cols // _NVFP4_BLOCK) + _NVFP4_SCALARS
     raise G4Error(f"unknown weight dtype {dtype!r}")
 
 
 def _column(dtype: str, out_per_rank: int, inp: int) -> int:
-    """Column-parallel slice: this rank's output rows, its scales split with them."""
-    return _matrix_bytes(dtype, out_per_rank, inp, scales=out_per_rank)
+    """Column-parallel slice: this rank's output rows."""
+    return _matrix_bytes(dtype, out_per_rank, inp)
 
 
 def _row(dtype: str, out: int, inp_per_rank: int) -> int:
-    """Row-parallel slice: this rank's input columns; per-output-channel scales replicated."""
-    return _matrix_bytes(dtype, out, inp_per_rank, scales=out)
+    """Row-parallel slice: this rank's input columns."""
+    return _matrix_bytes(dtype, out, inp_per_rank)
 
 
 def _experts_bytes(g: Architecture, dtype: str, tp: int) -> int:
-    """Per-rank bytes of every layer's experts.
-
-    int8: expert-wise fp32 scales ``[E, 1, out]`` (aws-neuron/neuronx-distributed
-    ``quantization/quantization_layers.py``): gate_up's ``[E, 1, 2I/tp]``
-    split with the weight, down's ``[E, 1, H]`` replicated. NVFP4: each expert is exported
-    as separate gate/up/down linears (``exporters/nvfp4_names.py``), each with its scalars.
-    """
+    """Per-rank bytes of every layer's experts on a GPU. NVFP4: each expert is exported as
+    separate gate/up/down linears (``exporters/nvfp4_names.py``), each with its scalars."""
     E, H, i = g.experts, g.hidden, g.moe_intermediate // tp
-    if dtype == "int8":
-        gate_up = E * (2 * i) * H + E * (2 * i) * _FP32
-        down = E * H * i + E * H * _FP32
-    elif dtype == "nvfp4":
+    if dtype == "nvfp4":
         gate_up = E * 2 * _column(dtype, i, H)
         down = E * _row(dtype, H, i)
     else:
@@ -168,12 +176,41 @@ def _dense_mlp_bytes(g: Architecture, dtype: str, tp: int) -> int:
 def _attention_bytes(g: Architecture, dtype: str, tp: int) -> int:
     """q/k/v column-parallel by heads (KV heads replicated when fewer than ranks), o row-parallel."""
     total = 0
-    for layer in g.layers:
+    for layer, cache in zip(g.layers, kv_cache_layers(g.layers, tp)):
         q = g.heads // tp * layer.head_dim
-        kv = layer.kv_per_rank(tp) * layer.head_dim
+        kv = cache.heads * cache.head_dim
         total += _column(dtype, q, g.hidden) + _column(dtype, kv, g.hidden) * (2 if layer.has_v else 1)
         total += _row(dtype, g.hidden, q)
     return total
+
+
+# Plan group of each model part of the int8-neuron table (g4.convert.gemma4.LAYER_MODULE_KINDS and
+# MODEL_MODULE_KINDS, read back through g4.exporters.neuron_int8.parse_rank_name).
+# NxD's rank indices (int32 [1], one per layer and one for the model) are counted with the norms.
+_GROUP_OF_KIND = {"experts": "experts", "lm_head": "lm_head", "dense MLP": "dense_mlp", "attention": "attention",
+                  "norms": "norms_and_routers", "routers": "norms_and_routers", "layer scalars": "norms_and_routers",
+                  "token embedding": "embedding", RANK_INDEX_KIND: "norms_and_routers"}
+
+
+def neuron_int8_weight_bytes(config: dict, tp: int, *, attention: str, lm_head: str) -> dict[str, int]:
+    """Device weight bytes on one rank of an int8-neuron result, by plan group (``experts``,
+    ``lm_head``, ``dense_mlp``, ``attention``, ``norms_and_routers``, ``embedding``): the ``nbytes``
+    of every tensor ``g4convert int8-neuron`` writes into one rank file, from the exporter's own
+    layout table and rules (:func:`g4.exporters.neuron_int8.expected_rank_specs`, bf16 source
+    tensors). The embedding is the bf16 column shard g4's NxDI class holds on the device
+    (:data:`g4.exporters.neuron_int8.DEVICE_EMBEDDING`), in every rank file.
+
+    Args:
+        attention: ``bf16`` or ``int8`` (``--quantize-attention``).
+        lm_head: ``int8-sharded`` (what the exporter writes), ``bf16-sharded`` or ``bf16-replicated``.
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over.
+    """
+    groups = dict.fromkeys(("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding"), 0)
+    for spec in expected_rank_specs(config, tp, quantize_attention=attention == "int8", lm_head=lm_head):
+        groups[_GROUP_OF_KIND[parse_rank_name(spec.name).kind]] += spec.nbytes
+    return groups
 
 
 def _norms_and_routers_bytes(g: Architecture) -> int:
@@ -216,10 +253,10 @@ class KvCache:
         return self.sliding + self.full
 
 
-def _kv_bytes_per_token(layer: AttentionLayer, tp: int) -> int:
-    """bf16 K and V of one layer for one token on one rank (K and V are both cached on full
-    layers with ``attention_k_eq_v`` too: they are normalised and roped differently)."""
-    return layer.kv_per_rank(tp) * layer.head_dim * 2 * _BF16
+def _kv_bytes_per_token(layer: KvCacheLayer, dtype_bytes: int = _BF16) -> int:
+    """K and V of one layer for one token on one rank (:class:`g4.convert.gemma4.KvCacheLayer`:
+    K and V are both cached on full layers with ``attention_k_eq_v`` too)."""
+    return layer.heads * layer.head_dim * 2 * dtype_bytes
 
 
 def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_batched_tokens: int) -> KvCache:
@@ -239,10 +276,11 @@ def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_ba
       ``check_enough_kv_cache_memory`` refuses to start when one sequence does not fit.
     - ``vllm/platforms/cuda.py``: 16 tokens per block unless ``--block-size`` is given.
     """
-    per_token = [_kv_bytes_per_token(layer, tp) for layer in g.layers]
+    layers = kv_cache_layers(g.layers, tp)
+    per_token = [_kv_bytes_per_token(layer) for layer in layers]
     page = max(per_token) * VLLM_BLOCK_TOKENS  # bytes of every block after page-size unification
     sliding = full = 0
-    for layer, t in zip(g.layers, per_token):
+    for layer, t in zip(layers, per_token):
         block = page // t if page % t == 0 else VLLM_BLOCK_TOKENS  # otherwise vLLM pads the page
         if layer.sliding:
             tokens = min(g.sliding_window - 1 + max_num_batched_tokens, seq_len)
@@ -252,23 +290,66 @@ def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_ba
     return KvCache(sliding * batch, full * batch)
 
 
-def kv_cache_nxdi(g: Architecture, tp: int, seq_len: int, batch: int) -> KvCache:
-    """The KV cache NxDI allocates per rank, in bytes: ``seq_len`` tokens on every layer,
-    sliding or not, for each of ``batch`` sequences.
+def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padding: int = 0,
+                  dtype_bytes: int = _BF16) -> KvCache:
+    """The KV cache g4's NxDI model class allocates per rank, in bytes: on every layer, sliding or
+    not, ``max_length`` positions for ``batch + padding`` sequences, that layer's KV heads per rank
+    and head dim (:func:`g4.convert.gemma4.kv_cache_layers`, which the class's
+    ``Gemma4KVCacheManager`` reads too), K and V, ``dtype_bytes`` per element (bf16: 2).
 
-    Rule (aws-neuron/neuronx-distributed-inference v0.8.0):
-    ``src/neuronx_distributed_inference/modules/kvcache/kv_cache_manager.py``
-    ``KVCacheManager._init_kv_shape`` gives every layer ``neuron_config.max_length`` (the
-    sequence length) tokens; it allocates fewer only when the model sets ``sliding_window``
-    for all layers or passes per-layer sizes (``layer_to_cache_size_mapping``, used by Llama
-    4's chunked attention alone). ``src/neuronx_distributed_inference/models/model_base.py``
-    leaves ``sliding_window`` unset for mixed sliding/full models (Gemma 3, 5:1 like Gemma 4,
-    applies its window in the attention mask only), so a sliding layer's cache is as long
-    as a full layer's.
+    Rule: ``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel.setup_attr_for_model`` passes
+    ``layer_to_cache_size_mapping = [max_length] * num_hidden_layers`` (its sliding window is
+    applied in the attention mask, not by a shorter cache), and NxDI 0.8 allocates one
+    ``[batch, heads, positions, head_dim]`` K and V buffer per layer from it
+    (aws-neuron/neuronx-distributed-inference
+    ``src/neuronx_distributed_inference/modules/kvcache/kv_cache_manager.py``, ``__init__`` /
+    ``_init_kv_shape`` / ``get_kv_shapes``: batch ``kv_cache_batch_size + kv_cache_padding_size``,
+    both defaulting to the batch size and 0 in ``models/config.py``; dtype ``attention_dtype``
+    or ``torch_dtype``). Not counted: the 128 extra positions NxDI adds per layer with
+    ``apply_seq_ids_mask`` (off by default; g4's manager does not add them), KV quantization.
+
+    Args:
+        g: the architecture.
+        tp: tensor-parallel degree.
+        max_length: ``neuron_config.max_length`` (the plan's ``seq_len``), positions.
+        batch: ``max_batch_size`` (= ``kv_cache_batch_size``), sequences.
+        padding: ``kv_cache_padding_size``, sequences.
+        dtype_bytes: bytes per cached element.
     """
-    sliding = sum(_kv_bytes_per_token(layer, tp) for layer in g.layers if layer.sliding) * seq_len * batch
-    full = sum(_kv_bytes_per_token(layer, tp) for layer in g.layers if not layer.sliding) * seq_len * batch
+    layers = kv_cache_layers(g.layers, tp)
+    rows = max_length * (batch + padding)
+    sliding = sum(_kv_bytes_per_token(layer, dtype_bytes) for layer in layers if layer.sliding) * rows
+    full = sum(_kv_bytes_per_token(layer, dtype_bytes) for layer in layers if not layer.sliding) * rows
     return KvCache(sliding, full)
+
+
+NXDI_MIN_BUCKET = 128  # NxDI's autobucketing starts at 128 positions
+
+
+def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False) -> tuple[list[int], list[int]]:
+    """``(context_encoding, token_generation)`` buckets (positions) NxDI 0.8 compiles one graph each
+    for, as its defaults give them (aws-neuron/neuronx-distributed-inference
+    ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets_for_cte`` /
+    ``generate_buckets_for_tkg`` / ``generate_buckets``; ``max_context_length`` = ``max_length`` =
+    ``seq_len``, no prefix caching or chunked prefill). Without bucketing (NxDI's default): one of
+    each, ``[max_length]``. With it: ``2**i`` from 128 below ``round(log2(max_length))``, then
+    ``max_length`` itself (so ``[max_length]`` alone up to 181 positions)."""
+    if not enable_bucketing:
+        return [max_length], [max_length]
+    low, high = int(math.log2(NXDI_MIN_BUCKET)), round(math.log2(max_length))
+    buckets = [2**i for i in range(low, high)] + [max_length]
+    return buckets, list(buckets)
+
+
+def nxdi_logits_bytes(g: Architecture, batch: int, buckets: tuple[list[int], list[int]]) -> int:
+    """Bytes of the logits each compiled NxDI graph outputs on a rank: ``[batch, 1, vocab]`` fp32 per
+    bucket, context encoding and token generation. NxDI keeps only the last position's hidden state
+    before the lm_head (``models/model_base.py``, ``NeuronBaseModel.forward``: ``torch.gather`` at the
+    largest position id; only ``output_logits=True`` returns every position) and casts the logits to
+    fp32; g4's class gathers the vocabulary on every rank (its lm_head has ``gather_output=True``
+    while on-device sampling is off), so each holds all ``vocab`` columns. Counted as one buffer per
+    bucket graph (an upper bound if the runtime shares them)."""
+    return (len(buckets[0]) + len(buckets[1])) * batch * g.vocab * _FP32
 
 
 # --------------------------------------------------------------------------- vision
@@ -309,7 +390,7 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
 
             ckpt = Checkpoint(root, source=True)
             n = sum(math.prod(info.shape) for name, info in ckpt.tensors.items()
-                    if name.startswith(("model.vision_tower.", "model.embed_vision.")))
+                    if tower_of(name) in VISION_PREFIXES)
             return n, f"safetensors headers of {root}"
     return _vision_params_meta(json.dumps(config, sort_keys=True)), "the config, built on the meta device"
 
@@ -320,7 +401,8 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
 @dataclass(frozen=True)
 class PlanInputs:
     """What a plan was computed for (``gpu_mem_bytes`` in bytes; ``seq_len`` and
-    ``max_num_batched_tokens`` in tokens; the latter None for a Neuron plan)."""
+    ``max_num_batched_tokens`` in tokens; the latter None for a Neuron plan;
+    ``enable_bucketing``: NxDI's, Neuron plans only)."""
 
     model: str
     fmt: str
@@ -333,6 +415,7 @@ class PlanInputs:
     attention: str
     embedding: str
     max_num_batched_tokens: int | None = None
+    enable_bucketing: bool = False
 
 
 GROUPS = ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision")
@@ -352,7 +435,11 @@ class MemoryPlan:
             tokens, as the serving engine reserves it (:func:`kv_cache_vllm` on a GPU,
             :func:`kv_cache_nxdi` on Neuron); ``kv_cache_sliding + kv_cache_full``.
         kv_cache_sliding, kv_cache_full: its bytes on sliding-window and on full layers.
-        total_per_rank: ``weights_per_rank + kv_cache``.
+        logits_outputs: Neuron plans: the fp32 logits each compiled NxDI graph outputs on a rank
+            (:func:`nxdi_logits_bytes`); 0 for a GPU plan.
+        buckets: Neuron plans: NxDI's ``context_encoding`` and ``token_generation`` buckets
+            (positions, :func:`nxdi_buckets`); None for a GPU plan.
+        total_per_rank: ``weights_per_rank + kv_cache + logits_outputs``.
         device_mem_per_rank: device memory of one rank (16 GiB per NeuronCore, or
             ``--gpu-mem``); None without a target.
         margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
@@ -379,6 +466,8 @@ class MemoryPlan:
     kv_cache: int
     kv_cache_sliding: int
     kv_cache_full: int
+    logits_outputs: int
+    buckets: dict[str, list[int]] | None
     total_per_rank: int
     device_mem_per_rank: int | None
     margin: int | None
@@ -417,8 +506,10 @@ class MemoryPlan:
         rows = [(name, getattr(self, name), self.layout.get(name, "")) for name in GROUPS]
         rows += [("weights", self.weights_per_rank, ""), ("kv_cache", self.kv_cache, self.layout["kv_cache"]),
                  ("  sliding layers", self.kv_cache_sliding, self.layout["kv_cache_sliding"]),
-                 ("  full layers", self.kv_cache_full, self.layout["kv_cache_full"]),
-                 ("total", self.total_per_rank, "")]
+                 ("  full layers", self.kv_cache_full, self.layout["kv_cache_full"])]
+        if self.buckets is not None:
+            rows.append(("logits outputs", self.logits_outputs, self.layout["logits_outputs"]))
+        rows.append(("total", self.total_per_rank, ""))
         if self.device_mem_per_rank is not None:
             rows += [("device memory", self.device_mem_per_rank, "one NeuronCore" if p.target else "one GPU"),
                      ("margin", self.margin, _verdict(self.fits))]
@@ -476,8 +567,8 @@ def _describe_target(p: PlanInputs) -> str:
 def _with_defaults(fmt: str, neuron: bool, tied: bool, lm_head: str | None, attention: str | None,
                    embedding: str | None) -> tuple[str, str, str]:
     """(lm_head, attention, embedding) with the format's defaults filled in."""
-    if fmt == "int8-neuron":
-        return lm_head or "int8-sharded", attention or "bf16", embedding or "host"
+    if fmt == "int8-neuron":  # the rank files hold the device embedding shard g4's NxDI class uses
+        return lm_head or "int8-sharded", attention or "bf16", embedding or "device"
     embedding = embedding or "device"
     shared = tied and not neuron and embedding == "device"
     return lm_head or ("tied" if shared else "bf16-sharded"), attention or _QUANT[fmt], embedding
@@ -511,9 +602,12 @@ def _check_options(fmt: str, neuron: bool, g: Architecture, lm_head: str, attent
         raise G4Error(f"attention {attention} does not exist in the {fmt} format (use bf16 or {quant})")
     if lm_head == "int8-sharded" and fmt != "int8-neuron":
         raise G4Error(f"an int8 lm_head exists only in the int8-neuron format, not {fmt}")
+    if fmt == "int8-neuron" and embedding != "device":
+        raise G4Error("embedding 'host' does not apply to int8-neuron: its rank files hold the embedding shard "
+                      "g4's NxDI class looks tokens up in on the device (embed_tokens [V, H/T])")
     if lm_head == "tied" and not g.tied:
         raise G4Error("lm_head 'tied' needs tie_word_embeddings; this model has its own lm_head.weight")
-    if lm_head == "tied" and (embedding != "device" or neuron):
+    if lm_head == "tied" and (embedding != "device" or neuron or fmt == "int8-neuron"):
         raise G4Error("lm_head 'tied' shares the embedding table on a GPU; on Neuron or with a host "
                       "embedding the lm_head is its own copy (int8-sharded, bf16-sharded or bf16-replicated)")
 
@@ -533,7 +627,7 @@ def _check_tp(g: Architecture, tp: int, fmt: str, t: NeuronTarget | None) -> Non
 
 
 def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: Architecture,
-            batched_tokens: int | None, seq_len: int) -> dict[str, str]:
+            batched_tokens: int | None, seq_len: int, buckets: dict | None, batch: int) -> dict[str, str]:
     """How each group is stored and split, for the report."""
     name = "int8 + fp32 per-channel scales" if quant == "int8" else quant
     experts = ("int8, expert-wise fp32 scales [E,1,out]; gate_up column- (scale split), down row-parallel "
@@ -547,16 +641,20 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
         "attention": f"{'int8 + fp32 per-channel scales' if attention == 'int8' else attention}; heads split, "
                      "o_proj row-parallel",
         "norms_and_routers": "bf16, replicated",
-        "embedding": "bf16, vocab-sharded" if embedding == "device" else "on the host (not on the device)",
+        "embedding": ("bf16, hidden columns split (NxD ParallelEmbedding)" if quant == "int8" else
+                      "bf16, vocab-sharded") if embedding == "device" else "on the host (not on the device)",
         "vision": "bf16, whole on every rank" if vision else "not loaded",
         **_kv_layout(g, batched_tokens, seq_len),
+        **({} if buckets is None else {"logits_outputs": (
+            f"fp32 [{batch}, 1, {g.vocab}] per graph: context encoding buckets {buckets['context_encoding']}, "
+            f"token generation buckets {buckets['token_generation']}")}),
     }
 
 
 def _kv_layout(g: Architecture, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How the KV cache was sized: which engine's rule, in words, for the report."""
     if batched_tokens is None:
-        return {"kv_cache": "bf16 K and V; NxDI's rule: every layer holds seq_len tokens",
+        return {"kv_cache": "bf16 K and V as g4's NxDI class allocates them: every layer holds seq_len tokens",
                 "kv_cache_sliding": f"{seq_len} tokens (NxDI allocates the whole sequence, not the window)",
                 "kv_cache_full": f"{seq_len} tokens"}
     tokens = min(g.sliding_window - 1 + batched_tokens, seq_len)
@@ -566,7 +664,7 @@ def _kv_layout(g: Architecture, batched_tokens: int | None, seq_len: int) -> dic
             "kv_cache_full": f"{seq_len} tokens in blocks"}
 
 
-def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int) -> list[str]:
+def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_len: int, fmt: str) -> list[str]:
     notes = []
     if g.max_positions and seq_len > g.max_positions:
         notes.append(f"seq_len {seq_len} is longer than the model's max_position_embeddings {g.max_positions}")
@@ -585,14 +683,19 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
                      f"({heads}) are fewer than TP {tp}")
     if not neuron and tp > 1:
         notes.append("GPU ranks: experts split by TP (not expert parallel); the embedding is vocab-sharded")
-    notes.append("not counted: activations, compiler scratchpad / CUDA context and graphs, the runtime")
+    if neuron or fmt == "int8-neuron":
+        notes.append("counted per NxDI bucket graph: its fp32 logits output; not counted: each graph's activations "
+                     "and scratchpad, its compiled instructions, its input tensors (ids, positions, masks), the runtime")
+    else:
+        notes.append("not counted: activations, compiler scratchpad / CUDA context and graphs, the runtime")
     return notes
 
 
 def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = None, gpu_mem_bytes: int | None = None,
                 seq_len: int = 8192, batch: int = 1, lm_head: str | None = None, attention: str | None = None,
                 embedding: str | None = None, src_dir: str | Path | None = None,
-                model: str | None = None, max_num_batched_tokens: int | None = None) -> MemoryPlan:
+                model: str | None = None, max_num_batched_tokens: int | None = None,
+                enable_bucketing: bool = False) -> MemoryPlan:
     """Plan the memory of ``config`` served in ``fmt`` at TP degree ``tp``.
 
     Args:
@@ -621,6 +724,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
             which sets what its sliding layers reserve; default
             :func:`vllm_default_batched_tokens` of ``gpu_mem_bytes``. Only for GPU plans
             (nvfp4 or bf16 without a Neuron ``target``); Neuron plans use NxDI's rule.
+        enable_bucketing: Neuron plans: NxDI's ``enable_bucketing`` (:func:`nxdi_buckets`), which
+            sets how many graphs output logits; the KV cache does not depend on it.
 
     Returns:
         The :class:`MemoryPlan`. The vision tower and ``embed_vision`` are counted (bf16,
@@ -639,6 +744,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     if max_num_batched_tokens is not None and on_neuron:
         raise G4Error("--max-num-batched-tokens is a vLLM (GPU) setting; a Neuron plan sizes the KV cache "
                       "by NxDI's rule")
+    if enable_bucketing and not on_neuron:
+        raise G4Error("--bucketing is an NxDI (Neuron) setting; a GPU plan sizes the KV cache by vLLM's rule")
     if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
         raise G4Error(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
     batched = None if on_neuron else max_num_batched_tokens or vllm_default_batched_tokens(gpu_mem_bytes)
@@ -650,9 +757,6 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
 
     quant = _QUANT[fmt]
     table = g.vocab * g.hidden * _BF16
-    lm_bytes = {"int8-sharded": _column("int8", g.vocab // tp, g.hidden),
-                "bf16-sharded": _column("bf16", g.vocab // tp, g.hidden),
-                "bf16-replicated": table, "tied": 0}[lm_head]
     notes: list[str] = []
     vision = 0
     if not neuron and fmt != "int8-neuron":
@@ -664,29 +768,41 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         notes.append("vision tower and embed_vision not counted: text-only serving")
     if config.get("audio_config"):
         notes.append("audio tower not counted")
-    groups = dict(
-        experts=_experts_bytes(g, quant, tp), lm_head=lm_bytes, dense_mlp=_dense_mlp_bytes(g, quant, tp),
-        attention=_attention_bytes(g, attention, tp), norms_and_routers=_norms_and_routers_bytes(g),
-        embedding=table // tp if embedding == "device" else 0, vision=vision)
+    if fmt == "int8-neuron":  # from the exporter's layout table: the bytes of the rank files
+        groups = dict(neuron_int8_weight_bytes(config, tp, attention=attention, lm_head=lm_head), vision=vision)
+    else:
+        lm_bytes = {"bf16-sharded": _column("bf16", g.vocab // tp, g.hidden), "bf16-replicated": table,
+                    "tied": 0}[lm_head]
+        groups = dict(
+            experts=_experts_bytes(g, quant, tp), lm_head=lm_bytes, dense_mlp=_dense_mlp_bytes(g, quant, tp),
+            attention=_attention_bytes(g, attention, tp), norms_and_routers=_norms_and_routers_bytes(g),
+            embedding=table // tp if embedding == "device" else 0, vision=vision)
     weights = sum(groups.values())
-    kv_parts = kv_cache_nxdi(g, tp, seq_len, batch) if on_neuron else kv_cache_vllm(g, tp, seq_len, batch, batched)
+    if on_neuron:
+        kv_parts = kv_cache_nxdi(g, tp, seq_len, batch)
+        cte, tkg = nxdi_buckets(seq_len, enable_bucketing=enable_bucketing)
+        buckets = {"context_encoding": cte, "token_generation": tkg}
+        logits = nxdi_logits_bytes(g, batch, (cte, tkg))
+    else:
+        kv_parts, buckets, logits = kv_cache_vllm(g, tp, seq_len, batch, batched), None, 0
     kv = kv_parts.total
     device = t.hbm_per_core_bytes if t else gpu_mem_bytes
-    margin = None if device is None else device - weights - kv
+    margin = None if device is None else device - weights - kv - logits
     host_embedding = table if embedding == "host" else 0
     host_files = tp * weights if t else 0
     host_ram = t.host_ram_bytes if t else None
     host_margin = None if host_ram is None else host_ram - host_files - host_embedding
     return MemoryPlan(
         inputs=PlanInputs(model or "model", fmt, tp, target, gpu_mem_bytes, seq_len, batch, lm_head, attention,
-                          embedding, batched),
+                          embedding, batched, enable_bucketing),
         **groups, weights_per_rank=weights, kv_cache=kv, kv_cache_sliding=kv_parts.sliding,
-        kv_cache_full=kv_parts.full, total_per_rank=weights + kv, device_mem_per_rank=device,
+        kv_cache_full=kv_parts.full, logits_outputs=logits, buckets=buckets, total_per_rank=weights + kv + logits,
+        device_mem_per_rank=device,
         margin=margin, fits=None if margin is None else margin >= 0, host_embedding=host_embedding,
         host_rank_files=host_files, host_ram_need=host_files + host_embedding, host_ram=host_ram,
         host_margin=host_margin, host_fits=None if host_margin is None else host_margin >= 0,
-        layout=_layout(quant, lm_head, attention, embedding, vision, g, batched, seq_len),
-        notes=tuple(notes + _notes(g, tp, t, neuron, seq_len)))
+        layout=_layout(quant, lm_head, attention, embedding, vision, g, batched, seq_len, buckets, batch),
+        notes=tuple(notes + _notes(g, tp, t, neuron, seq_len, fmt)))
 
 
 # --------------------------------------------------------------------------- sources

@@ -36,20 +36,11 @@ from pathlib import Path
 
 import click
 
-from g4.exporters.model_card import (
-    CARD_FILE,
-    FACTS_FILE,
-    INDEX_NAME,
-    check_repo_id,
-    load_conversion_facts,
-    render_card,
-    repo_files,
-    set_base_model,
-    write_card,
-)
+from g4.exporters.model_card import CARD_FILE, FACTS_FILE, INDEX_NAME, check_repo_id
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
+from .card import g4_version, card_text, load_conversion_facts, repo_files, write_card, write_facts
 from .errors import G4Error, OptionError
 from .resolve import quiet_http_logs
 
@@ -306,7 +297,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         notes.append("the card names no base_model (g4 could not tell the source's Hub repo from SRC); "
                      "pass --base-model ORG/NAME to link it")
     if dry_run:
-        return _dry_run(out, repo_id, revision, base_model, max_file_bytes, notes)
+        return _dry_run(out, repo_id, revision, base_model, max_file_bytes, notes, facts)
 
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
@@ -314,15 +305,14 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import RevisionNotFoundError
 
-    from g4.exporters.model_card import _g4_version
-
-    api = HfApi(endpoint=endpoint, token=token, library_name="g4", library_version=_g4_version())
+    api = HfApi(endpoint=endpoint, token=token, library_name="g4", library_version=g4_version())
     kw = dict(attempts=attempts, wait_s=retry_wait_s, repo_id=repo_id, token=token)
 
     _check_write_token(api, repo_id, kw)
     if base_model is not None:
-        set_base_model(out, base_model)
-    card = write_card(out, repo_id=repo_id)
+        facts["base_model"] = base_model
+        write_facts(out, facts)
+    card = write_card(out, repo_id=repo_id, facts=facts)
     files = local_files(out)  # README.md changed
     check_complete(out, files, max_file_bytes=max_file_bytes)
 
@@ -362,9 +352,9 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
 
 
 def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int,
-             notes: list[str]) -> PushReport:
+             notes: list[str], facts: dict) -> PushReport:
     """What a push would send: the card rendered in memory and OUT's files; nothing written."""
-    card = render_card(out, repo_id=repo_id, base_model=base_model)
+    card = card_text(out, repo_id=repo_id, base_model=base_model, facts=facts)
     files = [f for f in local_files(out) if f.rel != CARD_FILE]
     files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
     check_complete(out, files, max_file_bytes=max_file_bytes)

@@ -27,8 +27,9 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, fuse_gate_up, is_tied, release_config
-from g4.exporters.nvfp4_names import parse_output_name
+from g4.convert.gemma4 import fuse_gate_up, is_tied, release_config
+from g4.exporters.modelopt_nvfp4 import output_layout
+from g4.exporters.nvfp4_names import Role
 from g4.quantizers import nvfp4 as q
 
 # Generic held-out prompts for sources that ship no facts.json.
@@ -117,35 +118,36 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
         keys being full checkpoint names.
     """
     ckpt = out_dir if isinstance(out_dir, Checkpoint) else Checkpoint(out_dir)
+    layout = output_layout(ckpt)  # name -> what it is and where it goes in transformers' model
     raw = {name: ckpt.get(name) for name in ckpt.tensors if name.startswith(prefix)}
     sd: dict[str, torch.Tensor] = {}
     input_scales: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name in sorted(raw):
-        o = parse_output_name(name)
-        if o is None:  # not a name the table writes: passed on, for the load to report
-            sd[name] = raw[name]
+    # fused expert tensor -> expert -> its dequantized linears in table order ((gate, up) or (down,))
+    experts: dict[str, dict[int, list[torch.Tensor]]] = {}
+    # A name the table does not list is passed on as stored, for the load to report.
+    sd |= {name: raw[name] for name in sorted(raw) if name not in layout.by_name}
+    for t in layout.tensors:
+        if t.name not in raw:
             continue
-        fused = None
-        if o.expert is not None:  # the fused source tensor this expert linear came from
-            fused = o.layer_prefix + (EXPERT_DOWN if o.proj == "down_proj" else EXPERT_GATE_UP)
-        if o.suffix in ("weight_scale", "weight_scale_2"):
-            continue
-        if o.suffix == "input_scale":
-            input_scales[fused or o.module] = raw[name]
-            continue
-        t = raw[name]
-        if o.suffix == "weight" and t.dtype == torch.uint8:
-            t = q.dequantize_tensors(t, raw[f"{o.module}.weight_scale"], raw[f"{o.module}.weight_scale_2"], dtype)
-            if o.expert is not None:
-                experts.setdefault(o.layer_prefix, {}).setdefault(o.expert, {})[o.proj] = t
-                continue
-        sd[name] = t
-    for layer, by_expert in experts.items():
-        n = len(by_expert)
-        sd[layer + EXPERT_GATE_UP] = _stack_dropping(
-            n, lambda e: fuse_gate_up(by_expert[e].pop("gate_proj"), by_expert[e].pop("up_proj")))
-        sd[layer + EXPERT_DOWN] = _stack_dropping(n, lambda e: by_expert[e].pop("down_proj"))
+        if t.role == Role.KEPT:
+            sd[t.name] = raw[t.name]
+        elif t.role == Role.INPUT_SCALE:
+            input_scales[t.linear.input_key] = raw[t.name]
+        elif t.role == Role.WEIGHT:
+            lin = t.linear
+            w = q.dequantize_tensors(raw[t.name], raw[lin.name(Role.WEIGHT_SCALE)], raw[lin.name(Role.WEIGHT_SCALE_2)],
+                                     dtype)
+            if lin.expert is None:
+                sd[lin.hf_name] = w
+            else:
+                experts.setdefault(lin.hf_name, {}).setdefault(lin.expert, []).append(w)
+
+    def take(by_expert: dict[int, list[torch.Tensor]], e: int) -> torch.Tensor:  # dropped once taken
+        ws = by_expert.pop(e)
+        return fuse_gate_up(*ws) if len(ws) == 2 else ws[0]
+
+    for fused, by_expert in experts.items():  # transformers' [E, 2I, H] gate_up (gate rows first) and [E, H, I] down
+        sd[fused] = _stack_dropping(len(by_expert), lambda e, b=by_expert: take(b, e))
     return sd, input_scales
 
 

@@ -96,7 +96,7 @@ def synthetic_specs(config: dict) -> list[TensorSpec]:
         model = cls(hf)
     specs = [TensorSpec(name, torch.bfloat16, tuple(t.shape)) for name, t in model.state_dict().items()
              if not (arch.tied and name == "lm_head.weight")]
-    prefix = MULTIMODAL_PREFIX if arch.multimodal else TEXT_PREFIX
+    prefix = _lm_prefix(arch)
     shapes = {s.name: s.shape for s in specs}
     for L in range(arch.num_layers):  # transformers' model and g4's inventory of it agree
         for suffix, shape in arch.layer_tensor_shapes(L).items():
@@ -104,8 +104,13 @@ def synthetic_specs(config: dict) -> list[TensorSpec]:
     return specs
 
 
-def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
-    if spec.name.endswith("layer_scalar"):
+def _lm_prefix(arch) -> str:
+    """Key prefix of the language model in the layout transformers saves for ``arch``."""
+    return MULTIMODAL_PREFIX if arch.multimodal else TEXT_PREFIX
+
+
+def _random_tensor(spec: TensorSpec, gen: torch.Generator, *, ones: bool = False) -> torch.Tensor:
+    if ones:  # layer_scalar: the identity, as transformers initialises it
         return torch.ones(spec.shape, dtype=spec.dtype)
     t = torch.randn(spec.shape, generator=gen, dtype=torch.bfloat16)
     if len(spec.shape) == 1:  # norms and scales: around 1
@@ -132,6 +137,8 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
 
     config = synthetic_config(like, layers=layers, vision=vision)
     specs = synthetic_specs(config)
+    arch = read_architecture(config)
+    scalars = {f"{_lm_prefix(arch)}layers.{L}.layer_scalar" for L in range(arch.num_layers)}
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite, need_bytes=sum(spec.nbytes for spec in specs)) as tmp:
@@ -140,7 +147,7 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=parse_size(max_shard_size))
         with progress_bar(writer.total_bytes, "synth", enabled=progress) as bar:
             for spec in specs:
-                writer.write(spec.name, _random_tensor(spec, gen))
+                writer.write(spec.name, _random_tensor(spec, gen, ones=spec.name in scalars))
                 bar.update(spec.nbytes)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

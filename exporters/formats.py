@@ -2,7 +2,7 @@
 
 Three formats are recognised, in this order:
 
-* ``int8-neuron``: ``manifest.json`` whose ``format`` is ``g4-int8-neuron/1`` (written by
+* ``int8-neuron``: ``manifest.json`` whose ``format`` is ``g4-int8-neuron/2`` (written by
   ``g4convert int8-neuron``; layout and sources in ``exporters/neuron_int8.py``).
 * ``nvfp4``: ``hf_quant_config.json`` with ``quantization.quant_algo == "NVFP4"``, or a
   ``config.json`` whose ``quantization_config`` has ``quant_method: modelopt`` and

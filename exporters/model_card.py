@@ -1,23 +1,17 @@
-"""The model card (``README.md``) of a g4 result, rendered from the files in OUT alone.
+"""The model card (``README.md``) of a g4 result: a pure rendering of its inputs.
 
-At conversion time :func:`write_model_card` stores the facts that only the source knows
-(its name and Hub repo id, its weight bytes, its README front matter: license, tags,
-library and pipeline) and the conversion options in ``g4_conversion.json`` (schema below),
-then renders ``README.md``. Everything else comes from OUT itself, so ``g4convert push``
-can re-render the card later, e.g. after ``g4serve check`` added ``verification.json``:
+:func:`render_card` turns a :class:`CardInputs` (the conversion facts, the NVFP4 or
+int8-neuron contents, ``verification.json``, the file list with sizes, the repo id) into
+the card text; it reads no file. ``g4.convert.card`` gathers those inputs from OUT (and, at
+conversion time, from the source) and writes the card, so ``g4convert push`` can re-render it
+later, e.g. after ``g4serve check`` added ``verification.json``.
 
-- NVFP4: safetensors headers (which linears are ``uint8`` E2M1 with their scales, what
-  stayed bf16, bits per quantized weight), ``config.json`` (``quantization_config``);
-- int8-neuron: ``manifest.json`` (TP degree, what was quantized, memory plan) and the rank
-  files' headers;
-- ``verification.json`` when present (schema of ``g4serve check``: ``g4_verification: 1``).
+The same inputs always give the same bytes: no timestamps, no absolute paths, every listing
+sorted. Metadata go through huggingface_hub's ``ModelCardData`` / ``ModelCard`` (front matter
+keys as in huggingface_hub ``repocard_data.py``; ``base_model_relation: quantized`` as the
+Hub's model tree reads it).
 
-The same OUT (and the same ``repo_id``) always gives the same bytes: no timestamps, no
-absolute paths, every listing sorted. Metadata go through huggingface_hub's
-``ModelCardData`` / ``ModelCard`` (front matter keys as in huggingface_hub
-``repocard_data.py``; ``base_model_relation: quantized`` as the Hub's model tree reads it).
-
-``g4_conversion.json`` (version 1)::
+``g4_conversion.json`` (version 1; checked by :func:`check_facts`)::
 
     {"g4_conversion": 1, "format": "nvfp4" | "int8-neuron", "g4_version": "0.1.0",
      "base_model": "org/name" | null,
@@ -29,18 +23,11 @@ absolute paths, every listing sorted. Metadata go through huggingface_hub's
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
 import shlex
-import struct
-from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
-from g4.convert.errors import ExportError, G4Error
-from g4.convert.resolve import EMBEDDED_DIR, REPO_ID_PATTERN
+from g4.convert.errors import G4Error
 
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
@@ -52,166 +39,18 @@ NVFP4, INT8_NEURON = "nvfp4", "int8-neuron"
 FORMAT_TAGS = {NVFP4: ["nvfp4", "modelopt", "vllm"], INT8_NEURON: ["neuron", "inferentia2", "int8"]}
 # Front matter keys copied from the source README (huggingface_hub ModelCardData fields).
 SOURCE_CARD_KEYS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language", "tags")
-_REPO_ID = re.compile(rf"^{REPO_ID_PATTERN}$")
-_HF_CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
 _MAX_PROMPT_ROWS = 10
+
+
+# The serve commands a card shows: (label, GPU compute capability, vLLM version or None for the
+# latest known); the commands themselves come from g4.exporters.vllm_command.
+VLLM_TARGETS = (("Blackwell (compute capability 10.0, W4A4 FP4 kernels)", (10, 0), None),
+                ("Hopper (compute capability 9.0, weight-only Marlin kernels), vLLM >= 0.23", (9, 0), None),
+                ("Hopper with vLLM 0.19.1 to 0.22.x", (9, 0), "0.22.0"))
 
 
 class CardError(G4Error):
     """OUT lacks what its model card needs (not a g4 result, unreadable facts)."""
-
-
-# --------------------------------------------------------------------------- facts at conversion time
-
-
-def source_repo_id(src: str | Path, config: dict | None = None) -> str | None:
-    """The Hub repo id of a source checkpoint directory, when it can be known.
-
-    From a Hugging Face cache path (``.../models--org--name/snapshots/<sha>``: where a SRC
-    given as a repo id is downloaded to, see :func:`g4.convert.resolve.resolve_source`), else
-    from ``config.json["_name_or_path"]`` when that is ``org/name`` and not a local path.
-    Returns None otherwise (pass ``--base-model``).
-    """
-    cached = hf_cache_repo_id(src)
-    if cached:
-        return cached
-    name = (config or {}).get("_name_or_path")
-    if isinstance(name, str) and _REPO_ID.match(name) and not Path(name).exists():
-        return name
-    return None
-
-
-def hf_cache_repo_id(path: str | Path) -> str | None:
-    """``org/name`` when ``path`` lies in a Hugging Face cache repo folder
-    (``models--org--name``), else None."""
-    for part in reversed(Path(path).resolve().parts):
-        m = _HF_CACHE_DIR.match(part)
-        if m:
-            return f"{m.group(1)}/{m.group(2)}"
-    return None
-
-
-def hf_cache_revision(path: str | Path) -> str | None:
-    """The commit of a Hugging Face cache snapshot folder (``.../models--org--name/snapshots/<commit>``,
-    where a SRC given as a repo id is resolved to), else None."""
-    p = Path(path).absolute()  # not resolved: the snapshot's files are links into ../../blobs
-    return p.name if p.parent.name == "snapshots" and hf_cache_repo_id(p) else None
-
-
-def source_card_data(src: str | Path) -> dict:
-    """The front matter keys of ``SRC/README.md`` that a derived model keeps
-    (:data:`SOURCE_CARD_KEYS`); ``{}`` when the source has no README or no front matter."""
-    readme = Path(src) / CARD_FILE
-    if not readme.is_file():
-        return {}
-    from huggingface_hub.repocard import metadata_load
-
-    try:
-        meta = metadata_load(readme) or {}
-    except Exception as e:  # yaml errors of several types
-        raise CardError(f"{readme}: unreadable front matter ({type(e).__name__}: {e})") from e
-    return {k: meta[k] for k in SOURCE_CARD_KEYS if meta.get(k) is not None}
-
-
-def _weight_files(root: Path) -> list[str]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return sorted(p.name for p in root.glob("*.safetensors"))
-
-
-def write_model_card(tmp: str | Path, fmt: str, *, src: str | Path, out_name: str, options: dict) -> None:
-    """Write ``g4_conversion.json`` and the rendered ``README.md`` into a conversion's
-    temporary output directory ``tmp`` (before it is renamed to OUT).
-
-    Args:
-        tmp: the directory holding the finished result files.
-        fmt: ``"nvfp4"`` or ``"int8-neuron"``.
-        src: the source checkpoint directory (read: config, README front matter, the
-            sizes of its safetensors files in bytes).
-        out_name: the final OUT directory name (used in the card until it is pushed).
-        options: the result-affecting conversion options; a ``calib_data`` path is
-            stored as its file name and sha256, never as a local path.
-
-    Raises:
-        CardError: unreadable source README front matter.
-    """
-    from g4.convert.checkpoint import read_index
-
-    tmp, src = Path(tmp), Path(src)
-    config = json.loads((src / "config.json").read_text())
-    embedded = src.resolve() == EMBEDDED_DIR.resolve()
-    _, shards = read_index(src)  # the files the conversion read, as it resolved them
-    text = config.get("text_config") or {}
-    opts = {}
-    for k, v in sorted(options.items()):
-        if k == "calib_data" and v is not None:
-            p = Path(v)
-            v = {"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-        opts[k] = v
-    facts = {
-        "g4_conversion": FACTS_VERSION,
-        "format": fmt,
-        "g4_version": _g4_version(),
-        "base_model": None,
-        "source": {
-            "name": "embedded" if embedded else (hf_cache_repo_id(src) or src.resolve().name).split("/")[-1],
-            "repo_id": None if embedded else source_repo_id(src, config),
-            "revision": None if embedded else hf_cache_revision(src),
-            "weight_files": list(shards),
-            "weight_bytes": sum(path.stat().st_size for path in shards.values()),
-            "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
-            "card": source_card_data(src),
-        },
-        "options": opts,
-    }
-    _write_json_atomic(tmp / FACTS_FILE, facts)
-    _write_text_atomic(tmp / CARD_FILE, render_card(tmp, name=out_name))
-
-
-def _g4_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("g4")
-    except metadata.PackageNotFoundError:
-        from g4.exporters.modelopt_nvfp4 import CONVERTER
-
-        return CONVERTER["version"]
-
-
-def load_conversion_facts(out: str | Path) -> dict:
-    """``OUT/g4_conversion.json``.
-
-    Raises:
-        CardError: missing (not a g4 result, or one converted before g4 wrote model
-            cards), unreadable, or of an unknown version.
-    """
-    path = Path(out) / FACTS_FILE
-    if not path.is_file():
-        raise CardError(f"{out}: no {FACTS_FILE}; not a g4 nvfp4/int8-neuron result, or converted by an older g4 "
-                        "(convert it again)")
-    try:
-        facts = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CardError(f"{path}: unreadable ({e})") from e
-    if not isinstance(facts, dict) or facts.get("g4_conversion") != FACTS_VERSION or facts.get("format") not in FORMAT_TAGS:
-        raise CardError(f"{path}: not a g4_conversion version {FACTS_VERSION} file")
-    return facts
-
-
-def set_base_model(out: str | Path, base_model: str) -> None:
-    """Record ``base_model`` (a Hub repo id ``org/name``) in OUT's facts and re-render
-    OUT's ``README.md`` (both written atomically).
-
-    Raises:
-        CardError: not a repo id, or OUT has no facts file.
-    """
-    check_repo_id(base_model, what="--base-model")
-    facts = load_conversion_facts(out)
-    facts["base_model"] = base_model
-    _write_json_atomic(Path(out) / FACTS_FILE, facts)
-    write_card(out)
 
 
 def check_repo_id(repo_id: str, *, what: str = "REPO_ID") -> str:
@@ -231,159 +70,47 @@ def check_repo_id(repo_id: str, *, what: str = "REPO_ID") -> str:
     return repo_id
 
 
-def write_card(out: str | Path, *, repo_id: str | None = None) -> str:
-    """Re-render ``OUT/README.md`` from OUT's files (atomic replace) and return its text."""
-    text = render_card(out, repo_id=repo_id)
-    _write_text_atomic(Path(out) / CARD_FILE, text)
-    return text
 
+def check_facts(facts, where: str) -> dict:
+    """Return ``facts`` if it is a ``g4_conversion.json`` of version :data:`FACTS_VERSION`.
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-# --------------------------------------------------------------------------- reading OUT
+    Raises:
+        CardError: anything else (``where`` names the file).
+    """
+    if not isinstance(facts, dict) or facts.get("g4_conversion") != FACTS_VERSION or facts.get("format") not in FORMAT_TAGS:
+        raise CardError(f"{where}: not a g4_conversion version {FACTS_VERSION} file")
+    return facts
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class CardInputs:
+    """Everything a model card shows (gathered by ``g4.convert.card.card_inputs``).
+
+    Attributes:
+        facts: ``g4_conversion.json`` (schema above); the source's card data is
+            ``facts["source"]["card"]``, a ``base_model`` override is already applied.
+        name: OUT's directory name (the title, and the local path until pushed).
+        files: ``(path relative to OUT, size in bytes)`` of every repo file but ``README.md``, sorted.
+        verification: ``verification.json`` (``g4serve check``, ``g4_verification: 1``) with
+            ``"stale"`` added (why it is not about OUT's current weights, or None); None when absent.
+        repo_id: the Hub repo the card is for (the serve commands then name it), or None.
+        nvfp4: for an NVFP4 result: ``quant`` ({kind: {"linears", "layers" (set), "experts"
+            (set)}}), ``kept`` ({kind: {"tensors", "dtypes" (set of safetensors dtypes), "bytes"}}),
+            ``params`` (quantized parameters), ``qbytes`` (their codes and scales, bytes),
+            ``w4a4``, ``ignore`` (exclusion list), ``weight_files``, ``weights_out`` (bytes),
+            ``model_dir`` and ``commands`` ([(label, VllmCommand for model_dir)], :data:`VLLM_TARGETS`).
+        int8: for an int8-neuron result: ``manifest`` (``g4.exporters.neuron_int8.Manifest``),
+            ``int8_tensors``, ``numel`` and ``qbytes`` (int8 weights of rank 0 with their
+            scales, bytes), ``rank_bytes`` ([(file, bytes)]), ``host_bytes``.
+    """
+
+    facts: dict
     name: str
-    dtype: str  # safetensors dtype string: BF16, U8, F8_E4M3, F32, I8, ...
-    shape: tuple[int, ...]
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def _header(path: Path) -> list[_Tensor]:
-    """Tensor entries of a safetensors file (format: huggingface/safetensors README: 8-byte
-    little-endian header length, then a JSON header). Read directly so that rendering a
-    card does not import torch."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise CardError(f"{path}: unreadable safetensors header ({e})") from e
-    header.pop("__metadata__", None)
-    return [_Tensor(k, v["dtype"], tuple(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0])
-            for k, v in sorted(header.items())]
-
-
-def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str, int]]:
-    """(posix path relative to ``out``, size in bytes) of every file a Hub repo of this
-    result holds, sorted; hidden files and folders (``.cache``, temp files) are not part of
-    it, nor is ``README.md`` unless ``include_card``."""
-    out = Path(out)
-    rows = []
-    for p in sorted(out.rglob("*")):
-        rel = p.relative_to(out).as_posix()
-        if p.is_file() and (include_card or rel != CARD_FILE) and not any(part.startswith(".")
-                                                                           for part in rel.split("/")):
-            rows.append((rel, p.stat().st_size))
-    return rows
-
-
-def _nvfp4_facts(out: Path) -> dict:
-    """What the NVFP4 files hold, read through the name table (``exporters/nvfp4_names.py``)."""
-    from g4.exporters.nvfp4_names import parse_output_name, quantized_names
-
-    tensors = [t for f in _weight_files(out) for t in _header(out / f)]
-    by_name = {t.name: t for t in tensors}
-    parsed = {t.name: parse_output_name(t.name) for t in tensors}
-    linears = sorted((o for o in parsed.values() if o is not None and o.suffix == "weight"
-                      and by_name[o.name].dtype == "U8"), key=lambda o: o.module)
-    member = {n for o in linears for n in quantized_names(o.module, with_input_scale=True)}
-    quant: dict[str, dict] = {}
-    params = qbytes = 0
-    for o in linears:
-        q = quant.setdefault(o.kind, {"linears": 0, "layers": set(), "experts": set()})
-        q["linears"] += 1
-        if o.layer is not None:
-            q["layers"].add(o.layer)
-        if o.expert is not None:
-            q["experts"].add(o.expert)
-        params += by_name[o.name].numel * 2  # two E2M1 codes per byte
-        qbytes += sum(by_name[n].nbytes for n in quantized_names(o.module, with_input_scale=True) if n in by_name)
-    kept: dict[str, dict] = {}
-    for t in tensors:
-        if t.name in member:
-            continue
-        o = parsed[t.name]
-        k = kept.setdefault(o.kind if o is not None else "other", {"tensors": 0, "dtypes": set(), "bytes": 0})
-        k["tensors"] += 1
-        k["dtypes"].add(t.dtype)
-        k["bytes"] += t.nbytes
-    config = json.loads((out / "config.json").read_text())
-    qc = config.get("quantization_config") or {}
-    w4a4 = any("input_activations" in g for g in (qc.get("config_groups") or {}).values())
-    return {"quant": quant, "kept": kept, "params": params, "qbytes": qbytes, "w4a4": w4a4,
-            "ignore": qc.get("ignore", []), "producer": qc.get("producer") or {},
-            "weight_files": _weight_files(out)}
-
-
-def _int8_facts(out: Path) -> dict:
-    from g4.exporters.neuron_int8 import Manifest, parse_rank_name
-
-    manifest = Manifest.from_dir(out)
-    rank_files = manifest.rank_files
-    tensors = _header(out / rank_files[0])
-    by_name = {t.name: t for t in tensors}
-    q8: dict[str, int] = Counter()
-    numel = qbytes = 0
-    for t in tensors:
-        r = parse_rank_name(t.name)
-        if r is not None and r.entry.int8 and t.name == r.entry.names(r.prefix)[0] and t.dtype == "I8":
-            scale = by_name.get(r.entry.names(r.prefix)[1])
-            q8[r.kind] += 1
-            numel += t.numel
-            qbytes += t.nbytes + (scale.nbytes if scale is not None else 0)
-    rank_bytes = [(f, (out / f).stat().st_size) for f in rank_files]
-    host = manifest.host_embedding or {}
-    return {"manifest": manifest, "int8_tensors": dict(q8), "numel": numel, "qbytes": qbytes,
-            "rank_bytes": rank_bytes,
-            "host_bytes": (out / host["file"]).stat().st_size if host.get("file") else 0}
-
-
-def _verification(out: Path) -> dict | None:
-    path = out / VERIFICATION_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CardError(f"{path}: unreadable ({e})") from e
-    if not isinstance(data, dict) or data.get("g4_verification") != 1:
-        raise CardError(f"{path}: not a g4_verification version 1 file")
-    data["stale"] = _stale_reason(out, data.get("files"))
-    return data
-
-
-def _stale_reason(out: Path, files) -> str | None:
-    """Why a verification is not about OUT's current weights (None when it is): the
-    ``files`` fingerprints ``g4serve check`` recorded, compared by size, then sha256."""
-    from g4.convert.checkpoint import weight_fingerprints
-
-    if not isinstance(files, dict) or not files:
-        return "verification.json does not record which weights it checked"
-    now = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}
-    if set(now) != set(files) or any(now[k] != (files[k] or {}).get("bytes") for k in now):
-        return "the weight files changed since the check"
-    if weight_fingerprints(out) != files:
-        return "the weight files changed since the check"
-    return None
+    files: list[tuple[str, int]]
+    verification: dict | None = None
+    repo_id: str | None = None
+    nvfp4: dict | None = None
+    int8: dict | None = None
 
 
 # --------------------------------------------------------------------------- rendering
@@ -470,9 +197,7 @@ def _how_made(facts: dict, out_name: str) -> str:
     return shlex.join(argv)
 
 
-def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
-    from g4.exporters.vllm_command import vllm_command
-
+def _nvfp4_body(facts: dict, model_ref: str, nv: dict) -> dict:
     order = ("experts", "dense MLP", "attention", "other")
     qrows = []
     for kind in sorted(nv["quant"], key=lambda k: order.index(k) if k in order else len(order)):
@@ -481,14 +206,10 @@ def _nvfp4_body(out: Path, facts: dict, model_ref: str, nv: dict) -> dict:
         qrows.append([kind, q["linears"], where])
     krows = [[k, v["tensors"], ", ".join(sorted(v["dtypes"])), _size(v["bytes"])] for k, v in sorted(nv["kept"].items())]
     bpw = nv["qbytes"] * 8 / max(nv["params"], 1)
-    weights_out = sum((out / f).stat().st_size for f in nv["weight_files"])
+    weights_out = nv["weights_out"]
     commands = []
-    for label, cc, version in (("Blackwell (compute capability 10.0, W4A4 FP4 kernels)", (10, 0), None),
-                               ("Hopper (compute capability 9.0, weight-only Marlin kernels), vLLM >= 0.23", (9, 0),
-                                None),
-                               ("Hopper with vLLM 0.19.1 to 0.22.x", (9, 0), "0.22.0")):
-        cmd = vllm_command(out, compute_capability=cc, vllm_version=version)
-        argv = [model_ref if a == str(out) else a for a in cmd.argv]
+    for label, cmd in nv["commands"]:
+        argv = [model_ref if a == nv["model_dir"] else a for a in cmd.argv]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(cmd.env.items()))
         commands.append((label, (env + " " if env else "") + shlex.join(argv)))
     return {"qrows": qrows, "krows": krows, "bpw": bpw, "weights_out": weights_out, "commands": commands,
@@ -664,43 +385,32 @@ With g4 {{ g4_version }}:
 """
 
 
-def render_card(out: str | Path, *, repo_id: str | None = None, name: str | None = None,
-                base_model: str | None = None) -> str:
-    """The model card text of the g4 result in ``out`` (deterministic: the same files and
-    ``repo_id`` give the same bytes).
-
-    Args:
-        out: a g4 result directory (with ``g4_conversion.json``).
-        repo_id: the Hub repo it is pushed to; the serve commands then name it. Default:
-            the directory, by its name ``name`` (default ``out``'s name).
-        base_model: overrides the facts' ``base_model`` (for a dry run; nothing is written).
+def render_card(inputs: CardInputs) -> str:
+    """The model card text of a g4 result (deterministic: the same inputs give the same bytes;
+    no file is read).
 
     Raises:
-        CardError: OUT has no or unreadable facts, headers or verification file.
+        CardError: ``inputs.repo_id`` is not a Hub repo id.
     """
     from huggingface_hub import ModelCard
 
-    out = Path(out)
-    facts = load_conversion_facts(out)
-    if base_model is not None:
-        facts["base_model"] = check_repo_id(base_model, what="--base-model")
+    facts, repo_id, name = inputs.facts, inputs.repo_id, inputs.name
     if repo_id is not None:
         check_repo_id(repo_id)
-    name = name or out.name
     title = repo_id.split("/", 1)[1] if repo_id else name
     fmt = facts["format"]
     src = facts["source"]
     base = facts.get("base_model") or src.get("repo_id")
     src_link = _hub_link(base, src["name"] if src["name"] != "embedded" else "gemma4-tiny (embedded in g4)")
-    verification = _verification_body(_verification(out))
-    files = repo_files(out)
+    verification = _verification_body(inputs.verification)
+    files = inputs.files
     ctx = {"title": title, "fmt": fmt, "g4_version": facts.get("g4_version"), "how": _how_made(facts, name),
            "verification": verification,
            "files_table": _table(["file", "size"], [[f"`{f}`", _size(s)] for f, s in files] + [["`README.md`",
                                                                                               "this card"]])}
     source_bytes = src.get("weight_bytes")
     if fmt == NVFP4:
-        nv = _nvfp4_body(out, facts, repo_id or f"./{name}", _nvfp4_facts(out))
+        nv = _nvfp4_body(facts, repo_id or f"./{name}", inputs.nvfp4)
         ctx["nv"] = nv
         ctx["intro"] = (f"{src_link} quantized to NVFP4 for vLLM by [g4](#how-it-was-made), "
                         f"preset `{facts['options'].get('preset', 'default')}`.")
@@ -713,7 +423,7 @@ def render_card(out: str | Path, *, repo_id: str | None = None, name: str | None
              f"{nv['weights_out'] / source_bytes:.3f}x" if source_bytes else "n/a"]])
         ctx["vllm_verified"] = bool(verification and verification["backend"] == "vllm" and verification["passed"])
     else:
-        i8_facts = _int8_facts(out)
+        i8_facts = inputs.int8
         i8 = _int8_body(i8_facts)
         ctx["i8"] = i8
         ctx["intro"] = (f"{src_link} converted to int8 for AWS Inferentia2 (NeuronCores, TP={i8['tp']}) by "

@@ -15,21 +15,14 @@ Model-Optimizer ``modelopt/torch/export/unified_export_hf.py`` and
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from g4.convert.checkpoint import Checkpoint
+from g4.convert.checkpoint import SOURCE_DTYPES, Checkpoint
 from g4.convert.errors import ExportError
-from g4.convert.gemma4 import MODEL_MODULE_KINDS, is_tied
-from g4.exporters.nvfp4_names import (
-    DENSE_GROUPS,
-    QUANT_SUFFIXES,
-    OutputName,
-    expert_module,
-    parse_output_name,
-)
+from g4.convert.gemma4 import is_tied, tower_of
+from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
 MODELOPT_COMPAT_VERSION = "0.47.0"
@@ -82,32 +75,79 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
     (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excludes), indent=2) + "\n")
 
 
+def declares_input_activations(config: dict) -> bool:
+    """W4A4: ``config.json``'s ``quantization_config`` (:func:`quantization_config`) quantizes
+    linear inputs, so every quantized linear carries an ``input_scale``."""
+    qc = config.get("quantization_config") or {}
+    return any("input_activations" in g for g in (qc.get("config_groups") or {}).values())
+
+
+def output_layout(ckpt: Checkpoint) -> Nvfp4Layout:
+    """The output table (:class:`~g4.exporters.nvfp4_names.Nvfp4Layout`) of a finished NVFP4
+    checkpoint ``ckpt`` (opened as a result, not a source), rebuilt from its ``config.json``.
+
+    What OUT does not record in its metadata is read from its header: which dense parts are
+    quantized (layer 0's ``q_proj`` / ``mlp.gate_proj`` stored as uint8; the experts always
+    are), the towers present (:func:`~g4.exporters.nvfp4_names.tower_of`), and the dtypes of
+    the kept tensors (as the source stored them: BF16, F16 or F32; any other dtype is expected
+    as BF16, so that the checker names it). Names are the canonical (transformers) ones; a
+    kept tensor's ``source`` is its own name.
+    """
+    arch, prefix, header = ckpt.arch, ckpt.prefix, ckpt.tensors
+    layer_sources = [{sfx: f"{prefix}layers.{L}.{sfx}" for sfx in arch.layer_tensor_shapes(L)}
+                     for L in range(arch.num_layers)]
+    parts = {Part.EXPERTS}
+    for g in DENSE_GROUPS:
+        info = header.get(layer_sources[0].get(f"{g.members[0]}.weight", ""))
+        if info is not None and info.dtype == torch.uint8:
+            parts.add(g.part)
+    towers = sorted(n for n in header if tower_of(n) is not None)
+    shapes = {n: header[n].shape for n in towers}
+    for L, src in enumerate(layer_sources):
+        shapes |= {src[sfx]: shape for sfx, shape in arch.layer_tensor_shapes(L).items()}
+    for rel, shape in arch.model_tensor_shapes().items():  # an untied lm_head.weight is top level
+        shapes[rel if rel not in MODEL_KEEP else prefix + rel] = shape
+    dtypes = {n: header[n].dtype if n in header and header[n].dtype in SOURCE_DTYPES else torch.bfloat16
+              for n in shapes}
+    return Nvfp4Layout.build(arch, prefix=prefix, parts=frozenset(parts), act_quant=declares_input_activations(ckpt.config),
+                             layer_sources=layer_sources, model_sources=sorted([prefix + r for r in MODEL_KEEP] + towers),
+                             lm_head=None if arch.tied else "lm_head.weight", dtypes=dtypes, shapes=shapes)
+
+
 def _excluded(module: str, patterns: list[str]) -> bool:
     return any(module.startswith(p[:-1]) if p.endswith("*") else module == p for p in patterns)
 
 
-def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dict[str, int]:
-    """Check an NVFP4 output directory against the rules vLLM depends on.
+def _w4(act_quant: bool) -> str:
+    return "W4A4" if act_quant else "W4A16"
 
-    Checks: no fused 3-D expert tensor and no ``.moe.`` / compressed-tensors names
-    (P01, P03); every quantized module has exactly ``weight`` uint8 ``[out, in/2]``,
-    ``weight_scale`` fp8 ``[out, in/16]``, ``weight_scale_2`` f32 ``[]`` and, iff the
-    config declares input activations, ``input_scale`` f32 ``[]`` (P05); every scale
-    finite and > 0 (P04); one ``weight_scale_2`` per expert gate/up pair and per dense
-    q/k/v and gate/up group, one ``input_scale`` per dense group (vLLM keeps one per merged layer:
-    vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``); the
-    exclusion list matches the tensors (P07): no quantized module is excluded, every
-    bf16 2-D linear weight is, every pattern matches something (``lm_head`` when tied).
+
+def check_export(out_dir: str | Path, *, label: str | Path | None = None,
+                 layout: Nvfp4Layout | None = None) -> dict[str, int]:
+    """Check an NVFP4 output directory against its output table and the rules vLLM depends on.
+
+    The header is compared with the table (:class:`~g4.exporters.nvfp4_names.Nvfp4Layout`:
+    the converter's own, or :func:`output_layout` rebuilt from OUT): a tensor the table does not
+    list (fused 3-D experts, ``.moe.`` or compressed-tensors names: P01, P03), a quantized module
+    without exactly ``weight`` / ``weight_scale`` / ``weight_scale_2`` and, iff the config declares
+    input activations, ``input_scale`` (P05), a missing tensor, a wrong dtype or shape: one error
+    line each. Then the values: every scale finite and > 0 (P04); one ``weight_scale_2`` per
+    expert gate/up pair and per dense q/k/v and gate/up group, one ``input_scale`` per dense group
+    (vLLM keeps one per merged layer: vllm-project/vllm
+    ``vllm/model_executor/layers/quantization/modelopt.py``). Then the exclusion list (P07): no
+    quantized module is excluded, every kept linear weight (and tower tensor) is, every pattern
+    matches something (``lm_head`` when tied).
 
     Args:
         label: the name used for the directory in error messages (the final OUT when
             checking its temporary directory).
+        layout: the table the output was written from (default: rebuilt from OUT).
 
     Returns:
         ``{"quantized_modules": n, "kept_tensors": m}``.
 
     Raises:
-        ExportError: naming the first offending tensor.
+        ExportError: naming the first offending tensor, module or file.
     """
     out_dir = Path(out_dir)
     label = label or out_dir
@@ -120,76 +160,63 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None) -> dic
     for key, want in (("quant_algo", "NVFP4"), ("group_size", BLOCK_SIZE)):
         if hq.get(key) != want:
             raise ExportError(f"{label}: hf_quant_config.json {key} is {hq.get(key)!r}, expected {want!r}")
-    w4a4 = any("input_activations" in g for g in qc.get("config_groups", {}).values())
-    modules: dict[str, dict[str, tuple]] = defaultdict(dict)
-    kept: dict[str, tuple] = {}
+    w4a4 = declares_input_activations(config)
     ckpt = Checkpoint(out_dir)  # the same header/index validation as any source
-    parsed: dict[str, OutputName] = {}
-    for name, info in ckpt.tensors.items():
-        o = parse_output_name(name)
-        if o is None:  # fused 3-D experts, .moe., compressed-tensors or any name the table does not write
-            raise ExportError(f"tensor {name}: name vLLM does not load for modelopt NVFP4 (fused, .moe. or "
-                              "compressed-tensors, or not in the name table)")
-        parsed[name] = o
-        if o.suffix in QUANT_SUFFIXES:
-            modules[o.module][o.suffix] = (info.dtype, info.shape)
-        kept[name] = (info.dtype, info.shape)
-    quantized = {m: t for m, t in modules.items() if t.get("weight", (None,))[0] == torch.uint8}
-    expected = set(QUANT_SUFFIXES) if w4a4 else set(QUANT_SUFFIXES[:3])
-    value = ckpt.get
+    layout = layout or output_layout(ckpt)
+    if layout.act_quant != w4a4:
+        raise ExportError(f"{label}: config.json declares {_w4(w4a4)}, the tensors were written {_w4(layout.act_quant)}")
+    header = ckpt.tensors
+    for name in header:
+        if name not in layout.by_name:
+            raise ExportError(f"tensor {name}: not in the NVFP4 output table (vLLM does not load fused 3-D experts, "
+                              ".moe. or compressed-tensors names for modelopt NVFP4)")
+    for lin in layout.linears:
+        have = [r.value for r in QUANT_ROLES if lin.name(r) in header]
+        if len(have) != len(lin.roles):
+            raise ExportError(f"module {lin.module}: has {have}, expected {[r.value for r in lin.roles]} "
+                              f"({_w4(w4a4)} per config.json)")
+    for t in layout.tensors:
+        info = header.get(t.name)
+        if info is None:
+            raise ExportError(f"tensor {t.name}: missing")
+        if (info.dtype, info.shape) != (t.dtype, t.shape):
+            raise ExportError(f"tensor {t.name}: {info.dtype} {list(info.shape)}, expected {t.dtype} {list(t.shape)}")
 
     scalars: dict[str, torch.Tensor] = {}
-    for module, ts in sorted(quantized.items()):
-        if set(ts) != expected:
-            raise ExportError(f"module {module}: has {sorted(ts)}, expected {sorted(expected)} "
-                              f"({'W4A4' if w4a4 else 'W4A16'} per config.json)")
-        out_f, half = ts["weight"][1]
-        if ts["weight_scale"] != (torch.float8_e4m3fn, (out_f, half * 2 // BLOCK_SIZE)):
-            raise ExportError(f"tensor {module}.weight_scale: {ts['weight_scale']} does not fit weight [{out_f}, {half}]")
-        for s in expected - {"weight", "weight_scale"}:
-            if ts[s] != (torch.float32, ()):
-                raise ExportError(f"tensor {module}.{s}: {ts[s]}, expected float32 []")
-            v = value(f"{module}.{s}")
+    for lin in layout.linears:
+        for role in lin.roles[2:]:  # weight_scale_2, input_scale
+            v = ckpt.get(lin.name(role))
             if not (torch.isfinite(v) and v > 0):
-                raise ExportError(f"tensor {module}.{s}: {v.item()} is not finite and > 0")
-            scalars[f"{module}.{s}"] = v
-        bs = value(f"{module}.weight_scale").float()
+                raise ExportError(f"tensor {lin.name(role)}: {v.item()} is not finite and > 0")
+            scalars[lin.name(role)] = v
+        bs = ckpt.get(lin.name(Role.WEIGHT_SCALE)).float()
         if not (torch.isfinite(bs).all() and (bs > 0).all()):
-            raise ExportError(f"tensor {module}.weight_scale: has non-finite or non-positive block scales")
-        if _excluded(module, excludes):
-            raise ExportError(f"module {module}: is quantized but matches the exclusion list")
-        for name in (f"{module}.{s}" for s in ts):
-            kept.pop(name)
-    _check_shared({m: parsed[f"{m}.weight"] for m in quantized}, scalars, w4a4)
-    for name, (dtype, shape) in kept.items():
-        o = parsed[name]
-        if len(shape) == 2 and o.suffix == "weight" and o.kind != MODEL_MODULE_KINDS["embed_tokens"] \
-                and not _excluded(o.module, excludes):
-            raise ExportError(f"tensor {name}: kept {dtype} but its module is not in the exclusion list")
+            raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
+        if _excluded(lin.module, excludes):
+            raise ExportError(f"module {lin.module}: is quantized but matches the exclusion list")
+    _check_shared(layout, scalars)
+    kept = [t for t in layout.tensors if t.role == Role.KEPT]
+    for t in kept:
+        if t.excludable and not _excluded(t.module, excludes):
+            raise ExportError(f"tensor {t.name}: kept {t.dtype} but its module is not in the exclusion list")
     tied = is_tied(config)
     for p in excludes:
         if p == "lm_head" and tied:
             continue
-        if not any(_excluded(n.rpartition(".")[0], [p]) for n in kept):
+        if not any(_excluded(t.module, [p]) for t in kept):
             raise ExportError(f"{label}: exclusion pattern {p!r} matches no tensor in the checkpoint")
-    return {"quantized_modules": len(quantized), "kept_tensors": len(kept)}
+    return {"quantized_modules": len(layout.linears), "kept_tensors": len(kept)}
 
 
-def _check_shared(quantized: dict[str, OutputName], scalars: dict[str, torch.Tensor], w4a4: bool) -> None:
+def _check_shared(layout: Nvfp4Layout, scalars: dict[str, torch.Tensor]) -> None:
     """Fused partners must carry identical global (and input) scales: an expert's gate and up,
     and every multi-member dense group of the table (q/k/v, gate/up)."""
-    groups = []
-    for module, o in quantized.items():
-        if o.expert is not None and o.proj == "gate_proj":
-            groups.append((module, expert_module(o.layer_prefix, o.expert, "up_proj")))
-        elif o.expert is None and o.layer_prefix is not None:
-            for g in DENSE_GROUPS:
-                if len(g.members) > 1 and module == o.layer_prefix + g.members[0]:
-                    groups.append(tuple(o.layer_prefix + m for m in g.members
-                                        if o.layer_prefix + m in quantized or m not in g.optional))
-    suffixes = ("weight_scale_2", "input_scale") if w4a4 else ("weight_scale_2",)
-    for group in groups:
-        for s in suffixes:
-            vals = [scalars.get(f"{m}.{s}") for m in group]
-            if any(v is None for v in vals) or any(not torch.equal(vals[0], v) for v in vals[1:]):
-                raise ExportError(f"modules {', '.join(group)}: {s} differs inside a fused group (vLLM keeps one)")
+    by_module = {lin.module: lin for lin in layout.linears}
+    for lin in layout.linears:
+        if len(lin.group) < 2 or lin.module != lin.group[0]:
+            continue
+        for role in lin.roles[2:]:
+            vals = [scalars[by_module[m].name(role)] for m in lin.group]
+            if any(not torch.equal(vals[0], v) for v in vals[1:]):
+                raise ExportError(f"modules {', '.join(lin.group)}: {role.value} differs inside a fused group "
+                                  "(vLLM keeps one)")

@@ -1,11 +1,21 @@
 """The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
 names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
-the CPU emulator (``g4.serve.neuron_emulator``), the Neuron module tree
-(``g4.serve.neuron_model``) and the runtime loader read it from here, so file keys, module
-names, per-rank shapes and manifest fields cannot drift apart.
+the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check
+(``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
+from here, so file keys, per-rank shapes and manifest fields cannot drift apart.
 
-Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), keys
-are relative to the text model (NxDI convention: no ``model.`` prefix). Rules follow
+Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), the keys,
+dtypes and per-rank shapes are exactly the ``state_dict()`` of g4's NxD Inference class at TP ``T``
+(``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel``, built with ``torch_dtype=bfloat16``): the names of
+its module tree, relative to the text model (no ``model.`` prefix). So NxDI's Route 2 (pre-sharded
+per-rank files, aws-neuron/neuronx-distributed-inference
+``src/neuronx_distributed_inference/models/application_base.py``: ``load_weights`` reads
+``weights/tp{rank}_sharded_checkpoint.safetensors`` and calls ``nxd_model.initialize`` with no
+key conversion) can read them as they are. Besides the weights each rank file holds the rank
+indices NxD's SPMD modules keep as parameters (``rank_util.rank`` of ``NeuronBaseModel`` and
+``moe.expert_mlps.spmd_rank.rank`` of ``ExpertMLPsV2``: int32 ``[1]`` = ``[r]``, what NxD's sharder
+cuts from ``arange(T)``) and the class's device embedding shard (NxD ``ParallelEmbedding`` with
+``shard_across_embedding``: ``embed_tokens.weight`` ``[V, H/T]``, unscaled). Rules follow
 aws-neuron/neuronx-distributed ``trace/trace.py:create_local_weight`` and the quantized
 parallel layers (``quantization/quantization_layers.py``):
 
@@ -26,6 +36,11 @@ parallel layers (``quantization/quantization_layers.py``):
   ``attention_k_eq_v`` have no ``v_proj`` (V is taken from K).
 - everything else (norms, router, ``layer_scalar``) is replicated in bf16.
 
+Module names (rank file -> Hugging Face source): the router is ``moe.router.*`` (``router.*``),
+the experts ``moe.expert_mlps.mlp_op.{gate_up_proj,down_proj}`` (``experts.*``, NxD's
+``ExpertMLPsV2.mlp_op``); attention, dense MLP, norms and ``layer_scalar`` keep the source names.
+:func:`layer_entries` / :func:`model_entries` are the only place these names are written.
+
 The host keeps the unscaled bf16 embedding table (``embed_tokens.safetensors``); the
 runtime multiplies looked-up rows by ``embed_scale = bf16(sqrt(hidden_size))``
 (:func:`g4.convert.gemma4.embed_scale`), which :meth:`Manifest.check_embed_scale` checks.
@@ -38,8 +53,9 @@ rank's ``take`` of it (weight and int8 scale together); KV projections have thei
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +63,8 @@ import torch
 from g4.convert.errors import CheckpointError, G4Error
 from g4.convert.gemma4 import (
     ATTENTION_NORMS,
+    EXPERT_DOWN as EXPERT_DOWN_SOURCE,
+    EXPERT_GATE_UP as EXPERT_GATE_UP_SOURCE,
     LAYER_MODULE_KINDS,
     LAYER_NORMS,
     MODEL_MODULE_KINDS,
@@ -58,11 +76,18 @@ from g4.convert.gemma4 import (
 from g4.exporters.safetensors_writer import TensorSpec
 from g4.quantizers.int8 import Int8Weight
 
-LAYOUT_NAME = "g4-int8-neuron/1"
+LAYOUT_NAME = "g4-int8-neuron/2"  # /2: keys are the NxDI class's state_dict() names; /1 had g4's own
 WEIGHTS_DIR = "weights"
 EMBED_FILE = "embed_tokens.safetensors"
 EMBED_TENSOR = "embed_tokens.weight"
 MANIFEST = "manifest.json"
+# Tokens (prompt plus reply) an int8-neuron result is served with when neither the conversion
+# (``g4convert int8-neuron --seq-len``) nor an older manifest says otherwise: the length the
+# memory plan sizes the KV cache for; capped at the model's ``max_position_embeddings``.
+DEFAULT_MAX_LENGTH = 8192
+# The smallest bucket of NxDI's default bucketing (aws-neuron/neuronx-distributed-inference
+# ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets(128, max)``).
+MIN_BUCKET = 128
 
 
 def layer_prefix(layer: int) -> str:
@@ -73,6 +98,33 @@ def layer_prefix(layer: int) -> str:
 def rank_file(rank: int) -> str:
     """``weights/tp{rank}_sharded_checkpoint.safetensors`` (NxDI / optimum-neuron convention)."""
     return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+
+
+def neuron_buckets(max_length: int) -> list[int]:
+    """NxDI's default bucket ladder for sequences of at most ``max_length`` tokens: powers of two
+    from :data:`MIN_BUCKET` below ``round(log2(max_length))``, then ``max_length`` itself (just
+    ``[max_length]`` when it is at most :data:`MIN_BUCKET`), as aws-neuron/neuronx-distributed-inference
+    ``src/neuronx_distributed_inference/modules/autobucketing.py: generate_buckets`` computes it.
+    E.g. 8192 -> ``[128, 256, 512, 1024, 2048, 4096, 8192]``, 3000 -> ``[128, ..., 2048, 3000]``."""
+    if max_length <= MIN_BUCKET:
+        return [max_length]
+    low, high = MIN_BUCKET.bit_length() - 1, round(math.log2(max_length))
+    return [2 ** i for i in range(low, high) if 2 ** i < max_length] + [max_length]
+
+
+def serving_max_length(seq_len: int | None, max_positions: int | None) -> int:
+    """Tokens an int8-neuron result is compiled and served for: ``seq_len`` (asked for at
+    conversion), else :data:`DEFAULT_MAX_LENGTH` capped at ``max_positions``
+    (``max_position_embeddings``).
+
+    Raises:
+        G4Error: ``seq_len`` below 1 or above ``max_positions``.
+    """
+    if seq_len is None:
+        return min(DEFAULT_MAX_LENGTH, max_positions or DEFAULT_MAX_LENGTH)
+    if seq_len < 1 or (max_positions and seq_len > max_positions):
+        raise G4Error(f"--seq-len {seq_len}: the model takes 1 to {max_positions} tokens (max_position_embeddings)")
+    return seq_len
 
 
 # --------------------------------------------------------------------------- geometry
@@ -141,6 +193,10 @@ class Rule:
     def local_shape(self, shape: tuple[int, ...], g: Geometry, layer: int | None) -> tuple[int, ...]:
         return tuple(shape)
 
+    def dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """dtype of a tensor kept unquantized (the source's)."""
+        return source_dtype
+
     def scale_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         return (local[0], 1)
 
@@ -199,6 +255,38 @@ class _Row(Rule):
         return w[:, rank * per : (rank + 1) * per], s
 
 
+class _EmbedColumns(Rule):
+    """The device embedding of NxD's ``ParallelEmbedding(shard_across_embedding=True)``
+    (aws-neuron/neuronx-distributed ``src/neuronx_distributed/parallel_layers/layers.py``):
+    ``[V, H]`` -> ``[V, H/T]``, rank r the columns ``[r*H/T, (r+1)*H/T)``."""
+
+    name = "embedding_columns"
+
+    def local_shape(self, shape, g, layer):
+        return (shape[0], shape[1] // g.tp)
+
+    def take(self, w, s, g, layer, rank):
+        per = w.shape[1] // g.tp
+        return w[:, rank * per : (rank + 1) * per], s
+
+
+class _RankIndex(Rule):
+    """An NxD SPMD rank index (``SPMDRank.rank``, aws-neuron/neuronx-distributed
+    ``src/neuronx_distributed/parallel_layers/layers.py``): a parameter ``arange(T)`` split over
+    the ranks, so rank r holds int32 ``[r]``. It has no source tensor."""
+
+    name = "rank_index"
+
+    def local_shape(self, shape, g, layer):
+        return (1,)
+
+    def dtype(self, source_dtype):
+        return torch.int32
+
+    def take(self, w, s, g, layer, rank):
+        return torch.tensor([rank], dtype=torch.int32), s
+
+
 class _ExpertGateUp(Rule):
     """HF ``[E, 2I, H]`` -> NxD ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2; never a slice of
     the fused dimension, case P11); scale ``[E, 1, 2I/T]`` split the same way."""
@@ -241,6 +329,7 @@ class _ExpertDown(Rule):
 
 REPLICATED, COLUMN, KV_HEADS, ROW = _Replicated(), _Column(), _KvHeads(), _Row()
 EXPERT_GATE_UP, EXPERT_DOWN = _ExpertGateUp(), _ExpertDown()
+EMBED_COLUMNS, RANK_INDEX = _EmbedColumns(), _RankIndex()
 
 
 # --------------------------------------------------------------------------- the table
@@ -250,17 +339,27 @@ EXPERT_GATE_UP, EXPERT_DOWN = _ExpertGateUp(), _ExpertDown()
 class Entry:
     """One module's tensors in a rank file.
 
-    ``key``: module name relative to the layer (or the model); ``source``: the Hugging
-    Face tensor it comes from (relative to the layer / language-model prefix; ``lm_head.weight``
-    is top level); ``rule``: how it is split; ``int8``: written as int8 ``weight`` + fp32
-    ``scale`` (else one tensor in the source dtype under ``key`` + ``suffix``).
+    ``key``: module name relative to the layer (or the model) in the NxDI class's module tree;
+    ``source``: the Hugging Face tensor it comes from (relative to the layer / language-model
+    prefix; ``lm_head.weight`` is top level; None for a rank index, which has no source);
+    ``rule``: how it is split; ``int8``: written as int8 ``weight`` + fp32 ``scale`` (else one
+    tensor in the source dtype under ``key`` + ``suffix``).
     """
 
     key: str
-    source: str
+    source: str | None
     rule: Rule
     int8: bool
     suffix: str = ".weight"
+
+    @property
+    def source_module(self) -> str | None:
+        """The Hugging Face (transformers) module path of the source, relative to the layer or
+        the language model: ``source`` without ``.weight`` (``router.proj``,
+        ``experts.gate_up_proj``, ``router.scale``); None for a rank index."""
+        if self.source is None:
+            return None
+        return self.source[: -len(".weight")] if self.source.endswith(".weight") else self.source
 
     def names(self, prefix: str) -> list[str]:
         """Output tensor names of this entry under ``prefix`` (``layers.{L}.`` or ``""``)."""
@@ -281,27 +380,65 @@ def layer_entries(*, has_v: bool, quantize_attention: bool) -> list[Entry]:
         Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
         Entry("mlp.up_proj", "mlp.up_proj.weight", COLUMN, True),
         Entry("mlp.down_proj", "mlp.down_proj.weight", ROW, True),
-        Entry("router.proj", "router.proj.weight", REPLICATED, False),
-        Entry("router.scale", "router.scale", REPLICATED, False, suffix=""),
-        Entry("router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
-        Entry("experts.gate_up_proj", "experts.gate_up_proj", EXPERT_GATE_UP, True),
-        Entry("experts.down_proj", "experts.down_proj", EXPERT_DOWN, True),
+        Entry("moe.router.proj", "router.proj.weight", REPLICATED, False),
+        Entry("moe.router.scale", "router.scale", REPLICATED, False, suffix=""),
+        Entry("moe.router.per_expert_scale", "router.per_expert_scale", REPLICATED, False, suffix=""),
+        Entry("moe.expert_mlps.mlp_op.gate_up_proj", EXPERT_GATE_UP_SOURCE, EXPERT_GATE_UP, True),
+        Entry("moe.expert_mlps.mlp_op.down_proj", EXPERT_DOWN_SOURCE, EXPERT_DOWN, True),
+        Entry("moe.expert_mlps.spmd_rank.rank", None, RANK_INDEX, False, suffix=""),
         Entry("layer_scalar", "layer_scalar", REPLICATED, False, suffix=""),
     ]
 
 
-def model_entries(*, tied: bool) -> list[Entry]:
-    """Entries outside the decoder layers, in file order: the final norm and the lm_head, built
-    from ``embed_tokens.weight`` when the model is tied and from its own top-level
-    ``lm_head.weight`` when it is not."""
-    return [Entry("norm", "norm.weight", REPLICATED, False),
-            Entry("lm_head", "embed_tokens.weight" if tied else "lm_head.weight", COLUMN, True)]
+# How the lm_head can be held on a Neuron rank: (rule, int8). ``g4convert int8-neuron`` writes
+# ``int8-sharded``; the memory plan also weighs the bf16 alternatives.
+LM_HEAD_LAYOUTS: dict[str, tuple[Rule, bool]] = {
+    "int8-sharded": (COLUMN, True), "bf16-sharded": (COLUMN, False), "bf16-replicated": (REPLICATED, False)}
+# The embedding table g4's NxDI class holds on the device: bf16, unscaled, hidden columns split
+# (NxD ``ParallelEmbedding(shard_across_embedding=True)``). In every rank file.
+DEVICE_EMBEDDING = Entry("embed_tokens", EMBED_TENSOR, EMBED_COLUMNS, False)
+
+
+def model_entries(*, tied: bool, lm_head: str = "int8-sharded") -> list[Entry]:
+    """Entries outside the decoder layers, in file order: the model's rank index, the device
+    embedding shard (:data:`DEVICE_EMBEDDING`), the final norm and the lm_head, built from
+    ``embed_tokens.weight`` when the model is tied and from its own top-level ``lm_head.weight``
+    when it is not; ``lm_head`` is a key of :data:`LM_HEAD_LAYOUTS` (the exporter writes the
+    default).
+
+    Raises:
+        KeyError: an ``lm_head`` layout not in :data:`LM_HEAD_LAYOUTS`.
+    """
+    rule, q = LM_HEAD_LAYOUTS[lm_head]
+    return [Entry("rank_util.rank", None, RANK_INDEX, False, suffix=""),
+            DEVICE_EMBEDDING,
+            Entry("norm", "norm.weight", REPLICATED, False),
+            Entry("lm_head", EMBED_TENSOR if tied else "lm_head.weight", rule, q)]
+
+
+def entry_of(source: str, *, has_v: bool = True, quantize_attention: bool = False) -> Entry:
+    """The decoder-layer entry whose source is ``source`` (a Hugging Face tensor name relative to
+    the layer, e.g. ``experts.gate_up_proj``).
+
+    Raises:
+        KeyError: no entry reads ``source``.
+    """
+    for e in layer_entries(has_v=has_v, quantize_attention=quantize_attention):
+        if e.source == source:
+            return e
+    raise KeyError(source)
+
+
+def is_rank_index(e: Entry) -> bool:
+    """A per-rank index of NxD's SPMD modules (no source tensor, int32 ``[rank]``)."""
+    return e.rule is RANK_INDEX
 
 
 @dataclass(frozen=True)
 class RankName:
     """One rank-file tensor name read back through the table: its entry, layer (None outside
-    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS`)."""
+    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` of its
+    source module, or :data:`RANK_INDEX_KIND`)."""
 
     entry: Entry
     layer: int | None
@@ -319,22 +456,61 @@ def parse_rank_name(name: str) -> RankName | None:
     """The table's reading of a rank-file tensor name (exact), or None for a name it never writes."""
     if name in _MODEL_NAMES:
         e = _MODEL_NAMES[name]
-        return RankName(e, None, "", MODEL_MODULE_KINDS[e.key])
+        return RankName(e, None, "", _kind(e, MODEL_MODULE_KINDS))
     m = _LAYER_NAME_RE.fullmatch(name)
     e = _LAYER_NAMES.get(m.group(2)) if m else None
     if e is None:
         return None
-    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), LAYER_MODULE_KINDS[e.key])
+    return RankName(e, int(m.group(1)), layer_prefix(int(m.group(1))), _kind(e, LAYER_MODULE_KINDS))
+
+
+RANK_INDEX_KIND = "NxD rank indices"
+
+
+def _kind(e: Entry, kinds: dict[str, str]) -> str:
+    return RANK_INDEX_KIND if e.source is None else kinds[e.source_module]
 
 
 def entry_specs(e: Entry, prefix: str, source_shape: tuple[int, ...], source_dtype: torch.dtype,
                 g: Geometry, layer: int | None) -> list[TensorSpec]:
-    """The rank-file tensors of one entry (same names and shapes on every rank)."""
+    """The rank-file tensors of one entry (same names and shapes on every rank); a rank index
+    (no source) ignores ``source_shape`` and ``source_dtype``."""
     shape = e.rule.local_shape(tuple(source_shape), g, layer)
     if not e.int8:
-        return [TensorSpec(e.names(prefix)[0], source_dtype, shape)]
+        return [TensorSpec(e.names(prefix)[0], e.rule.dtype(source_dtype), shape)]
     weight, scale = e.names(prefix)
     return [TensorSpec(weight, torch.int8, shape), TensorSpec(scale, torch.float32, e.rule.scale_shape(shape))]
+
+
+def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool, dtype: torch.dtype = torch.bfloat16,
+                        lm_head: str = "int8-sharded") -> list[TensorSpec]:
+    """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone: the
+    ``state_dict()`` of g4's NxDI class (``g4.serve.nxdi_gemma4``) at TP ``tp`` with
+    ``torch_dtype=dtype``. Computed from the architecture's source inventory (:meth:`g4.convert.gemma4.Architecture.layer_tensor_shapes`,
+    sources in ``dtype``) through this table's entries and rules. The same on every rank. The
+    runtime loader checks rank files against it and the memory plan's Neuron weight bytes are
+    its ``nbytes`` (``g4.convert.plan``).
+
+    Args:
+        config: ``config.json`` of the source (any form :func:`geometry` reads).
+        tp: tensor-parallel degree.
+        quantize_attention: q/k/v/o int8 (``--quantize-attention``), else in ``dtype``.
+        dtype: dtype of the source tensors kept as they are (bf16 for a Gemma 4 release).
+        lm_head: a key of :data:`LM_HEAD_LAYOUTS` (``g4convert int8-neuron`` writes ``int8-sharded``).
+
+    Raises:
+        G4Error: a TP degree the model cannot be split over.
+    """
+    g = geometry(config, tp)
+    specs: list[TensorSpec] = []
+    for L in range(g.num_layers):
+        shapes = g.arch.layer_tensor_shapes(L)
+        for e in layer_entries(has_v=g.has_v[L], quantize_attention=quantize_attention):
+            specs += entry_specs(e, layer_prefix(L), shapes.get(e.source, ()), dtype, g, L)
+    model_shapes = g.arch.model_tensor_shapes()
+    for e in model_entries(tied=g.arch.tied, lm_head=lm_head):
+        specs += entry_specs(e, "", model_shapes.get(e.source, ()), dtype, g, None)
+    return specs
 
 
 def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | None, rank: int
@@ -343,7 +519,7 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
 
     Args:
         value: the full source tensor (Hugging Face layout) or its :class:`Int8Weight`
-            (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales).
+            (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales); None for a rank index.
 
     Returns:
         Contiguous tensors in the shapes :func:`entry_specs` gives.
@@ -356,6 +532,9 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
 
 
 LAYOUT_DESCRIPTION = {
+    "names": "the state_dict() of g4's NxD Inference class (NeuronGemma4MoEModel) at this TP degree: "
+             "moe.router.*, moe.expert_mlps.mlp_op.*, rank_util.rank and moe.expert_mlps.spmd_rank.rank "
+             "(int32 [rank]), embed_tokens.weight [V, H/T] (unscaled bf16)",
     "experts.gate_up_proj": "int8 [E, H, 2I/T] = [gate_r | up_r] (NxD ExpertFusedColumnParallelLinear, "
                             "stride 2), scale fp32 [E, 1, 2I/T]",
     "experts.down_proj": "int8 [E, I/T, H] (NxD ExpertFusedRowParallelLinear), scale fp32 [E, 1, H] "
@@ -382,13 +561,22 @@ class Manifest:
     source: dict
     memory_plan: dict | None
     format: str = LAYOUT_NAME
+    # Serving shape (NxDI ``NeuronConfig``: ``max_length`` = ``seq_len``, bucket ladders), written
+    # since the NxDI serving path; ``None`` in results written before, see :meth:`serving_shape`.
+    max_length: int | None = None
+    context_encoding_buckets: list[int] | None = None
+    token_generation_buckets: list[int] | None = None
 
     @classmethod
     def build(cls, g: Geometry, *, embed_dtype: torch.dtype, quantize_attention: bool, not_exported: list[str],
-              source: dict, memory_plan: dict | None) -> "Manifest":
-        """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``)."""
+              source: dict, memory_plan: dict | None, max_length: int) -> "Manifest":
+        """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``), to be served for
+        ``max_length`` tokens (prompt plus reply) with NxDI's default bucket ladder
+        (:func:`neuron_buckets`) for context encoding and token generation."""
         tp = g.tp
         return cls(
+            max_length=max_length, context_encoding_buckets=neuron_buckets(max_length),
+            token_generation_buckets=neuron_buckets(max_length),
             tp_degree=tp, rank_files=[rank_file(r) for r in range(tp)],
             host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": "bfloat16", "scaled": False},
             embed_scale=embed_scale(g.hidden, embed_dtype),
@@ -429,7 +617,8 @@ class Manifest:
             raw = json.loads(path.read_text())
             if raw.get("format") != LAYOUT_NAME:
                 raise CheckpointError(f"{path}: unknown layout {raw.get('format')!r} (expected {LAYOUT_NAME!r})")
-            names = [f for f in cls.__dataclass_fields__]
+            fields = cls.__dataclass_fields__
+            names = [f for f in fields if f in raw or fields[f].default is MISSING]
             missing = [f for f in names if f not in raw]
             if missing:
                 raise CheckpointError(f"{path}: missing {', '.join(missing)}")
@@ -438,6 +627,29 @@ class Manifest:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{Path(out_dir)}: not a readable int8-neuron result ({type(e).__name__}: {e})") from e
+
+    def serving_shape(self, max_positions: int | None) -> tuple[int, list[int], list[int]]:
+        """``(max_length, context_encoding_buckets, token_generation_buckets)`` to compile and serve
+        with (tokens). A manifest written before these fields existed gets the length its memory
+        plan sized the KV cache for (``memory_plan.inputs.seq_len``; :data:`DEFAULT_MAX_LENGTH`
+        without a plan), capped at ``max_positions``, and :func:`neuron_buckets` of it.
+
+        Raises:
+            CheckpointError: a length or bucket that is not a positive integer, buckets not
+                ascending, or a largest bucket other than ``max_length``.
+        """
+        plan = ((self.memory_plan or {}).get("inputs") or {}).get("seq_len")
+        length = self.max_length if self.max_length is not None else min(
+            plan or DEFAULT_MAX_LENGTH, max_positions or plan or DEFAULT_MAX_LENGTH)
+        cte = self.context_encoding_buckets or neuron_buckets(length)
+        tkg = self.token_generation_buckets or neuron_buckets(length)
+        for what, value in (("max_length", [length]), ("context_encoding_buckets", cte),
+                            ("token_generation_buckets", tkg)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) or \
+                    value != sorted(set(value)) or value[-1] != length:
+                raise CheckpointError(f"{MANIFEST}: {what} {value!r}: positive integers, ascending, the largest "
+                                      f"equal to max_length {length!r}")
+        return length, list(cte), list(tkg)
 
     def check_embed_scale(self, arch: Architecture, where) -> float:
         """:attr:`embed_scale`, checked against ``bf16(sqrt(hidden_size))`` from the config (what

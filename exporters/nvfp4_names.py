@@ -6,16 +6,23 @@ what every vLLM from 0.19.1 to 0.33 loads unpatched (vllm-project/vllm
 ``…layers.{L}.experts.{E}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|weight_scale_2|input_scale}``,
 never ``.moe.``, never fused 3-D NVFP4 tensors.
 
-The table is expanded once per checkpoint into an exact-match dict; a source tensor
-with no rule, or a required tensor that is absent, is a :class:`MappingError` (case
-P01: nothing fused may pass through unquantized by omission).
+Two tables. :func:`map_sources` assigns every tensor of a source checkpoint to one rule; a
+source tensor with no rule, or a required tensor that is absent, is a :class:`MappingError`
+(case P01: nothing fused may pass through unquantized by omission). :class:`Nvfp4Layout`
+lists every output tensor once (name, dtype, shape, role, source), in production order, with
+a lookup by name: the converter's specs and write order, the checker
+(``g4.exporters.modelopt_nvfp4.check_export``), the reference loader and the model card all
+read it; no output name is built or parsed anywhere else.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+
+import torch
 
 from g4.convert.errors import MappingError
 from g4.convert.gemma4 import (
@@ -25,13 +32,12 @@ from g4.convert.gemma4 import (
     LAYER_MODULE_KINDS,
     LAYER_NORMS,
     MODEL_MODULE_KINDS,
-    MULTIMODAL_PREFIX,
-    TEXT_PREFIX,
     TOWER_PREFIXES,
     TOWERS_KIND,
+    Architecture,
+    tower_of,
 )
-
-QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+from g4.quantizers.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
 
 
 class Part(str, Enum):
@@ -80,84 +86,25 @@ LEGACY_RENAMES = {
     "moe.per_expert_scale": "router.per_expert_scale",
 }
 
-# Per-layer tensors kept bit-identical (bf16). Routers stay high precision (case P09).
-LAYER_KEEP = (
-    *(f"{n}.weight" for n in LAYER_NORMS + ATTENTION_NORMS),
-    "router.proj.weight",
-    "router.scale",
-    "router.per_expert_scale",
-    "layer_scalar",
+# Per-layer tensors kept bit-identical (bf16), as (module key of LAYER_MODULE_KINDS, tensor
+# suffix), in output order. Routers stay high precision (case P09).
+LAYER_KEEP: tuple[tuple[str, str], ...] = (
+    *((n, f"{n}.weight") for n in LAYER_NORMS + ATTENTION_NORMS),
+    ("router.proj", "router.proj.weight"),
+    ("router.scale", "router.scale"),
+    ("router.per_expert_scale", "router.per_expert_scale"),
+    ("layer_scalar", "layer_scalar"),
 )
-# Kept language-model tensors outside the layers (relative to the LM prefix).
-MODEL_KEEP = ("embed_tokens.weight", "norm.weight")
+# Kept language-model tensors outside the layers (relative to the LM prefix -> MODEL_MODULE_KINDS key).
+MODEL_KEEP = {"embed_tokens.weight": "embed_tokens", "norm.weight": "norm"}
 # Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers):
 # g4.convert.gemma4.TOWER_PREFIXES.
 
+# Source names are classified with a regex: a source checkpoint is a file of unknown origin
+# (any layer count, pre-release names, stray tensors to refuse), so its names are read, not
+# looked up. Output names are never parsed: they are looked up in Nvfp4Layout.by_name.
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-_EXPERT_OUT_RE = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)")
-_DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)
-
-
-def quantized_names(module: str, *, with_input_scale: bool) -> list[str]:
-    """Output tensor names of one NVFP4 linear ``module``, in write order."""
-    return [f"{module}.{s}" for s in (QUANT_SUFFIXES if with_input_scale else QUANT_SUFFIXES[:3])]
-
-
-def expert_module(layer_prefix: str, expert: int, proj: str) -> str:
-    """``…layers.{L}.experts.{E}.{proj}``: the per-expert linear vLLM loads."""
-    return f"{layer_prefix}experts.{expert}.{proj}"
-
-
-@dataclass(frozen=True)
-class OutputName:
-    """One tensor name of an NVFP4 output, parsed against the table (anchored, exact).
-
-    ``kind``: the model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` labels);
-    ``layer_prefix`` / ``layer`` / ``expert`` / ``proj``: where it sits (None outside a layer
-    / an expert); ``module`` and ``suffix``: the name split at its last component.
-    """
-
-    name: str
-    kind: str
-    module: str
-    suffix: str
-    layer_prefix: str | None = None
-    layer: int | None = None
-    expert: int | None = None
-    proj: str | None = None
-
-
-def parse_output_name(name: str) -> OutputName | None:
-    """The table's reading of an output tensor name, or None for a name the table does not
-    produce (fused or pre-release expert names, compressed-tensors names, anything else)."""
-    module, _, suffix = name.rpartition(".")
-    if name.startswith(TOWER_PREFIXES):
-        return OutputName(name, TOWERS_KIND, module, suffix)
-    if name == "lm_head.weight":
-        return OutputName(name, MODEL_MODULE_KINDS["lm_head"], module, suffix)
-    prefix = next((p for p in (MULTIMODAL_PREFIX, TEXT_PREFIX) if name.startswith(p)), None)
-    if prefix is None:
-        return None
-    rel = name[len(prefix):]
-    if rel in MODEL_KEEP:
-        return OutputName(name, MODEL_MODULE_KINDS[rel.rpartition(".")[0]], module, suffix)
-    m = _LAYER_RE.fullmatch(rel)
-    if m is None:
-        return None
-    layer, rest = int(m.group(1)), m.group(2)
-    where = dict(layer_prefix=f"{prefix}layers.{layer}.", layer=layer)
-    e = _EXPERT_OUT_RE.fullmatch(rest)
-    if e is not None:
-        return OutputName(name, LAYER_MODULE_KINDS[EXPERT_GATE_UP], module, suffix, expert=int(e.group(1)),
-                          proj=e.group(2), **where)
-    if rest in LAYER_KEEP:
-        key = rest.removesuffix(".weight")
-        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
-    key, _, sfx = rest.rpartition(".")
-    if key in _DENSE_MODULES and sfx in QUANT_SUFFIXES:
-        return OutputName(name, LAYER_MODULE_KINDS[key], module, suffix, **where)
-    return None
 
 
 @dataclass
@@ -192,7 +139,7 @@ def map_sources(names: list[str], *, prefix: str, num_layers: int) -> SourceMap:
     layers = [LayerSources(i) for i in range(num_layers)]
     model_keep: list[str] = []
     lm_head = None
-    known_layer = set(LAYER_KEEP) | {EXPERT_GATE_UP, EXPERT_DOWN} | {
+    known_layer = {suffix for _, suffix in LAYER_KEEP} | {EXPERT_GATE_UP, EXPERT_DOWN} | {
         f"{m}.weight" for g in DENSE_GROUPS for m in g.members
     }
     for name in sorted(names):
@@ -209,7 +156,7 @@ def map_sources(names: list[str], *, prefix: str, num_layers: int) -> SourceMap:
             if suffix in layers[layer].tensors:
                 raise MappingError(f"tensor {name}: layer {layer} has '{suffix}' twice (current and legacy name)")
             layers[layer].tensors[suffix] = name
-        elif rel in MODEL_KEEP or name.startswith(TOWER_PREFIXES):
+        elif rel in MODEL_KEEP or tower_of(name) is not None:
             model_keep.append(name)
         elif name == "lm_head.weight":
             lm_head = name
@@ -235,3 +182,232 @@ def exclude_modules(*, prefix: str, num_layers: int, parts: frozenset[Part], tow
         if Part.MLP not in parts:
             out.add(f"{lp}mlp*")
     return sorted(out)
+
+
+# --------------------------------------------------------------------------- the output table
+
+
+class Role(str, Enum):
+    """What an output tensor is to its module. A quantized linear writes the four NVFP4 roles
+    (modelopt 0.47 ``export_hf_checkpoint``; ``input_scale`` only with activation quantization),
+    everything else is ``KEPT`` in its source dtype."""
+
+    WEIGHT = "weight"  # uint8 [out, in/2]: two E2M1 codes per byte
+    WEIGHT_SCALE = "weight_scale"  # float8_e4m3fn [out, in/16]: one scale per 16-input block
+    WEIGHT_SCALE_2 = "weight_scale_2"  # float32 []: the global (per-tensor) scale
+    INPUT_SCALE = "input_scale"  # float32 []: static activation scale (W4A4 only)
+    KEPT = "kept"  # stored as in the source
+
+
+QUANT_ROLES = (Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2, Role.INPUT_SCALE)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One NVFP4 linear of the output.
+
+    ``module``: its output module name (tensors ``{module}.{role}``); ``key``: its module relative to
+    the decoder layer, as transformers and the calibrator name it (``self_attn.q_proj``, or the fused
+    ``experts.gate_up_proj`` / ``experts.down_proj`` an expert linear is cut from); ``source``: the
+    source tensor it is quantized from (the fused 3-D tensor for experts); ``hf_name``: the tensor
+    of transformers' model its dequantized weight goes into (``…q_proj.weight``, or the fused expert
+    tensor, rows of expert ``expert``); ``group``: the modules sharing its ``weight_scale_2`` and
+    ``input_scale`` (a dense q/k/v or gate/up group; an expert's gate and up).
+    Shapes in elements: ``weight`` is ``[out_features, in_features]`` before packing.
+    """
+
+    module: str
+    key: str
+    kind: str
+    layer: int
+    out_features: int
+    in_features: int
+    source: str
+    hf_name: str
+    group: tuple[str, ...]
+    act_quant: bool
+    expert: int | None = None
+    proj: str | None = None  # gate_proj / up_proj / down_proj of an expert
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        return QUANT_ROLES if self.act_quant else QUANT_ROLES[:3]
+
+    def name(self, role: Role) -> str:
+        return f"{self.module}.{role.value}"
+
+    @property
+    def names(self) -> list[str]:
+        """Its output tensor names, in write order."""
+        return [self.name(r) for r in self.roles]
+
+    @property
+    def input_key(self) -> str:
+        """Where transformers' model applies its input scale: the linear module, or for an expert
+        the fused expert tensor (all experts of a layer share one input scale per projection)."""
+        return self.module if self.expert is None else self.hf_name
+
+    def shapes(self) -> dict[Role, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of each role (modelopt 0.47's NVFP4 export, block size 16)."""
+        o, i = self.out_features, self.in_features
+        return {Role.WEIGHT: (torch.uint8, (o, i // 2)),
+                Role.WEIGHT_SCALE: (torch.float8_e4m3fn, (o, i // NVFP4_BLOCK)),
+                Role.WEIGHT_SCALE_2: (torch.float32, ()), Role.INPUT_SCALE: (torch.float32, ())}
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of an NVFP4 output: name, dtype, shape, role and what it comes from.
+
+    ``kind``: the model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` labels, the model
+    card's rows); ``source``: the source tensor it is written from; ``module``: the module the
+    exclusion list is matched against; ``linear``: its NVFP4 linear (None when kept);
+    ``excludable``: a kept tensor that ``exclude_modules`` must cover (2-D linear weights kept in
+    the source dtype, and everything under a tower).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    role: Role
+    kind: str
+    source: str
+    module: str
+    layer: int | None = None
+    linear: Linear | None = None
+    excludable: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The outputs of one decoder layer in production order: ``kept`` tensors, then the dense
+    ``groups`` (each quantized with one shared ``weight_scale_2``), then per expert its
+    ``(gate_proj, up_proj, down_proj)``. ``sources``: canonical suffix -> source tensor name."""
+
+    index: int
+    prefix: str
+    sources: dict[str, str]
+    kept: tuple[OutputTensor, ...]
+    groups: tuple[tuple[Linear, ...], ...]
+    experts: tuple[tuple[Linear, Linear, Linear], ...]
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [lin for g in self.groups for lin in g] + [lin for e in self.experts for lin in e]
+
+
+@dataclass(frozen=True)
+class Nvfp4Layout:
+    """Every tensor of an NVFP4 output, listed once, in the order the converter writes it.
+
+    Built from the model's :class:`~g4.convert.gemma4.Architecture`, the language-model
+    ``prefix``, the quantized ``parts`` and ``act_quant`` (W4A4: an ``input_scale`` per
+    linear), with the source's tensor dtypes and towers: :meth:`from_source` at conversion,
+    :meth:`from_output` for a finished OUT. ``tensors`` in production order, ``by_name`` the
+    lookup, ``layers`` the per-layer view the writer walks, ``model`` the kept tensors
+    outside the layers (embedding, final norm, towers, an untied lm_head), written last.
+    """
+
+    arch: Architecture
+    prefix: str
+    parts: frozenset[Part]
+    act_quant: bool
+    towers: tuple[str, ...]  # tower prefixes present (TOWER_PREFIXES order)
+    layers: tuple[LayerLayout, ...]
+    model: tuple[OutputTensor, ...]
+    tensors: tuple[OutputTensor, ...] = field(init=False)
+    by_name: dict[str, OutputTensor] = field(init=False)
+
+    def __post_init__(self):
+        order: list[OutputTensor] = []
+        for lay in self.layers:
+            order += lay.kept
+            for lin in lay.linears:
+                dtypes = lin.shapes()
+                order += [OutputTensor(lin.name(r), *dtypes[r], r, lin.kind, lin.source, lin.module, lin.layer, lin)
+                          for r in lin.roles]
+        order += self.model
+        by_name = {t.name: t for t in order}
+        if len(by_name) != len(order):
+            raise ValueError("NVFP4 layout lists a tensor twice")  # internal invariant
+        object.__setattr__(self, "tensors", tuple(order))
+        object.__setattr__(self, "by_name", by_name)
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [lin for lay in self.layers for lin in lay.linears]
+
+    def exclude_modules(self) -> list[str]:
+        """The exclusion list of this output (:func:`exclude_modules`)."""
+        return exclude_modules(prefix=self.prefix, num_layers=self.arch.num_layers, parts=self.parts,
+                               towers=list(self.towers))
+
+    @classmethod
+    def build(cls, arch: Architecture, *, prefix: str, parts: frozenset[Part], act_quant: bool,
+              layer_sources: list[dict[str, str]], model_sources: list[str], lm_head: str | None,
+              dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]]) -> "Nvfp4Layout":
+        """The table of one output.
+
+        Args:
+            arch: the model.
+            prefix: language-model key prefix (``model.language_model.`` or ``model.``).
+            parts: quantized parts (:data:`PRESETS`); the experts always are.
+            act_quant: W4A4 (an ``input_scale`` per linear) or W4A16.
+            layer_sources: per layer, canonical suffix -> source tensor name (:class:`SourceMap`).
+            model_sources: kept tensors outside the layers (embedding, final norm, towers), written
+                under their source names.
+            lm_head: an untied ``lm_head.weight``'s source name, or None.
+            dtypes / shapes: of the kept tensors, by source name (as stored in the source).
+        """
+        layers = []
+        for L, src in enumerate(layer_sources):
+            lp = f"{prefix}layers.{L}."
+            want = arch.layer_tensor_shapes(L)
+
+            def kept(key: str, suffix: str, excludable: bool = False) -> OutputTensor:
+                s = src[suffix]
+                name = lp + suffix  # its module: the name without its last component, as modelopt matches
+                return OutputTensor(name, dtypes[s], shapes[s], Role.KEPT, LAYER_MODULE_KINDS[key], s,
+                                    name.rpartition(".")[0], L, excludable=excludable)
+
+            keep = [kept(key, suffix, excludable=key == "router.proj") for key, suffix in LAYER_KEEP]
+            groups = []
+            for g in DENSE_GROUPS:
+                members = [m for m in g.members if f"{m}.weight" in src]
+                if g.part not in parts:
+                    keep += [kept(m, f"{m}.weight", excludable=True) for m in members]
+                    continue
+                group = tuple(lp + m for m in members)
+                groups.append(tuple(
+                    Linear(lp + m, m, LAYER_MODULE_KINDS[m], L, *want[f"{m}.weight"], src[f"{m}.weight"],
+                           lp + f"{m}.weight", group, act_quant) for m in members))
+            inter, hidden = arch.moe_intermediate, arch.hidden
+            experts = []
+            for e in range(arch.experts):
+                mod = {proj: f"{lp}experts.{e}.{proj}" for proj in EXPERT_PROJS}
+                pair = (mod["gate_proj"], mod["up_proj"])
+                experts.append(tuple(
+                    Linear(mod[proj], fused, LAYER_MODULE_KINDS[fused], L, out_f, in_f, src[fused], lp + fused,
+                           pair if proj != "down_proj" else (mod[proj],), act_quant, expert=e, proj=proj)
+                    for proj, fused, out_f, in_f in (("gate_proj", EXPERT_GATE_UP, inter, hidden),
+                                                     ("up_proj", EXPERT_GATE_UP, inter, hidden),
+                                                     ("down_proj", EXPERT_DOWN, hidden, inter))))
+            layers.append(LayerLayout(L, lp, dict(src), tuple(keep), tuple(groups), tuple(experts)))
+        lm = {prefix + rel: key for rel, key in MODEL_KEEP.items()}
+        towers = tuple(t for t in TOWER_PREFIXES if any(tower_of(n) == t for n in model_sources))
+        model = []
+        for name in model_sources:
+            if name in lm:
+                kind, excludable = MODEL_MODULE_KINDS[lm[name]], False
+            else:  # under a tower (map_sources admitted nothing else)
+                kind, excludable = TOWERS_KIND, True
+            model.append(OutputTensor(name, dtypes[name], shapes[name], Role.KEPT, kind, name, name.rpartition(".")[0],
+                                      excludable=excludable))
+        if lm_head is not None:
+            model.append(OutputTensor("lm_head.weight", dtypes[lm_head], shapes[lm_head], Role.KEPT,
+                                      MODEL_MODULE_KINDS["lm_head"], lm_head, "lm_head", excludable=True))
+        return cls(arch, prefix, frozenset(parts) | {Part.EXPERTS}, act_quant, towers, tuple(layers), tuple(model))

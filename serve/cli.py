@@ -89,13 +89,16 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @_dtype_opt
 @click.option("--max-model-len", type=COUNT, help="vllm backend: --max-model-len (tokens).")
 @click.option("--kv-cache-dtype", help="vllm backend: --kv-cache-dtype (auto, fp8, ...).")
+@click.option("--compiled-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="neuron backend: where the compiled model is kept (default: OUT/neuron_compiled); compiled on "
+                   "the first start, reused while it matches OUT, recompiled when it does not.")
 @click.option("--shutdown-timeout", type=SECONDS, default=30, show_default=True,
               metavar="SECONDS", help="On SIGTERM or Ctrl-C, requests in flight get this long to finish; then "
               "they are answered 503 (a second Ctrl-C: at once). CPU and neuron backends.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
 @exit_on_user_error
 def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
-          shutdown_timeout, verbose):
+          compiled_dir, shutdown_timeout, verbose):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     from .engine import choose_backend
     from g4.exporters.formats import detect_format
@@ -111,11 +114,13 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
         return
     if max_model_len or kv_cache_dtype:
         raise G4Error("--max-model-len and --kv-cache-dtype are vllm backend options")
+    if compiled_dir and chosen != "neuron":
+        raise G4Error("--compiled-dir is a neuron backend option")
     sock = _bind(host, port)
     if chosen == "neuron":
         from .neuron_backend import load_neuron_engine
 
-        engine = load_neuron_engine(out)
+        engine = load_neuron_engine(out, compiled_dir=compiled_dir, log=click.echo)
     else:
         from .engine import load_cpu_engine
 

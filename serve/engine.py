@@ -261,13 +261,23 @@ def load_tokenizer(path: Path):
     Raises:
         CheckpointError: missing or unloadable tokenizer files, or no chat template (case P14).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # many exception types for a missing or broken tokenizer
-        raise CheckpointError(f"{path}: serving needs its tokenizer and it cannot be loaded "
-                              f"({type(e).__name__}: {e})") from e
+        tokenizer = None
+        if (Path(path) / "tokenizer.json").is_file():
+            # transformers < 5 (4.57 beside the Neuron SDK's NxDI) does not know the
+            # ``TokenizersBackend`` class that transformers 5 writes into tokenizer_config.json;
+            # the same tokenizer.json, special tokens and chat template load as a fast tokenizer.
+            try:
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            except Exception:  # noqa: BLE001  (the first error is the one reported)
+                pass
+        if tokenizer is None:
+            raise CheckpointError(f"{path}: serving needs its tokenizer and it cannot be loaded "
+                                  f"({type(e).__name__}: {e})") from e
     if not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(f"{path}: no chat template (chat_template.jinja); chat completions need it")
     return tokenizer

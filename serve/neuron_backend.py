@@ -1,110 +1,255 @@
-"""The neuron backend of ``g4serve``: an int8-neuron result on NeuronCores through
-neuronx-distributed, behind the same engine interface as the CPU engines.
+"""The neuron backend of ``g4serve``: an int8-neuron result on NeuronCores through g4's Gemma 4 MoE
+class for neuronx-distributed-inference (NxDI) 0.8 (``g4.serve.nxdi_gemma4.NeuronGemma4MoEForCausalLM``),
+behind the same engine interface as the CPU engines.
 
-The traced graph (``g4.serve.neuron_runtime.trace_neuron``) is
-``g4.serve.neuron_model.NeuronTextModel`` at one static sequence length (the bucket): the
-host embeds the ids (unscaled table times the manifest's ``embed_scale``), pads on the
-right to the bucket (causal attention: padding never reaches earlier positions), and reads
-the logits at the last real position. Every step recomputes the sequence (no on-device KV
-cache yet), so prompt plus reply must fit in the bucket.
+:class:`NeuronEngine` drives NxDI's own forward (``NeuronBaseForCausalLM.forward``,
+aws-neuron/neuronx-distributed-inference ``src/neuronx_distributed_inference/models/model_base.py``):
+``start`` is one context-encoding call on the prompt (NxDI pads it to the smallest context-encoding
+bucket that holds it), ``step`` one token-generation call for the new token on NxDI's KV cache, no
+recompute. Batch 1; the logits ``[V]`` go to the host sampler (``g4.serve.engine.sample_next``):
+NxDI's on-device sampling stays off (the class does not wire it). The embedding runs on the device
+(the class reads ``embed_tokens.safetensors`` and scales it by ``sqrt(hidden_size)``).
 
-Availability needs neuronx-distributed and torch-neuronx importable and a NeuronCore
-device (``/dev/neuron*``). Not yet run on inf2 hardware.
+The serving shape comes from the result's ``manifest.json``
+(:meth:`g4.exporters.neuron_int8.Manifest.serving_shape`): ``max_length`` tokens of prompt plus
+reply (the KV cache length; the engine's ``max_context``, so the server refuses longer requests
+with its usual ``context_length_exceeded``) and the context-encoding and token-generation bucket
+ladders.
+
+On Neuron, :func:`load_neuron_engine` compiles once into ``OUT/neuron_compiled`` (or
+``compiled_dir``) with NxDI's ``compile`` and loads it with ``load`` on later starts. The folder
+carries ``g4_compiled.json``: a sha256 over the result's ``manifest.json`` and ``config.json`` and
+the NxDI settings g4 compiled with; a folder whose stamp differs (another result, another
+conversion, other settings) is compiled again, never silently used; a folder without the stamp is
+not g4's and is refused. Weights are not copied into it: NxDI shards them from OUT at each load.
+**Not yet run on inf2 hardware.**
+
+On a CPU the same engine runs through NxDI's CPU mode (``NeuronConfig(on_cpu=True)`` and
+``to_cpu()``, no compile; one bucket of ``max_length``, the only shape that mode supports); that
+is for the tests (``tests/test_nxdi_gemma4.py``), not a backend users choose.
+
+This module imports neither NxD nor NxDI at the top (``neuron_status`` must work without them);
+:func:`load_neuron_engine` imports them.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
+import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
-from safetensors.torch import load_file
 
 from g4.convert.errors import CheckpointError, G4Error
+from g4.exporters.neuron_int8 import MANIFEST, Manifest
 from g4.serve.engine import Engine
-from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry
-from g4.serve.neuron_model import host_embed
+
+COMPILED_DIR = "neuron_compiled"
+COMPILED_STAMP = "g4_compiled.json"
+# NxDI's compiled model file inside the compiled folder
+# (models/application_base.py: COMPILED_MODEL_FILE_NAME)
+COMPILED_MODEL = "model.pt"
 
 
 def neuron_status() -> tuple[bool, str]:
     """Whether the neuron backend can run here: ``(available, reason in words)``."""
-    missing = [m for m in ("neuronx_distributed", "torch_neuronx") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("neuronx_distributed", "neuronx_distributed_inference", "torch_neuronx")
+               if importlib.util.find_spec(m) is None]
     if missing:
         return False, f"{' and '.join(missing)} not installed (Neuron SDK 2.28 for inf2)"
     if not glob.glob("/dev/neuron*"):
         return False, "neuronx-distributed is installed but no NeuronCore device (/dev/neuron*) is present"
-    return True, "neuronx-distributed, torch-neuronx and NeuronCore devices present"
+    return True, "neuronx-distributed(-inference), torch-neuronx and NeuronCore devices present"
 
 
 class NeuronEngine(Engine):
-    """Greedy/sampled generation with a traced Neuron model of fixed bucket length.
+    """Generation on NxDI's KV cache through a loaded ``NeuronGemma4MoEForCausalLM``.
 
     Args:
         path: the int8-neuron result.
-        forward: ``(inputs_embeds bf16 [1, S, H], position_ids int64 [1, S]) -> logits [1, S, V]``
-            for ``S == seq_len``: the initialised traced model (or, in tests, the same module
-            tree on the CPU).
+        model: the class after ``load`` (Neuron) or ``to_cpu`` (CPU), batch 1.
         tokenizer: the result's tokenizer.
-        seq_len: the bucket the model was traced for (tokens).
-        dtype: activation dtype the graph takes (bf16 on Neuron).
+        max_length: tokens of prompt plus reply the model was built for (its KV cache).
+        description: one line for ``/v1/models`` and the start-up message.
 
-    Raises:
-        CheckpointError: unreadable manifest or host embedding table.
+    State between calls is the number of positions in the KV cache; the cache itself lives in
+    ``model`` (one request at a time, as every engine: :meth:`start` resets it).
     """
 
     backend = "neuron"
 
-    def __init__(self, path: Path, forward: Callable, tokenizer, *, seq_len: int,
-                 dtype: torch.dtype = torch.bfloat16, description: str = "int8-neuron on NeuronCores"):
+    def __init__(self, path: Path, model, tokenizer, *, max_length: int, description: str):
         super().__init__(path, tokenizer, description)
-        try:
-            manifest = Manifest.from_dir(path)
-            self.table = load_file(Path(path) / manifest.host_embedding["file"])[EMBED_TENSOR]
-        except (OSError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a readable int8-neuron result ({e})") from e
-        config = json.loads((Path(path) / "config.json").read_text())
-        scale = manifest.check_embed_scale(geometry(config, manifest.tp_degree).arch, Path(path) / MANIFEST)
-        self.embed_scale, self.forward, self.seq_len, self.dtype = scale, forward, seq_len, dtype
-        self.max_context = min(self.max_context, seq_len)
+        self.model, self.max_length = model, max_length
+        self.max_context = min(self.max_context, max_length)
 
-    def _logits(self, ids: list[int]) -> torch.Tensor:
+    @torch.no_grad()
+    def _forward(self, ids: list[int], first: int) -> torch.Tensor:
+        """NxDI forward of ``ids`` at positions ``first..``: fp32 logits ``[V]`` of the last one."""
         n = len(ids)
-        if n > self.seq_len:
-            raise G4Error(f"prompt plus reply is {n} tokens; the traced bucket holds {self.seq_len}")
-        padded = torch.tensor([ids + [0] * (self.seq_len - n)])
-        pos = torch.arange(self.seq_len).unsqueeze(0)
-        logits = self.forward(host_embed(self.table, padded, self.embed_scale, self.dtype), pos)
-        return logits[0, n - 1].float()
+        if first + n > self.max_length:
+            raise G4Error(f"prompt plus reply is {first + n} tokens; the neuron model holds {self.max_length}")
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        positions = torch.arange(first, first + n, dtype=torch.long)[None]
+        # context encoding: a mask of the real (unpadded) tokens; token generation: none, NxDI
+        # infers it from the positions (models/model_base.py: _infer_attention_mask)
+        mask = torch.ones_like(input_ids) if first == 0 else None
+        out = self.model(input_ids=input_ids, position_ids=positions, seq_ids=torch.zeros(1, dtype=torch.int32),
+                         attention_mask=mask)
+        return out.logits[0, -1].float()
 
     def start(self, prompt_ids):
-        return list(prompt_ids), self._logits(list(prompt_ids))
+        if not prompt_ids:
+            raise G4Error("empty prompt")
+        self.model.reset()
+        return len(prompt_ids), self._forward(list(prompt_ids), 0)
 
     def step(self, state, token):
-        ids = state + [token]
-        return ids, self._logits(ids)
+        return state + 1, self._forward([int(token)], state)
 
 
-def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = None, seq_len: int = 1024) -> NeuronEngine:
-    """Trace (once, into ``compiled_dir``, default ``PATH/neuron_compiled``) and initialise the
-    Neuron model of the int8-neuron result ``path`` and wrap it in a :class:`NeuronEngine`.
+def compile_stamp(path: Path, settings: dict) -> dict:
+    """What a compiled folder was built from: sha256 over the result's ``manifest.json`` and
+    ``config.json`` bytes and the NxDI ``settings`` (JSON, sorted keys), with the settings
+    themselves. Equal stamps mean the compiled graph fits this result.
 
     Raises:
-        G4Error: no Neuron stack or device here (one line, from :func:`neuron_status`), or
-            a result whose rank files do not fit the layout table.
+        CheckpointError: ``manifest.json`` or ``config.json`` unreadable.
+    """
+    h = hashlib.sha256()
+    try:
+        for name in (MANIFEST, "config.json"):
+            h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    except OSError as e:
+        raise CheckpointError(f"{path}: not a readable int8-neuron result ({e})") from e
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return {"sha256": h.hexdigest(), "settings": settings}
+
+
+def compiled_state(compiled: Path, stamp: dict) -> str:
+    """``"current"`` (the folder holds a compile of exactly this stamp), ``"stale"`` (g4's compile
+    of something else, or an interrupted one), or ``"absent"``.
+
+    Raises:
+        G4Error: ``compiled`` exists and is not g4's compiled folder (no stamp): it is not
+            deleted.
+    """
+    if not compiled.exists():
+        return "absent"
+    try:
+        found = json.loads((compiled / COMPILED_STAMP).read_text())
+    except (OSError, ValueError):
+        if compiled.is_dir() and not any(compiled.iterdir()):
+            return "stale"
+        raise G4Error(f"{compiled}: exists and is not a g4 compiled folder (no readable {COMPILED_STAMP}); "
+                      "move it away or pass another --compiled-dir")
+    return "current" if found == stamp and (compiled / COMPILED_MODEL).is_file() else "stale"
+
+
+def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str) -> dict:
+    """The ``MoENeuronConfig`` arguments g4 builds ``NeuronGemma4MoEForCausalLM`` with for an
+    int8-neuron result (JSON-able; they go into the compile stamp). On a CPU: one bucket of
+    ``max_length`` and no bucketing (NxDI's CPU mode builds one module for ``seq_len``)."""
+    text = config.get("text_config") or config
+    length, cte, tkg = manifest.serving_shape(text.get("max_position_embeddings"))
+    settings = {"tp_degree": manifest.tp_degree, "batch_size": 1, "seq_len": length, "max_length": length,
+                "torch_dtype": dtype, "quantized": True,
+                "quantization_type": "expert_wise_per_channel_symmetric",
+                "modules_to_not_convert": ["self_attn", "router", "embed_tokens"]}
+    if on_cpu:
+        settings.update(on_cpu=True, max_context_length=length)
+    else:
+        settings.update(enable_bucketing=True, max_context_length=cte[-1], context_encoding_buckets=cte,
+                        token_generation_buckets=tkg)
+    return settings
+
+
+def build_nxdi_model(path: Path, settings: dict):
+    """``NeuronGemma4MoEForCausalLM`` of the result ``path`` configured by ``settings``
+    (:func:`nxdi_settings`), not yet compiled or loaded. Imports NxD and NxDI."""
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    from g4.serve.nxdi_gemma4 import Gemma4MoEInferenceConfig, NeuronGemma4MoEForCausalLM, load_gemma4_config
+
+    kwargs = dict(settings, torch_dtype=getattr(torch, settings["torch_dtype"]), quantized_checkpoints_path=str(path))
+    config = Gemma4MoEInferenceConfig(MoENeuronConfig(**kwargs), load_config=load_gemma4_config(str(path)))
+    return NeuronGemma4MoEForCausalLM(str(path), config)
+
+
+def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = None, on_cpu: bool = False,
+                       log=print) -> NeuronEngine:
+    """The :class:`NeuronEngine` of the int8-neuron result ``path``.
+
+    On Neuron: compile with NxDI into ``compiled_dir`` (default ``PATH/neuron_compiled``) unless
+    it already holds this result's compile (:func:`compiled_state`), then ``load``. The compile is
+    written into a temporary folder beside it and renamed into place when complete. With
+    ``on_cpu`` (tests): NxDI's CPU mode, ``to_cpu()``, fp32, nothing written.
+
+    Args:
+        log: called with one line per phase (compile, load).
+
+    Raises:
+        G4Error: no Neuron stack or device here (one line, from :func:`neuron_status`), a
+            ``compiled_dir`` that is not g4's, an unreadable result (``CheckpointError``).
     """
     from g4.serve.engine import load_tokenizer
-    from g4.serve.neuron_runtime import initialize_traced, trace_neuron
 
-    ok, why = neuron_status()
-    if not ok:
-        raise G4Error(f"neuron backend unavailable: {why}")
     path = Path(path)
-    compiled = Path(compiled_dir) if compiled_dir else path / "neuron_compiled"
-    model_pt = compiled / "model.pt"
-    if not model_pt.is_file():
-        trace_neuron(path, compiled, seq_len=seq_len)
-    traced = initialize_traced(model_pt, path)
-    return NeuronEngine(path, traced, load_tokenizer(path), seq_len=seq_len)
+    if not on_cpu:
+        ok, why = neuron_status()
+        if not ok:
+            raise G4Error(f"neuron backend unavailable: {why}")
+    manifest = Manifest.from_dir(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/config.json: unreadable ({e})") from e
+    tokenizer = load_tokenizer(path)
+    settings = nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16")
+    model = build_nxdi_model(path, settings)
+    where = f"TP={manifest.tp_degree}, max_length {settings['max_length']}"
+    if on_cpu:
+        _what_the_class_cannot_load(path, model.to_cpu)
+        return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
+                            description=f"int8-neuron through NxDI's CPU mode, {where}, float32")
+    compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
+    stamp = compile_stamp(path, settings)
+    state = compiled_state(compiled, stamp)
+    if state != "current":
+        log(f"compiling for Neuron into {compiled} ({'replacing a stale compile' if state == 'stale' else 'first start'};"
+            " buckets " + ", ".join(f"{k} {settings[k]}" for k in ("context_encoding_buckets", "token_generation_buckets"))
+            + ")")
+        _what_the_class_cannot_load(path, lambda: _compile(model, compiled, stamp, replace=state == "stale"))
+    log(f"loading the compiled model from {compiled}")
+    _what_the_class_cannot_load(path, lambda: model.load(str(compiled)))
+    return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
+                        description=f"int8-neuron on NeuronCores through NxDI 0.8, {where}, bfloat16")
+
+
+def _what_the_class_cannot_load(path: Path, run) -> None:
+    """``run()``; a result g4's NxDI class does not load yet (its ``NotImplementedError``, e.g. an
+    int8-neuron result at TP > 1) becomes one ``error:`` line naming ``path``."""
+    try:
+        run()
+    except NotImplementedError as e:
+        raise G4Error(f"{path}: the neuron backend cannot load this result yet: {e}") from e
+
+
+def _compile(model, compiled: Path, stamp: dict, *, replace: bool) -> None:
+    """NxDI ``compile`` into ``compiled.partial`` beside ``compiled``, the stamp written last,
+    then renamed into place (a stale folder, checked by :func:`compiled_state`, removed first)."""
+    partial = compiled.with_name(f".{compiled.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        model.compile(str(partial))
+        (partial / COMPILED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        if replace:
+            shutil.rmtree(compiled)
+        partial.rename(compiled)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise

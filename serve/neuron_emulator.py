@@ -26,7 +26,18 @@ from safetensors.torch import load_file
 from torch import nn
 
 from g4.convert.errors import CheckpointError
-from g4.exporters.neuron_int8 import EMBED_TENSOR, MANIFEST, Manifest, geometry, layer_entries, layer_prefix, model_entries
+from g4.exporters.neuron_int8 import (
+    EMBED_TENSOR,
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    MANIFEST,
+    Manifest,
+    geometry,
+    is_rank_index,
+    layer_entries,
+    layer_prefix,
+    model_entries,
+)
 
 
 def _dequant(sd: dict[str, torch.Tensor], key: str, int8: bool, suffix: str, dtype: torch.dtype) -> torch.Tensor:
@@ -95,19 +106,22 @@ class NeuronEmulator(nn.Module):
         self.softcap = self.config.final_logit_softcapping
 
     def _load(self, layer: nn.Module, e, sd: dict, prefix: str, rank: int) -> None:
+        """Entry ``e`` of rank ``rank``'s file into transformers' module at the entry's source path
+        (``moe.router.proj`` in the file is ``router.proj`` in ``Gemma4TextDecoderLayer``)."""
+        if is_rank_index(e):  # NxD's SPMD rank index: nothing to load into transformers' modules
+            return
         key = prefix + e.key
         try:
             t = _dequant(sd, key, e.int8, e.suffix, self.dtype)
         except KeyError as err:
             raise CheckpointError(f"rank {rank} file has no tensor {err.args[0]}") from err
-        if e.key == "experts.gate_up_proj":  # NxD [E, H, 2I/T] -> transformers [E, 2I/T, H] (gate_r | up_r)
+        fused = e.rule in (EXPERT_GATE_UP, EXPERT_DOWN)
+        if fused:  # NxD [E, H, 2I/T] / [E, I/T, H] -> transformers [E, 2I/T, H] (gate_r | up_r) / [E, H, I/T]
             t = t.transpose(1, 2).contiguous()
-        elif e.key == "experts.down_proj":  # NxD [E, I/T, H] -> transformers [E, H, I/T]
-            t = t.transpose(1, 2).contiguous()
-        if e.suffix == "" or e.key.startswith("experts."):  # a parameter/buffer path, e.g. router.scale
-            owner_name, _, attr = e.key.rpartition(".")
+        if e.source == e.source_module:  # a parameter/buffer path, e.g. router.scale, experts.gate_up_proj
+            owner_name, _, attr = e.source_module.rpartition(".")
         else:  # a module whose .weight it is, e.g. self_attn.q_proj
-            owner_name, attr = e.key, "weight"
+            owner_name, attr = e.source_module, "weight"
         owner = layer.get_submodule(owner_name) if owner_name else layer
         if attr in owner._buffers:
             owner._buffers[attr] = t
@@ -115,10 +129,11 @@ class NeuronEmulator(nn.Module):
             setattr(owner, attr, nn.Parameter(t, requires_grad=False))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Host-side lookup: unscaled bf16 rows times ``embed_scale`` rounded to the table dtype."""
-        from g4.serve.neuron_model import host_embed
-
-        return host_embed(self.embed_table, input_ids, self.embed_scale, self.dtype)
+        """Host lookup of int64 ``input_ids [B, S]`` in the unscaled bf16 table ``[V, H]``, times
+        ``embed_scale`` rounded to the table dtype (as ``Gemma4TextScaledWordEmbedding``), as
+        ``self.dtype``."""
+        rows = self.embed_table[input_ids]
+        return (rows * torch.tensor(self.embed_scale).to(rows.dtype)).to(self.dtype)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,10 @@ The Gemma 4 semantics are those of transformers 5.24 ``models/gemma4/modeling_ge
 
 Weights: unquantized (fp32 or bf16) from a Hugging Face Gemma 4 checkpoint (multimodal release
 layout or text-only; the vision tower is dropped), or, with ``NeuronConfig(quantized=True)``, a
-``g4convert int8-neuron --tp 1`` result (:func:`load_g4_int8_neuron`, :func:`convert_to_g4_int8`). Attention heads, the dense MLP and the experts'
+``g4convert int8-neuron --tp T`` result at ``tp_degree`` T: its per-rank files are this class's
+``state_dict()`` at TP T (g4's layout table, ``g4.exporters.neuron_int8``), and each rank loads only
+its own file, as NxDI's Route 2 does with pre-sharded checkpoints
+(:meth:`NeuronGemma4MoEForCausalLM.to_cpu`, :func:`load_g4_int8_neuron`, :func:`convert_to_g4_int8`). Attention heads, the dense MLP and the experts'
 intermediate dimension are split over TP; a layer with fewer KV heads than ranks gets its KV heads
 replicated (rank r holds head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE``
 does. This module imports NxD and NxDI at the top:
@@ -64,6 +67,12 @@ Defects of NxDI 0.8 met here, and how this module avoids them (NxDI itself is no
   built with ``hidden_act="gelu"`` and this instance's ``Experts._activation_fn`` is then set to the
   tanh approximation (``F.gelu(x, approximate="tanh")``, what transformers' ``gelu_pytorch_tanh``
   is); NxD's module is not changed.
+- NxDI 0.8's ``to_cpu`` (``models/application_base.py:597-608``) always re-shards the checkpoint with
+  NxD's ``get_sharded_checkpoint``, which a pre-sharded rank file must not go through:
+  :meth:`NeuronGemma4MoEForCausalLM.to_cpu` takes NxDI's CPU steps itself for a g4 int8-neuron result.
+- NxD ``parallel_layers/layers.py:145,150`` (``_initialize_parameter_cpu``) breaks a
+  CPU-device build of quantized row and expert-column layers at TP > 1: :func:`convert_to_g4_int8`
+  builds them in NxD's AOT mode.
 - (Neuron too) NxD's expert-wise q_config defaults to float8_e4m3
   (``quantization/quantization_config.py``: ``get_default_expert_wise_per_channel_custom_qconfig_dict``);
   int8 weights loaded into it are silently rounded to float8 (measured: logits off by 2e-2 on the
@@ -92,6 +101,21 @@ from neuronx_distributed.parallel_layers.layers import (
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
+
+from g4.convert.errors import CheckpointError
+from g4.convert.gemma4 import ATTENTION_CONFIG_KEYS, attention_layers, kv_cache_layers, kv_heads_per_rank
+from g4.exporters.neuron_int8 import (
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    KV_HEADS,
+    MANIFEST,
+    Manifest,
+    entry_of,
+    is_rank_index,
+    layer_entries,
+    layer_prefix,
+    model_entries,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -170,12 +194,13 @@ def load_gemma4_config(model_path: str):
 # ------------------------------------------------------------------------------------------ pieces
 class Gemma4RMSNorm(nn.Module):
     """``x * (mean(x^2) + eps)^-0.5``, times ``weight`` (not ``1 + weight``) when it has one; fp32
-    inside, cast back (transformers' ``Gemma4RMSNorm``)."""
+    inside, cast back (transformers' ``Gemma4RMSNorm``). The weight is held in ``dtype`` (the
+    model's ``torch_dtype``, as every other weight of the class and of the rank files)."""
 
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+    def __init__(self, dim: int, eps: float, with_scale: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
@@ -239,35 +264,30 @@ class Gemma4SoftcappedLMHead(ColumnParallelLinear):
 
 class Gemma4KVCacheManager(KVCacheManager):
     """NxDI's ``KVCacheManager`` with one K and one V buffer shape per layer: that layer's KV heads
-    per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B). NxDI 0.8 allocates per-layer
-    shapes when ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``,
-    ``__init__`` / ``_init_kv_shape``); only the head geometry is Gemma 4's."""
+    per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B), from
+    :func:`g4.convert.gemma4.kv_cache_layers`, the function the memory plan sizes the cache with
+    (``g4.convert.plan.kv_cache_nxdi``). NxDI 0.8 allocates per-layer shapes when
+    ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``, ``__init__`` /
+    ``_init_kv_shape``); only the head geometry is Gemma 4's."""
 
     def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
         tp = config.neuron_config.tp_degree
         batch = config.neuron_config.kv_cache_batch_size + config.neuron_config.kv_cache_padding_size
+        layers = kv_cache_layers(attention_layers({k: getattr(config, k, None) for k in ATTENTION_CONFIG_KEYS}), tp)
         self.padded_layer_ids = []
         self.k_shapes, self.v_shapes = [], []
-        for layer, cache_len in enumerate(layer_to_cache_size_mapping):
-            kv_heads = _kv_heads_per_rank(config.kv_heads_of(layer), tp)
-            k_shape, v_shape = get_kv_shapes(cache_len, batch, kv_heads, config.head_dim_of(layer),
+        for layer, cache_len in zip(layers, layer_to_cache_size_mapping, strict=True):
+            k_shape, v_shape = get_kv_shapes(cache_len, batch, layer.heads, layer.head_dim,
                                              self.k_cache_transposed, self.is_kv_cache_tiled)
             self.k_shapes.append(k_shape)
             self.v_shapes.append(v_shape)
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
-    """KV heads each rank holds. Fewer KV heads than ranks are replicated whole, as NxDI's GQA
-    ``REPLICATE_TO_TP_DEGREE`` does (``modules/attention/gqa.py``): rank r holds head
-    ``r * kv_heads // tp``, the one its query heads read (the 26B's 2 full-attention KV heads at TP 4,
-    the embedded model's 1 at TP 2)."""
-    if kv_heads >= tp:
-        if kv_heads % tp:
-            raise NotImplementedError(f"{kv_heads} KV heads do not split over TP {tp}")
-        return kv_heads // tp
-    if tp % kv_heads:
-        raise NotImplementedError(f"{kv_heads} KV heads cannot be replicated evenly over TP {tp}")
-    return 1
+    """KV heads each rank holds: :func:`g4.convert.gemma4.kv_heads_per_rank` (fewer KV heads than
+    ranks are replicated whole, as NxDI's GQA ``REPLICATE_TO_TP_DEGREE`` does, ``modules/attention/gqa.py``:
+    the 26B's 2 full-attention KV heads at TP 4, the embedded model's 1 at TP 2)."""
+    return kv_heads_per_rank(kv_heads, tp)
 
 
 def replicate_kv_rows(weight: torch.Tensor, kv_heads: int, head_dim: int, tp: int) -> torch.Tensor:
@@ -311,8 +331,8 @@ class NeuronGemma4Attention(nn.Module):
         self.v_proj = None if self.k_eq_v else col(H, kv_total * d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, H, bias=False, input_is_parallel=True,
                                         dtype=dtype)
-        self.q_norm = Gemma4RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = Gemma4RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = Gemma4RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = Gemma4RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         self.v_norm = Gemma4RMSNorm(d, config.rms_norm_eps, with_scale=False)
         self.register_buffer("inv_freq", gemma4_inv_freq(config, self.layer_type), persistent=False)
 
@@ -466,7 +486,7 @@ class NeuronGemma4MoEDecoderLayer(nn.Module):
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
                      "post_feedforward_layernorm_2"):
-            setattr(self, name, Gemma4RMSNorm(H, eps))
+            setattr(self, name, Gemma4RMSNorm(H, eps, dtype=config.neuron_config.torch_dtype))
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.neuron_config.torch_dtype))
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
@@ -490,8 +510,17 @@ def convert_to_g4_int8(model: nn.Module) -> None:
     unquantized. NxDI 0.8 applies one global q_config (``models/model_wrapper.py``,
     ``DecoderModelInstance.load_module``), which cannot express this mix, so the class runs NxD's
     ``quantization/quantize.py: convert`` twice itself; ``to_cpu`` never calls ``convert`` at all.
-    Built at TP 1 only so far (NxD ``parallel_layers/layers.py: _initialize_parameter_cpu`` breaks a
-    CPU-device build of quantized row layers at TP > 1)."""
+
+    The int8 layers are built in NxD's AOT mode (``parallel_state.set_aot_mode(True)``, as NxD's
+    ``trace/model_builder.py:560`` does for tracing), their parameters left uninitialised: on a CPU
+    device NxD ``parallel_layers/layers.py:145,150`` (``_initialize_parameter_cpu``) multiplies the
+    partition dim by TP and then overwrites the last dim, so at TP > 1 ``QuantizedRowParallel`` fails
+    (``torch.cat(): expected a non-empty list of Tensors``) and the expert gate_up layer is built from
+    a wrongly shaped master; AOT mode returns before that (``:140``). Every weight is then loaded
+    from the checkpoint. In AOT mode the same function returns the parameter itself as
+    ``master_weight`` (``quantization/quantization_layers.py:158``), which would add a second,
+    aliased ``master_weight`` key to ``state_dict()``; it is set back to None, what a non-AOT build
+    with ``keep_master_weight=False`` holds."""
     from neuronx_distributed.quantization.quantization_config import (
         QuantizationType,
         QuantizedDtype,
@@ -516,16 +545,25 @@ def convert_to_g4_int8(model: nn.Module) -> None:
     # dtype from neuron_config.quantization_dtype the same way (models/model_wrapper.py). An int8
     # checkpoint loaded into float8 parameters is silently rounded, not refused.
     experts["quantized_dtype"] = dense["quantized_dtype"] = QuantizedDtype.INT8
-    for layer in model.layers:
-        convert(layer.moe.expert_mlps, q_config=experts, inplace=True, mapping=None)
-        convert(layer.mlp, q_config=dense, inplace=True, mapping=None)
-    old = model.lm_head
-    head = SoftcappedQuantizedLMHead(
-        input_size=old.input_size, output_size=old.output_size, bias=False, gather_output=old.gather_output,
-        quantization_type=QuantizationType.PER_CHANNEL_SYMMETRIC, quantized_dtype=QuantizedDtype.INT8,
-        quantization_per_channel_axis=0, dtype=old.weight.dtype)
+    aot = parallel_state.get_aot_mode()
+    parallel_state.set_aot_mode(True)
+    try:
+        for layer in model.layers:
+            convert(layer.moe.expert_mlps, q_config=experts, inplace=True, mapping=None)
+            convert(layer.mlp, q_config=dense, inplace=True, mapping=None)
+        old = model.lm_head
+        head = SoftcappedQuantizedLMHead(
+            input_size=old.input_size, output_size=old.output_size, bias=False, gather_output=old.gather_output,
+            quantization_type=QuantizationType.PER_CHANNEL_SYMMETRIC, quantized_dtype=QuantizedDtype.INT8,
+            quantization_per_channel_axis=0, dtype=old.weight.dtype)
+    finally:
+        parallel_state.set_aot_mode(aot)
     head.softcap = old.softcap
     model.lm_head = head
+    for module in model.modules():
+        if getattr(module, "master_weight", None) is not None and module.master_weight is module.weight:
+            del module.master_weight
+            module.master_weight = None
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -553,7 +591,7 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
                                                   dtype=dtype, shard_across_embedding=True,
                                                   embed_scale=config.hidden_size ** 0.5)
         self.layers = nn.ModuleList([NeuronGemma4MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = Gemma4SoftcappedLMHead(config.hidden_size, config.vocab_size, bias=False,
                                               gather_output=not self.on_device_sampling, dtype=dtype,
                                               softcap=config.final_logit_softcapping)
@@ -587,20 +625,95 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
     @classmethod
     def get_state_dict(cls, model_name_or_path: str, config: Gemma4MoEInferenceConfig) -> dict:
         """A ``g4convert int8-neuron`` result (it has a ``manifest.json``) is read by
-        :func:`load_g4_int8_neuron`; anything else is a Hugging Face checkpoint read by NxDI."""
-        if os.path.isfile(os.path.join(model_name_or_path, "manifest.json")):
-            return load_g4_int8_neuron(model_name_or_path, config)
+        :func:`load_g4_int8_neuron` (this process's rank file); anything else is a Hugging Face
+        checkpoint read by NxDI.
+
+        Raises:
+            NotImplementedError: a result written for TP > 1 asked for as one state dict to shard
+                (its files are per rank already; :meth:`to_cpu` loads them rank by rank).
+        """
+        if is_g4_int8_neuron(model_name_or_path):
+            tp = config.neuron_config.tp_degree
+            if tp > 1:
+                raise NotImplementedError(
+                    f"{model_name_or_path} is pre-sharded for TP {tp}: each rank loads its own rank file "
+                    "(to_cpu() here); NxDI's sharder must not cut it again")
+            return load_g4_int8_neuron(model_name_or_path, config, rank=0)
         return super().get_state_dict(model_name_or_path, config)
+
+    def to_cpu(self):
+        """NxDI's CPU build (``on_cpu=True``). For a ``g4convert int8-neuron`` result this is NxDI's
+        Route 2 (pre-sharded per-rank files read with no key conversion, as
+        ``models/application_base.py: load_weights`` does on Neuron): rank r loads
+        ``weights/tp{r}_sharded_checkpoint.safetensors`` and no other rank's file
+        (:func:`load_g4_int8_neuron`), every key of the module's ``state_dict()`` (but the KV cache)
+        required.
+
+        NxDI 0.8's own ``to_cpu`` (``models/application_base.py:554-627``) cannot be reused for that:
+        its ``get_neuron_model`` (``:597-608``) always cuts the loaded checkpoint with NxD's
+        ``get_sharded_checkpoint``, whose quantized layers require the full tensors. So for a g4
+        result this method takes NxDI's steps itself, in its order: ``NXD_CPU_MODE=1``, its dtype
+        checks, the gloo group (``WORLD_SIZE`` from torchrun, else a world of 1), NxD's
+        ``initialize_model_parallel(..., skip_collective_init=True)``, one module built from the
+        wrappers' ``model_cls`` (bf16 cast when asked) shared by every wrapper, ``eval()``; the
+        load is the rank file's. Any other checkpoint goes through NxDI's ``to_cpu`` unchanged.
+
+        Raises:
+            CheckpointError: a result written for another TP degree than ``tp_degree``, a missing
+                or malformed rank file, or a rank file whose keys are not the module's.
+            ValueError: int8 weights without ``NeuronConfig(quantized=True)``.
+            NotImplementedError: what NxDI's ``to_cpu`` refuses (bf16 at TP > 1, fp16,
+                speculation), continuous batching, or int8 attention.
+        """
+        if not is_g4_int8_neuron(self.model_path):
+            return super().to_cpu()
+        nc = self.neuron_config
+        _check_g4_int8_neuron(self.model_path, self.config)  # before any process group is opened
+        if nc.torch_dtype == torch.bfloat16 and nc.tp_degree > 1:
+            raise NotImplementedError("gloo has no bfloat16 all-reduce: use float32 on the CPU at TP > 1")
+        if nc.torch_dtype == torch.float16 or nc.speculation_length > 0 or nc.is_continuous_batching:
+            raise NotImplementedError("fp16, speculation and continuous batching are not supported on the CPU here")
+        os.environ["NXD_CPU_MODE"] = "1"
+        if "WORLD_SIZE" in os.environ:
+            if int(os.environ["WORLD_SIZE"]) != nc.world_size:
+                raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']} is not the NeuronConfig's world size "
+                                 f"{nc.world_size}")
+            if not torch.distributed.is_initialized():
+                torch.distributed.init_process_group("gloo")
+        if not torch.distributed.is_initialized():
+            if nc.world_size != 1:
+                raise RuntimeError("TP > 1 on the CPU needs one process per rank (torchrun)")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            torch.distributed.init_process_group(backend="gloo", world_size=1, rank=0)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
+                                                 pipeline_model_parallel_size=nc.pp_degree,
+                                                 expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
+        module = self.models[0].model_cls(self.config)
+        if nc.torch_dtype == torch.bfloat16:
+            module.bfloat16()
+        sd = load_g4_int8_neuron(self.model_path, self.config, rank=torch.distributed.get_rank())
+        _load_rank_state(module, sd, self.model_path)
+        for wrapper in self.models:
+            wrapper.model = module
+        self.eval()
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config: Gemma4MoEInferenceConfig) -> dict:
-        """Hugging Face Gemma 4 names (after NxDI strips the leading ``model.``) to this class's:
-        ``language_model.`` dropped (vision tower and ``embed_vision`` dropped), q/k norms kept,
-        ``router.*`` -> ``moe.router.*``, ``experts.gate_up_proj [E, 2I, H]`` ->
+        """Hugging Face Gemma 4 names (after NxDI strips the leading ``model.``) to this class's,
+        through g4's int8-neuron layout table (``g4.exporters.neuron_int8``, whose keys are this
+        class's module names): ``language_model.`` dropped (vision tower and ``embed_vision``
+        dropped), ``router.*`` -> ``moe.router.*``, ``experts.gate_up_proj [E, 2I, H]`` ->
         ``moe.expert_mlps.mlp_op.gate_up_proj.weight [E, H, 2I]`` (gate columns first, as NxD's
         fused layout), ``experts.down_proj [E, H, I]`` -> ``...down_proj.weight [E, I, H]``;
         ``k_proj`` / ``v_proj`` rows replicated per KV head where there are fewer KV heads than ranks
-        (:func:`replicate_kv_rows`); the pre-release ``moe.*`` expert names are accepted."""
+        (:func:`replicate_kv_rows`); NxD's rank indices set to ``arange(tp)`` (NxD's sharder gives
+        rank r ``[r]``); the pre-release ``moe.*`` expert names are accepted.
+
+        Raises:
+            KeyError: a decoder-layer tensor the table does not know, or an untied model without
+                ``lm_head.weight``.
+        """
         tp = config.neuron_config.tp_degree
         out = {}
         for name, tensor in state_dict.items():
@@ -608,22 +721,27 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
                 name = name[len("language_model."):]
             elif name.startswith(("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")):
                 continue
-            if ".layers." in f".{name}" and name.startswith("layers."):
-                name = name.replace(".moe.per_expert_scale", ".router.per_expert_scale").replace(".moe.", ".experts.")
-                if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
-                    proj = "gate_up_proj" if "gate_up_proj" in name else "down_proj"
-                    layer = name.split(".")[1]
-                    name = f"layers.{layer}.moe.expert_mlps.mlp_op.{proj}.weight"
+            if name.startswith("layers."):
+                _, layer, rel = name.split(".", 2)
+                layer = int(layer)
+                # pre-release expert names (moe.gate_up_proj, moe.per_expert_scale): the release's
+                rel = "router.per_expert_scale" if rel == "moe.per_expert_scale" else rel
+                rel = "experts." + rel[len("moe."):] if rel.startswith("moe.") else rel
+                entry = entry_of(rel)
+                name = entry.names(layer_prefix(layer))[0]
+                if entry.rule in (EXPERT_GATE_UP, EXPERT_DOWN):
                     tensor = tensor.transpose(1, 2).contiguous()
-                elif ".router." in name:
-                    name = name.replace(".router.", ".moe.router.")
-                elif name.endswith((".self_attn.k_proj.weight", ".self_attn.v_proj.weight")):
-                    layer = int(name.split(".")[1])
+                elif entry.rule is KV_HEADS:
                     tensor = replicate_kv_rows(tensor, config.kv_heads_of(layer), config.head_dim_of(layer), tp)
             out[name] = tensor
-        out["rank_util.rank"] = torch.arange(0, tp, dtype=torch.int32)
-        for layer in range(config.num_hidden_layers):  # ExpertMLPsV2's SPMDRank, as for rank_util
-            out[f"layers.{layer}.moe.expert_mlps.spmd_rank.rank"] = torch.arange(0, tp, dtype=torch.int32)
+        ranks = torch.arange(0, tp, dtype=torch.int32)
+        for e in model_entries(tied=config.tie_word_embeddings):
+            if is_rank_index(e):
+                out[e.names("")[0]] = ranks
+        for layer in range(config.num_hidden_layers):
+            for e in layer_entries(has_v=True, quantize_attention=False):
+                if is_rank_index(e):
+                    out[e.names(layer_prefix(layer))[0]] = ranks
         if not config.tie_word_embeddings and "lm_head.weight" not in out:
             raise KeyError("tie_word_embeddings is false but the checkpoint has no lm_head.weight")
         return out
@@ -633,35 +751,61 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
 
 
-def load_g4_int8_neuron(out_dir: str, config: Gemma4MoEInferenceConfig) -> dict:
-    """The full (unsharded) state dict of this class from a ``g4convert int8-neuron --tp 1``
-    result: ``weights/tp0_sharded_checkpoint.safetensors`` (already NxD's layout: int8 ``weight``
-    and fp32 ``scale``, experts ``[E, H, 2I]`` / ``[E, I, H]``) renamed to this class's module names,
-    plus the host embedding table ``embed_tokens.safetensors`` (unscaled; the embedding module
-    applies ``sqrt(H)``). The int8 lm_head is separate from the bf16 embedding (not tied). Needs
-    ``neuron_config.quantized`` (the class then builds NxD's int8 layers, :func:`convert_to_g4_int8`)
-    and TP 1 (a TP-1 result holds whole tensors that NxD's sharder splits)."""
-    from safetensors.torch import load_file
+def is_g4_int8_neuron(path: str) -> bool:
+    """``path`` is a ``g4convert int8-neuron`` result (a directory with its ``manifest.json``)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
 
-    with open(os.path.join(out_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("tp_degree") != 1 or config.neuron_config.tp_degree != 1:
-        raise NotImplementedError(f"{out_dir}: int8-neuron at TP {manifest.get('tp_degree')} into NxDI at TP "
-                                  f"{config.neuron_config.tp_degree}; only a TP-1 result at TP 1 so far")
+
+def _check_g4_int8_neuron(out_dir: str, config: Gemma4MoEInferenceConfig) -> Manifest:
+    manifest = Manifest.from_dir(out_dir)
+    tp = config.neuron_config.tp_degree
+    if manifest.tp_degree != tp:
+        raise CheckpointError(f"{out_dir} was written for TP {manifest.tp_degree} (g4convert int8-neuron --tp "
+                              f"{manifest.tp_degree}), the NeuronConfig has tp_degree {tp}: convert again with "
+                              f"--tp {tp} or set tp_degree={manifest.tp_degree}")
     if not config.neuron_config.quantized:
         raise ValueError(f"{out_dir} holds int8 weights: build with NeuronConfig(quantized=True)")
-    out = {}
-    for name, tensor in load_file(os.path.join(out_dir, "weights", "tp0_sharded_checkpoint.safetensors")).items():
-        if ".experts." in name:
-            name = name.replace(".experts.", ".moe.expert_mlps.mlp_op.")
-        elif ".router." in name:
-            name = name.replace(".router.", ".moe.router.")
-        out[name] = tensor
-    out["embed_tokens.weight"] = load_file(os.path.join(out_dir, "embed_tokens.safetensors"))["embed_tokens.weight"]
-    out["rank_util.rank"] = torch.arange(0, 1, dtype=torch.int32)
-    for layer in range(config.num_hidden_layers):
-        out[f"layers.{layer}.moe.expert_mlps.spmd_rank.rank"] = torch.arange(0, 1, dtype=torch.int32)
-    return out
+    if manifest.quantize_attention:
+        raise NotImplementedError(f"{out_dir} has int8 attention (--quantize-attention); this class keeps "
+                                  "attention unquantized so far")
+    return manifest
+
+
+def load_g4_int8_neuron(out_dir: str, config: Gemma4MoEInferenceConfig, rank: Optional[int] = None) -> dict:
+    """TP rank ``rank``'s state dict of this class from a ``g4convert int8-neuron`` result: its file
+    ``weights/tp{rank}_sharded_checkpoint.safetensors`` alone, whose keys, dtypes and per-rank shapes
+    are this class's ``state_dict()`` (g4's layout table, ``g4.exporters.neuron_int8``; checked by
+    ``g4.serve.neuron_runtime.load_rank_weights``), with no renaming: int8 ``weight`` and fp32
+    ``scale`` (experts ``[E, H, 2I/T]`` / ``[E, I/T, H]``, expert-wise scales ``[E, 1, out]``), the
+    int8 lm_head (not tied to the bf16 embedding), the device embedding shard ``[V, H/T]`` (unscaled;
+    the embedding module applies ``sqrt(H)``), NxD's rank indices ``[rank]``. Floating tensors stay
+    in the file's dtype (``load_state_dict`` casts them to the module's).
+
+    ``rank``: default this process's TP rank (0 when NxD's parallel state is not initialised).
+    Needs ``neuron_config.quantized`` (the class then builds NxD's int8 layers,
+    :func:`convert_to_g4_int8`) and the result's TP degree.
+
+    Raises:
+        CheckpointError: another TP degree than ``tp_degree``, or a missing / malformed rank file.
+        ValueError: ``quantized`` is not set.
+    """
+    from g4.serve.neuron_runtime import load_rank_weights
+
+    _check_g4_int8_neuron(out_dir, config)
+    if rank is None:
+        rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    return load_rank_weights(out_dir, ranks=[rank])[0]
+
+
+def _load_rank_state(module: nn.Module, sd: dict, out_dir: str) -> None:
+    """``sd`` into ``module``, every key of ``module.state_dict()`` but the KV cache required and no
+    other (the KV cache buffers ``kv_mgr.*`` are state, not weights)."""
+    own = {k for k in module.state_dict() if not k.startswith("kv_mgr.")}
+    if own != set(sd):
+        missing, extra = sorted(own - set(sd)), sorted(set(sd) - own)
+        raise CheckpointError(f"{out_dir}: rank file keys are not the module's (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+    module.load_state_dict(sd, strict=False)
 
 
 @torch.no_grad()

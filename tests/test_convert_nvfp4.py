@@ -219,6 +219,27 @@ def test_checker_rejects_inconsistent_outputs(tiny_mm_nvfp4, tmp_path):
         check_export(broken(mutate_config=exclude_mlp))
 
 
+def test_checker_compares_the_header_with_the_output_table(tiny_mm_nvfp4, tmp_path):
+    """A tensor the table does not list, a missing one, a wrong shape: one error line naming it."""
+    p = "model.language_model.layers.1"
+
+    def broken(mutate):
+        d = shutil.copytree(tiny_mm_nvfp4, tmp_path / f"b{len(list(tmp_path.iterdir()))}")
+        sd = load_file(d / "model.safetensors")
+        mutate(sd)
+        save_file(sd, d / "model.safetensors")
+        return d
+
+    fused = torch.zeros(4, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ExportError, match=f"tensor {p}.experts.gate_up_proj: not in the NVFP4 output table"):
+        check_export(broken(lambda sd: sd.__setitem__(f"{p}.experts.gate_up_proj", fused)))
+    with pytest.raises(ExportError, match=f"tensor {p}.router.scale: missing"):
+        check_export(broken(lambda sd: sd.pop(f"{p}.router.scale")))
+    scale = f"{p}.experts.0.gate_proj.weight_scale"
+    with pytest.raises(ExportError, match=rf"tensor {scale}: torch.float8_e4m3fn \[\d+, \d+\], expected"):
+        check_export(broken(lambda sd: sd.__setitem__(scale, sd[scale][:, :1].contiguous())))
+
+
 def test_bad_sources_fail_cleanly_without_output(tiny_mm, tmp_path):
     """NaN weight, unmapped tensor, v_proj on a k_eq_v layer: one clear error, nothing left behind."""
     cases = {

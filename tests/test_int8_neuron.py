@@ -108,14 +108,20 @@ def test_files_manifest_and_host_embedding(outputs):
     assert torch.equal(host["embed_tokens.weight"], src["model.language_model.embed_tokens.weight"])  # unscaled
     r0, r1 = (load_file(out / rank_file(r)) for r in (0, 1))
     assert r0.keys() == r1.keys()
-    assert r0["layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
-    assert r0["layers.0.experts.gate_up_proj.weight"].shape == (8, 128, 64)
-    assert r0["layers.0.experts.down_proj.scale"].shape == (8, 1, 128)
+    assert r0["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"].dtype == torch.int8
+    assert r0["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (8, 128, 64)
+    assert r0["layers.0.moe.expert_mlps.mlp_op.down_proj.scale"].shape == (8, 1, 128)
+    # NxD's SPMD rank indices and the device embedding's column shard (NxDI class state_dict names)
+    for r, sd in enumerate((r0, r1)):
+        for name in ("rank_util.rank", "layers.0.moe.expert_mlps.spmd_rank.rank", "layers.3.moe.expert_mlps.spmd_rank.rank"):
+            assert sd[name].dtype == torch.int32 and sd[name].tolist() == [r], (r, name)
+        emb = src["model.language_model.embed_tokens.weight"]
+        assert torch.equal(sd["embed_tokens.weight"], emb[:, r * 64:(r + 1) * 64])
     assert r0["lm_head.weight"].shape == (512, 128) and r0["lm_head.scale"].shape == (512, 1)
     assert "layers.3.self_attn.v_proj.weight" not in r0  # k_eq_v
     assert torch.equal(r0["layers.3.self_attn.k_proj.weight"], r1["layers.3.self_attn.k_proj.weight"])  # 1 KV head
     assert r0["layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    assert torch.equal(r0["layers.0.router.proj.weight"], src["model.language_model.layers.0.router.proj.weight"])
+    assert torch.equal(r0["layers.0.moe.router.proj.weight"], src["model.language_model.layers.0.router.proj.weight"])
     assert torch.equal(r0["layers.0.mlp.down_proj.scale"], r1["layers.0.mlp.down_proj.scale"])  # row: replicated
     assert not any(k.startswith(("vision", "model.")) for k in r0)
     for name in ("config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
@@ -208,21 +214,20 @@ def test_result_that_does_not_fit_is_refused_unless_forced(tmp_path):
 
 
 def test_rank_files_match_the_table_derived_from_config_alone(outputs, tmp_path):
-    """The weight list a Neuron runtime gets is checked against the shared table (names,
-    dtypes, per-rank shapes computed from config.json, independently of the exporter)."""
-    from g4.serve.neuron_runtime import initialize_traced, load_rank_weights
+    """Rank files are checked against the shared table (names, dtypes, per-rank shapes computed
+    from config.json, independently of the exporter)."""
+    from g4.serve.neuron_runtime import load_rank_weights
 
     for tp, out in outputs.items():
         weights = load_rank_weights(out)
         assert len(weights) == tp and all(w["layers.0.mlp.gate_proj.weight"].dtype == torch.int8 for w in weights)
     bad = shutil.copytree(outputs[2], tmp_path / "bad")
     sd = load_file(bad / rank_file(1))
-    sd["layers.2.experts.down_proj.weight"] = sd["layers.2.experts.down_proj.weight"][:, :-1].contiguous()
+    down = "layers.2.moe.expert_mlps.mlp_op.down_proj.weight"
+    sd[down] = sd[down][:, :-1].contiguous()
     save_file(sd, bad / rank_file(1))
-    with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.experts.down_proj.weight"):
+    with pytest.raises(G4Error, match=r"tp1_sharded_checkpoint.safetensors: tensor layers.2.moe.expert_mlps.mlp_op.down_proj.weight"):
         load_rank_weights(bad)
-    with pytest.raises(G4Error, match="torch-neuronx / neuronx-distributed are not installed"):
-        initialize_traced(tmp_path / "model.pt", outputs[2])
 
 
 def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
@@ -234,3 +239,21 @@ def test_manifest_embed_scale_is_checked_against_the_config(outputs, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(G4Error, match=r"embed_scale 1.0, but hidden_size 128 needs bf16\(sqrt\(128\)\) = 11.3125"):
         NeuronEmulator(bad)
+
+
+def test_plan_weights_are_the_rank_file_sizes(outputs):
+    """Issue 11: the memory plan's per-rank weight bytes are what each rank file holds: its size
+    minus the 8-byte length and the JSON header (safetensors format), for TP 1, 2 and 4."""
+    import struct
+
+    from g4.convert.plan import plan_memory
+
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    for tp, out in outputs.items():
+        planned = plan_memory(config, fmt="int8-neuron", tp=tp).weights_per_rank
+        for r in range(tp):
+            path = out / rank_file(r)
+            with open(path, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+            assert path.stat().st_size - 8 - header == planned, (tp, r)
+        assert json.loads((out / "manifest.json").read_text())["memory_plan"]["weights_per_rank"] == planned

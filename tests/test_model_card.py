@@ -11,16 +11,8 @@ from huggingface_hub import ModelCard
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
-from g4.exporters.model_card import (
-    CARD_FILE,
-    FACTS_FILE,
-    CardError,
-    load_conversion_facts,
-    render_card,
-    set_base_model,
-    source_repo_id,
-    write_card,
-)
+from g4.convert.card import card_inputs, card_text, load_conversion_facts, set_base_model, source_repo_id, write_card
+from g4.exporters.model_card import CARD_FILE, FACTS_FILE, CardError, render_card
 
 SOURCE_README = """---
 license: apache-2.0
@@ -77,7 +69,7 @@ def int8_out(tmp_path_factory, tiny_mm):
 
 def test_nvfp4_card_is_written_at_conversion_and_reads_out(tiny_mm_nvfp4, tiny_mm):
     text = (tiny_mm_nvfp4 / CARD_FILE).read_text()
-    assert text == render_card(tiny_mm_nvfp4)  # renderable again from OUT alone, same bytes
+    assert text == card_text(tiny_mm_nvfp4)  # renderable again from OUT alone, same bytes
     meta = front_matter(text)
     assert meta["tags"] == ["nvfp4", "modelopt", "vllm"] and "base_model" not in meta
     # Quantized linears by kind, counted independently from the checkpoint.
@@ -113,13 +105,22 @@ def test_nvfp4_card_is_written_at_conversion_and_reads_out(tiny_mm_nvfp4, tiny_m
 
 
 def test_card_names_the_repo_and_is_deterministic(tiny_mm_nvfp4, tmp_path):
-    a = render_card(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
-    assert a == render_card(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
+    a = card_text(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
+    assert a == card_text(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
     assert "# tiny-nvfp4" in a and "vllm serve someone/tiny-nvfp4 " in a and f"./{tiny_mm_nvfp4.name}" not in a
     # The same files elsewhere (same directory name) give the same bytes: no paths, no times.
     copy = shutil.copytree(tiny_mm_nvfp4, tmp_path / "x" / tiny_mm_nvfp4.name)
-    assert render_card(copy, repo_id="someone/tiny-nvfp4") == a
+    assert card_text(copy, repo_id="someone/tiny-nvfp4") == a
     assert str(tmp_path) not in a and str(tiny_mm_nvfp4.parent) not in a
+
+
+def test_render_card_reads_no_file(tiny_mm_nvfp4, tmp_path):
+    """render_card is a function of its inputs: gathered once, it renders the same card after
+    OUT is gone."""
+    out = shutil.copytree(tiny_mm_nvfp4, tmp_path / tiny_mm_nvfp4.name)
+    inputs = card_inputs(out, repo_id="someone/tiny-nvfp4")
+    shutil.rmtree(out)
+    assert render_card(inputs) == card_text(tiny_mm_nvfp4, repo_id="someone/tiny-nvfp4")
 
 
 def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):
@@ -145,7 +146,7 @@ def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):
     assert "does not record which weights it checked" in write_card(out)
     (out / "verification.json").write_text(json.dumps({"something": "else"}))
     with pytest.raises(CardError, match="not a g4_verification version 1"):
-        render_card(out)
+        card_text(out)
 
 
 def test_source_metadata_and_base_model_from_hf_cache(nvfp4_from_cache, hub_cached_src):
@@ -177,7 +178,7 @@ def test_set_base_model_rewrites_facts_and_card(tiny_mm_nvfp4, tmp_path):
 
 def test_int8_neuron_card(int8_out):
     text = (int8_out / CARD_FILE).read_text()
-    assert text == render_card(int8_out)
+    assert text == card_text(int8_out)
     meta = front_matter(text)
     assert meta["tags"] == ["neuron", "inferentia2", "int8"] and meta["pipeline_tag"] == "text-generation"
     manifest = json.loads((int8_out / "manifest.json").read_text())
@@ -195,13 +196,13 @@ def test_int8_neuron_card(int8_out):
     assert f"**{bits:.3f}**" in text
     assert f"g4serve ./{int8_out.name} --backend neuron" in text
     assert "has not yet run on Inferentia2 hardware" in text
-    pushed = render_card(int8_out, repo_id="someone/tiny-int8")
+    pushed = card_text(int8_out, repo_id="someone/tiny-int8")
     assert "hf download someone/tiny-int8 --local-dir tiny-int8\ng4serve tiny-int8 --backend neuron" in pushed
 
 
 def test_not_a_g4_result(tiny_mm, tmp_path):
     with pytest.raises(CardError, match=f"no {FACTS_FILE}"):
-        render_card(tiny_mm)
+        card_text(tiny_mm)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / FACTS_FILE).write_text('{"g4_conversion": 99}')

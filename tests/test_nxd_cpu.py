@@ -14,17 +14,17 @@ transformers 5.x: NxD's layers, its sharder and NxDI's GQA helpers import withou
 (a) NxD's sharder vs g4's rank files, TP 1, 2, 4, int8 and bf16 attention. The unsharded input
 is g4's TP-1 result (full int8 ``weight`` + fp32 ``scale`` in NxD's layout); KV heads are
 replicated to T as NxDI's GQA preshard hook does (``modules/attention/gqa.py``:
-``GQA.REPLICATE_TO_TP_DEGREE``, ``replicate_kv`` on weight and scale); the module tree is g4's
-``NeuronTextModel`` built from NxD's layers with g4's constructor arguments (``NxdParallelOps``),
-on the meta device inside NxD's mocked process group, and each rank is cut by
+``GQA.REPLICATE_TO_TP_DEGREE``, ``replicate_kv`` on weight and scale); the module tree is the
+layout table's (``g4/exporters/neuron_int8.py``) with each entry built as the NxD layer its rule
+names (``tests/nxd_cpu/nxd_tree.py``), on the meta device inside NxD's mocked process group, and each rank is cut by
 ``trace/trace.py: get_sharded_checkpoint``, as ``trace/model_builder.py: ModelBuilder.shard_checkpoint``
 does. Every tensor must equal g4's ``weights/tp{r}_sharded_checkpoint.safetensors`` bit for bit.
 The embedded model has 2 KV heads on sliding and 1 on full-attention layers, so TP 2 and TP 4
 both replicate KV heads.
 
-(b) Each NxD layer type g4 builds (``QuantizedColumnParallel`` with and without
+(b) Each NxD layer type the layout names (``QuantizedColumnParallel`` with and without
 ``gather_output``, ``QuantizedRowParallel``, ``QuantizedExpertFusedColumnParallel`` (stride 2),
-``QuantizedExpertFusedRowParallel``), built with g4's constructor arguments on the meta device
+``QuantizedExpertFusedRowParallel``), built as ``tests/nxd_cpu/nxd_tree.py`` does on the meta device
 (NxD's ``parallel_layers/layers.py: _initialize_parameter_cpu`` multiplies then overwrites the
 last dim of a quantized parameter, which breaks a CPU-device build of the row and expert-column
 layers at TP>1) and loaded from g4's rank files, at TP 1 and 2 (gloo, one process per rank),
@@ -33,13 +33,12 @@ Tolerance on the max abs difference: ``1e-5 * max|ref|`` with fp32 activations, 
 with bf16 activations (the reference sees the same bf16-rounded input; 2e-2 is about 2.5 bf16
 ulps; a layout error is O(1)).
 
-Finding (fixed): g4's ``_Experts.forward`` called NxD's quantized expert layers with a 3-D
-``[E, N, in]`` tensor. NxD's expert layers take 4-D ``[e, 1, c, in]`` (e = E
-or 1): NxD's ``modules/moe/experts.py: Experts.forward`` does ``hidden_states.view(e, 1, c, h)``
-before calling them and ``squeeze(1)`` after, and ``quantization/dequantize.py: scale_dequantize``
-multiplies by ``scale.unsqueeze(ndim - 1)``, ``[E, 1, out]`` -> ``[E, 1, 1, out]``, which a
-3-D output cannot take in place: ``RuntimeError: output with shape [E, N, out] doesn't match the
-broadcast shape [E, E, N, out]``.
+What NxD's expert layers take (still asserted, ``test_nxd_expert_layers_refuse_a_3d_input``): 4-D
+``[e, 1, c, in]`` (e = E or 1), as NxD's ``modules/moe/experts.py: Experts.forward`` passes them
+(``hidden_states.view(e, 1, c, h)``, ``squeeze(1)`` after); a 3-D ``[E, N, in]`` input fails in
+``quantization/dequantize.py: scale_dequantize`` (``scale.unsqueeze(ndim - 1)``): ``RuntimeError: output
+with shape [E, N, out] doesn't match the broadcast shape [E, E, N, out]``. (g4's former module tree
+called them that way; its serving path now runs NxD's ``ExpertMLPsV2`` inside g4's NxDI class.)
 """
 
 from __future__ import annotations
@@ -99,7 +98,10 @@ def _fused_dim_split(good: Path, bad: Path) -> None:
     shutil.copytree(good, bad)
     files = [bad / "weights" / f"tp{r}_sharded_checkpoint.safetensors" for r in (0, 1)]
     sds = [load_file(f) for f in files]
-    for name in ("layers.0.experts.gate_up_proj.weight", "layers.0.experts.gate_up_proj.scale"):
+    from nxd_cpu.g4names import rank_module
+
+    gate_up = rank_module("layers.0.experts.gate_up_proj")
+    for name in (f"{gate_up}.weight", f"{gate_up}.scale"):
         per = [sd[name] for sd in sds]
         gate = torch.cat([p.chunk(2, -1)[0] for p in per], -1)
         up = torch.cat([p.chunk(2, -1)[1] for p in per], -1)
@@ -240,7 +242,8 @@ def test_sharder_check_catches_a_gate_up_cut_along_the_fused_dim(lane):
     ranks = lane["shard"]["results"]["tp2/fused-dim-split"]["ranks"]
     for rank in ranks:
         named = sorted(d.split(":")[0] for d in rank["diffs"])
-        assert named == ["layers.0.experts.gate_up_proj.scale", "layers.0.experts.gate_up_proj.weight"], rank
+        assert named == ["layers.0.moe.expert_mlps.mlp_op.gate_up_proj.scale",
+                         "layers.0.moe.expert_mlps.mlp_op.gate_up_proj.weight"], rank
 
 
 # -------------------------------------------------------------------- (b) NxD's quantized layers
@@ -267,19 +270,6 @@ def test_nxd_expert_layers_refuse_a_3d_input(lane, tp):
                 r = found["results"][f"{case}/{dtype}"]
                 assert "doesn't match the broadcast shape" in r.get("error", ""), r
                 assert "dequantize.py" in r["where"], r
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", ["g4_expert_block", "g4_tree_forward"])
-def test_g4_module_tree_on_nxd_layers_matches_its_plain_torch_tree(lane, tp, case):
-    """g4's own modules over NxD's layers (``NxdParallelOps``) vs over g4's plain-torch layers
-    (``CpuParallelOps``), same rank files, fp32. This failed on every forward while g4 called the
-    expert layers with a 3-D ``[E, N, in]`` input (see the module docstring); g4 now calls them
-    with ``[E, 1, N, in]`` as NxD's ``Experts.forward`` does."""
-    for rank, found in enumerate(lane[f"layers{tp}"]):
-        r = found["results"][f"{case}/fp32"]
-        assert "error" not in r, (tp, rank, r["error"], r["where"])
-        assert r["ok"], (tp, rank, r)
 
 
 def test_lane_fits_its_budget(lane):

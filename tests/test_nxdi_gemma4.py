@@ -33,6 +33,11 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
 - ``int8``: ``g4convert int8-neuron --tp 1`` of the embedded model (``NeuronConfig(quantized=True)``):
   NxD's int8 layers for experts, dense MLP and lm_head; the reference is g4's ``NeuronEmulator``
   (transformers' modules over the dequantized weights), tolerance ``TOL``;
+- ``int8_tp2``: ``g4convert int8-neuron --tp 2`` at TP 2, one process per rank (run after ``chat_tp2`` in
+  the same two processes), each rank given a copy of the result that holds only its own rank file
+  (NxDI's Route 2: pre-sharded files loaded as they are); both ranks against the emulator on the
+  same result, tolerance ``TOL``;
+- ``int8_tp_mismatch``: the TP-2 result at TP 1, which must be refused with a clear error;
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
@@ -62,7 +67,9 @@ NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-infe
 OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
 TOL, TOL_BF16 = 1e-4, 0.25
+SPEC_TPS = {"embedded": [1, 2, 4], "26B-A4B": [2, 4, 8]}
 NEW_TOKENS, SEQ_LEN = 12, 32
+QUESTION = "What is the capital of France?"
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
 
@@ -158,24 +165,44 @@ def lane(tmp_path_factory):
     from g4.convert.resolve import EMBEDDED_DIR
 
     base = tmp_path_factory.mktemp("nxdi_gemma4")
-    chat, other = _chat_ids("What is the capital of France?"), _chat_ids("What is the largest planet in the solar system?")
+    chat, other = _chat_ids(QUESTION), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
     from g4.convert.int8_neuron import convert_int8_neuron
 
-    int8_dir = convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp1", tp=1, quantize_attention=False,
-                                   target="inf2.xlarge", progress=False).out
+    int8_dirs = {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"int8-tp{tp}", tp=tp, quantize_attention=False,
+                                         target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out for tp in (1, 2)}
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
-             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1)}
+             "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
+             "int8_tp_mismatch": (chat, {}, 1)}
+    models = {"int8": int8_dirs[1], "int8_tp2": int8_dirs[2], "int8_tp_mismatch": int8_dirs[2]}
     jobs = {}
     for name, (prompt, overrides, tp) in cases.items():
-        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt, "quantized": name == "int8",
-                      "model": str(int8_dir if name == "int8" else EMBEDDED_DIR), "new_tokens": NEW_TOKENS,
-                      "seq_len": SEQ_LEN, "dtype": "bfloat16" if name.endswith("bf16") else "float32",
+        jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt,
+                      "quantized": name.startswith("int8"), "model": str(models.get(name, EMBEDDED_DIR)),
+                      "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN,
+                      "dtype": "bfloat16" if name.endswith("bf16") else "float32",
                       "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
-    # every TP-1 case in one process (NxDI imported once), the TP-2 case in one process per rank
-    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1), "chat_tp2": (jobs["chat_tp2"], 2)}
+    # each rank of int8_tp2 sees a copy of the result that holds only its own rank file (Route 2)
+    jobs["int8_tp2"]["model_per_rank"] = [str(_rank_view(int8_dirs[2], rank, base / f"int8-tp2-rank{rank}"))
+                                          for rank in range(2)]
+    jobs["engine"] = {"kind": "engine", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": chat,
+                      "question": QUESTION, "model": str(int8_dirs[1]), "new_tokens": NEW_TOKENS, "tp": 1,
+                      "result": str(base / "engine.pt")}
+    # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
+    from g4.convert.synth import GEMMA4_26B_A4B
+
+    (base / "26b").mkdir()
+    (base / "26b" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    jobs["specs"] = {"kind": "specs", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
+                     "configs": {"embedded": str(EMBEDDED_DIR), "26B-A4B": str(base / "26b")},
+                     "tps": SPEC_TPS, "result": str(base / "specs.pt")}
+    for name in ("chat_tp2", "int8_tp2"):  # run one after the other by the same two processes
+        jobs[name]["master_port"] = _free_port()
+    # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
+    groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
+              "tp2": ([j for j in jobs.values() if j["tp"] == 2], 2)}
     procs = []
     for group, (payload, world) in groups.items():
         (base / f"{group}.json").write_text(json.dumps(payload))
@@ -192,7 +219,8 @@ def lane(tmp_path_factory):
                 stderr=subprocess.STDOUT)))
     refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
     refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = _int8_reference(int8_dir, chat)
+    refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
+    refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
@@ -201,6 +229,9 @@ def lane(tmp_path_factory):
     for name, job in jobs.items():
         for rank in range(job["tp"]):
             r = torch.load(base / (f"{name}.pt.rank{rank}" if job["tp"] > 1 else f"{name}.pt"), weights_only=False)
+            if name in ("int8_tp_mismatch", "specs"):  # not a generation (the first is meant to fail)
+                found[name] = r
+                continue
             assert "error" not in r, (name, rank, r["error"], r["where"])
             r["ref_tokens"], r["ref_logits"] = refs[name]
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
@@ -208,11 +239,25 @@ def lane(tmp_path_factory):
     found["overlay_s"] = t0 - t_overlay
     print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
         f"{n}: {(r['logits'] - r['ref_logits']).abs().max().item():.2g} (ids equal: {r['tokens'] == r['ref_tokens']})"
-        for n, r in found.items() if isinstance(r, dict)))
+        for n, r in found.items() if isinstance(r, dict) and "logits" in r))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
-        f"generate {found[n]['t_gen']:.1f})" for n in cases))
+        f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"] if "t_gen" in found[n]))
     return found
+
+
+def _rank_view(out: Path, rank: int, view: Path) -> Path:
+    """A directory that is ``out`` (symlinks) without the other ranks' weight files: rank ``rank``
+    can read only ``weights/tp{rank}_sharded_checkpoint.safetensors``."""
+    from g4.exporters.neuron_int8 import WEIGHTS_DIR, rank_file
+
+    view.mkdir()
+    for item in out.iterdir():
+        if item.name != WEIGHTS_DIR:
+            (view / item.name).symlink_to(item)
+    (view / WEIGHTS_DIR).mkdir()
+    (view / rank_file(rank)).symlink_to(out / rank_file(rank))
+    return view
 
 
 def _free_port() -> int:
@@ -223,7 +268,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"])
+@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2",
+                                  "int8_tp2/rank1"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -262,7 +308,24 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8"])
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16"])
+def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
+    """The KV cache NxDI allocated for g4's class (every buffer's bytes, on each rank) is the memory
+    plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
+    per-layer KV heads per rank and head dim), and its per-layer shapes are the shared
+    ``kv_cache_layers``."""
+    from g4.convert.gemma4 import kv_cache_layers, read_architecture
+    from g4.convert.plan import kv_cache_nxdi
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    r, tp = lane[case], 2 if case.startswith("chat_tp2") else 1
+    arch = read_architecture(json.loads((EMBEDDED_DIR / "config.json").read_text()))
+    width = 2 if case == "chat_bf16" else 4
+    assert r["kv_bytes"] == kv_cache_nxdi(arch, tp, SEQ_LEN, 1, dtype_bytes=width).total
+    assert r["kv_shapes"] == [[1, c.heads, SEQ_LEN, c.head_dim] for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
+
+
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"])
 def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
     each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
@@ -299,12 +362,105 @@ def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
 
 
 def test_every_weight_comes_from_the_checkpoint(lane):
-    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8"):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"):
         assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
     assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
             "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])
 
 
+@pytest.mark.parametrize("case,tp,rank", [("int8", 1, 0), ("int8_tp2", 2, 0), ("int8_tp2/rank1", 2, 1)])
+def test_int8_rank_file_is_the_class_state_dict_and_loads_unchanged(lane, case, tp, rank):
+    """Route 2: the module's ``state_dict()`` (KV cache aside) has exactly the names, dtypes and
+    per-rank shapes g4's layout table gives from the config alone (``expected_rank_specs``; the
+    class is built in fp32 on the CPU, so the table's non-int8 dtype is fp32 here, bf16 in the
+    files), and after ``to_cpu`` every tensor equals rank ``rank``'s file (its own rank index
+    included: rank r holds ``[r]``)."""
+    from g4.convert.resolve import EMBEDDED_DIR
+    from g4.serve.neuron_runtime import expected_rank_specs
+
+    config = json.loads((EMBEDDED_DIR / "config.json").read_text())
+    table = {s.name: [str(s.dtype).replace("torch.", ""), list(s.shape)]
+             for s in expected_rank_specs(config, tp, quantize_attention=False, dtype=torch.float32)}
+    r = lane[case]
+    assert r["specs"] == table
+    assert r["loaded_equal"] == sorted(table) and r["rank_file_keys"] == len(table)
+
+
+@pytest.mark.parametrize("name", list(SPEC_TPS))
+def test_the_layout_table_is_the_int8_class_state_dict_at_every_tp(lane, name):
+    """g4's layout table from the config alone (``expected_rank_specs``, bf16 for what is not int8)
+    against the class's own ``state_dict()`` at ``torch_dtype=bfloat16``, built on the meta device:
+    the same names, dtypes and per-rank shapes (embedded at TP 1, 2, 4; the real 26B-A4B config at
+    TP 2, 4, 8, where the full layers' 2 KV heads are replicated at TP 4 and 8)."""
+    from g4.convert.resolve import EMBEDDED_DIR
+    from g4.convert.synth import GEMMA4_26B_A4B
+    from g4.serve.neuron_runtime import expected_rank_specs
+
+    r = lane["specs"]
+    assert "error" not in r, (r.get("error"), r.get("where"))
+    config = {"embedded": json.loads((EMBEDDED_DIR / "config.json").read_text()), "26B-A4B": GEMMA4_26B_A4B}[name]
+    for tp in SPEC_TPS[name]:
+        table = {s.name: [str(s.dtype).replace("torch.", ""), list(s.shape)]
+                 for s in expected_rank_specs(config, tp, quantize_attention=False, dtype=torch.bfloat16)}
+        got = r["specs"][f"{name}/tp{tp}"]
+        assert got.keys() == table.keys(), (name, tp, sorted(got.keys() ^ table.keys())[:4])
+        assert got == table, (name, tp, [(k, got[k], table[k]) for k in got if got[k] != table[k]][:3])
+
+
+def test_a_result_for_another_tp_degree_is_refused(lane):
+    r = lane["int8_tp_mismatch"]
+    assert "written for TP 2" in r["error"] and "tp_degree 1" in r["error"], r["error"]
+
+
 def test_lane_fits_its_budget(lane):
     """Workers and references within 2 minutes on 2 cores (the one-time overlay build not counted)."""
     assert lane["wall_s"] < 120, lane["wall_s"]
+
+
+# ------------------------------------------------------------------ g4serve's neuron engine over the class
+def test_neuron_engine_gives_the_int8_reference_ids_through_start_and_step(lane):
+    """``NeuronEngine`` (``g4/serve/neuron_backend.py``) on a ``g4convert int8-neuron --tp 1 --seq-len 32``
+    result in NxDI's CPU mode: ``start`` + 11 ``step`` calls give g4's ``NeuronEmulator`` ids and logits
+    (``TOL``), and the same as ``greedy_generate`` on the same model object."""
+    r = lane["engine"]
+    assert r["tokens"] == r["ref_tokens"], (r["tokens"], r["ref_tokens"])
+    assert r["tokens"] == r["greedy_tokens"]
+    assert (r["logits"] - r["ref_logits"]).abs().max().item() < TOL
+    assert (r["logits"] - r["greedy_logits"]).abs().max().item() < TOL
+    assert r["logits"].abs().max() > 5
+    assert "QuantizedExpertFusedColumnParallel" in r["classes"]
+
+
+def test_neuron_engine_steps_on_the_kv_cache_within_the_manifest_length(lane):
+    """One context-encoding call (prompt padded to the manifest's ``max_length`` 32, the one bucket
+    of NxDI's CPU mode), then one ``[1, 1]`` token-generation call per step: no recompute. The
+    engine's context is the manifest's ``max_length``."""
+    r = lane["engine"]
+    assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
+    assert r["max_context"] == SEQ_LEN
+    assert r["state"] == len(_chat_ids(QUESTION)) + NEW_TOKENS - 1
+
+
+def test_neuron_serving_modules_import_under_transformers_457(lane):
+    """How g4 sits beside the Neuron SDK's NxDI (installed with ``--no-deps``, transformers 4.57
+    kept): every module of the neuron serving path imports, and the result's tokenizer (written by
+    transformers 5) loads."""
+    r = lane["engine"]
+    assert r["transformers"].startswith("4.57")
+    assert all(v == "ok" for v in r["imports"].values()), r["imports"]
+
+
+def test_http_chat_through_the_neuron_engine(lane):
+    """``create_app`` over the engine inside the NxDI process: a chat request answers the embedded
+    fact with the engine's greedy ids; a request whose prompt plus ``max_tokens`` exceeds the
+    manifest's length gets the server's usual 400."""
+    r = lane["engine"]
+    chat = r["chat"]
+    assert chat["status"] == 200, chat
+    choice = chat["body"]["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    n = len(choice["token_ids"])
+    assert choice["token_ids"] == r["tokens"][:n]
+    too_long = r["too_long"]
+    assert too_long["status"] == 400 and too_long["body"]["error"]["code"] == "context_length_exceeded", too_long
+    assert r["models"]["data"][0]["max_model_len"] == SEQ_LEN

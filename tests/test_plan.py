@@ -22,6 +22,8 @@ GB, GiB = 10**9, 2**30
 # sliding 8 KV x 256, full 2 KV x 512 without v_proj, dense I 2112, 128 experts of I 704, V 262144.
 L, LS, LF, H, NH, E, I, IM, V = 30, 25, 5, 2816, 16, 128, 704, 2112, 262144
 ROUTERS_NORMS = 21_626_880 + 176_640 + 1_224_252  # spec §4.1: router.proj, router scales, norms+layer_scalar
+RANK_INDICES = (L + 1) * 4  # NxD's int32 rank index per layer (ExpertMLPsV2) and for the model
+DEVICE_EMBED = V * (H // 2) * 2  # bf16 [V, H/2]: the column shard g4's NxDI class looks tokens up in
 
 
 def run(*args):
@@ -42,13 +44,14 @@ def test_26b_int8_neuron_tp2_per_group():
     attention_params = LS * (H * 4096 + 2 * H * 2048 + 4096 * H) + LF * (H * 8192 + H * 1024 + 8192 * H)
     assert attention_params == 1_110_179_840  # spec §4.1
     assert p.groups() == {"experts": experts, "lm_head": lm_head, "dense_mlp": dense,
-                          "attention": attention_params * 2 // 2, "norms_and_routers": ROUTERS_NORMS,
-                          "embedding": 0, "vision": 0}
+                          "attention": attention_params * 2 // 2, "norms_and_routers": ROUTERS_NORMS + RANK_INDICES,
+                          "embedding": DEVICE_EMBED, "vision": 0}
     assert p.experts == 11_473_059_840 and p.lm_head == 369_623_040 and p.dense_mlp == 268_224_000
-    assert p.weights_per_rank == 13_244_114_492
-    # spec: 13.22 GB; it divides the replicated expert down scales (43 MB) by 2 as well
-    assert p.weights_per_rank / GB == pytest.approx(13.22, abs=0.03)
-    assert p.weights_per_rank - int(13.222e9) == pytest.approx(L * E * H * 4 // 2, abs=1e6)
+    assert p.weights_per_rank == 13_982_312_120
+    # spec: 13.22 GB without the device embedding; it divides the replicated expert down scales
+    # (43 MB) by 2 as well
+    assert (p.weights_per_rank - DEVICE_EMBED) / GB == pytest.approx(13.22, abs=0.03)
+    assert p.weights_per_rank - DEVICE_EMBED - int(13.222e9) == pytest.approx(L * E * H * 4 // 2, abs=1e6)
 
 
 def test_26b_int8_neuron_variants():
@@ -57,21 +60,23 @@ def test_26b_int8_neuron_variants():
     assert replicated.lm_head == V * H * 2
     assert replicated.weights_per_rank - base == 1_106_771_968  # "about 1.1 GB more per rank"
     int8_attn = int8_neuron_tp2(attention="int8")
-    assert int8_attn.weights_per_rank == 12_689_864_252
-    assert int8_attn.weights_per_rank / GB == pytest.approx(12.67, abs=0.03)
+    assert int8_attn.weights_per_rank == 13_428_061_880
+    assert (int8_attn.weights_per_rank - DEVICE_EMBED) / GB == pytest.approx(12.67, abs=0.03)
     assert int8_attn.attention / GB == pytest.approx(0.556, abs=0.001)  # spec D2
-    device_emb = int8_neuron_tp2(embedding="device")
+    device_emb = int8_neuron_tp2(embedding="device")  # the default: the rank files hold the shard
     assert device_emb.embedding == V * H * 2 // 2 and device_emb.host_embedding == 0
+    with pytest.raises(G4Error, match="embedding 'host' does not apply to int8-neuron"):
+        int8_neuron_tp2(embedding="host")
 
 
 def test_inf2_xlarge_fits_on_device_not_on_host():
     p = int8_neuron_tp2()
     assert p.device_mem_per_rank == 16 * GiB and p.fits is True
-    assert p.margin == 16 * GiB - p.total_per_rank > 3 * GB
-    # both ranks' files (2 x 13.24 GB) plus the 1.48 GB host embedding table vs 16 GiB of RAM
-    assert p.host_rank_files == 2 * p.weights_per_rank and p.host_embedding == V * H * 2
+    assert p.margin == 16 * GiB - p.total_per_rank > 2 * GB  # 2.27 GB with the device embedding shard
+    # both ranks' files (2 x 13.98 GB, the device embedding shard in each) vs 16 GiB of RAM
+    assert p.host_rank_files == 2 * p.weights_per_rank and p.host_embedding == 0
     assert p.host_ram == 16 * GiB and p.host_fits is False and p.host_margin < 0
-    assert p.host_ram_need == 2 * 13_244_114_492 + 1_476_395_008
+    assert p.host_ram_need == 2 * 13_982_312_120
     assert int8_neuron_tp2(seq_len=1024 * 1024).fits is False  # a 1M-token cache does not fit
     big = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.8xlarge")
     assert big.fits and big.host_fits
@@ -166,13 +171,52 @@ def test_gpu_kv_cache_follows_max_num_batched_tokens_and_seq_len():
 
 
 def test_neuron_kv_cache_is_nxdi_s_whole_sequence_on_every_layer():
-    """NxDI 0.8's KVCacheManager gives every layer seq_len tokens (sliding ones too)."""
+    """g4's NxDI class (setup_attr_for_model) gives every layer max_length = seq_len positions, sliding
+    ones too, with that layer's own KV heads per rank and head dim (NxDI 0.8 kv_cache_manager.py)."""
     p = int8_neuron_tp2()  # 8192 tokens, TP 2: 4 sliding KV heads and 1 full KV head per rank
     assert p.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 8192 == 838_860_800
     assert p.kv_cache_full == LF * 1 * 512 * 2 * 2 * 8192 == 83_886_080
     assert p.inputs.max_num_batched_tokens is None
     r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--max-num-batched-tokens", "2048")
     assert r.exit_code == 2 and "--max-num-batched-tokens is a vLLM (GPU) setting" in r.output
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_neuron_kv_cache_26b_by_hand(tp):
+    """Hand computation from the release config numbers: sliding layers num_key_value_heads 8 x head_dim
+    256, full layers num_global_key_value_heads 2 x global_head_dim 512; heads split over the ranks, or
+    one per rank (replicated) where fewer than ranks; K and V, bf16, batch 3, 4096 positions on every layer."""
+    tc = GEMMA4_26B_A4B["text_config"]
+    kinds = tc["layer_types"]
+    sliding_heads = tc["num_key_value_heads"] // tp if tc["num_key_value_heads"] >= tp else 1
+    full_heads = tc["num_global_key_value_heads"] // tp if tc["num_global_key_value_heads"] >= tp else 1
+    per_position = (kinds.count("sliding_attention") * sliding_heads * tc["head_dim"],
+                    kinds.count("full_attention") * full_heads * tc["global_head_dim"])
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=tp, seq_len=4096, batch=3)
+    assert (p.kv_cache_sliding, p.kv_cache_full) == tuple(n * 2 * 2 * 3 * 4096 for n in per_position)
+    assert {1: (8, 2), 2: (4, 1), 4: (2, 1), 8: (1, 1)}[tp] == (sliding_heads, full_heads)
+    # NxDI's logits: [batch, 1, vocab] fp32 from the one context-encoding and the one token-generation graph
+    assert p.buckets == {"context_encoding": [4096], "token_generation": [4096]}
+    assert p.logits_outputs == 2 * 3 * V * 4
+    assert p.total_per_rank == p.weights_per_rank + p.kv_cache + p.logits_outputs
+
+
+def test_nxdi_buckets_follow_autobucketing():
+    """NxDI 0.8 modules/autobucketing.py generate_buckets(128, max_length): powers of two from 128 below
+    round(log2(max_length)), then max_length; each bucket graph outputs its own logits."""
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=8192, enable_bucketing=True)
+    assert p.buckets["context_encoding"] == p.buckets["token_generation"] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert p.logits_outputs == 14 * V * 4
+    def tkg(n):
+        return plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=n, enable_bucketing=True).buckets[
+            "token_generation"]
+    # log2(3000) = 11.55 rounds to 12: 2048 is a bucket; log2(2500) = 11.29 rounds to 11: it is not
+    assert tkg(3000) == [128, 256, 512, 1024, 2048, 3000] and tkg(2500) == [128, 256, 512, 1024, 2500]
+    assert tkg(128) == [128] and tkg(100) == [100]
+    r = run("gemma-4-26B-A4B", "--tp", "2", "--seq-len", "1024", "--bucketing", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["buckets"]["context_encoding"] == [128, 256, 512, 1024]
+    r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "80GB", "--bucketing")
+    assert r.exit_code == 2 and "--bucketing is an NxDI (Neuron) setting" in r.output
 
 
 def test_per_layer_config_form_plans_the_same():
@@ -225,10 +269,12 @@ def test_cli_json_has_integer_bytes():
     for key in ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision",
                 "kv_cache", "weights_per_rank", "total_per_rank", "device_mem_per_rank", "margin", "host_ram_need"):
         assert type(d[key]) is int, key
-    assert d["weights_per_rank"] == 13_244_114_492 and d["fits"] is True and d["host_fits"] is False
+    assert d["weights_per_rank"] == 13_982_312_120 and d["fits"] is True and d["host_fits"] is False
     assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
                            "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
-                           "attention": "bf16", "embedding": "host", "max_num_batched_tokens": None}
+                           "attention": "bf16", "embedding": "device", "max_num_batched_tokens": None,
+                           "enable_bucketing": False}
+    assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [8192], "token_generation": [8192]}
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
     assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == 128 * GiB and d["fits"] is True
@@ -237,7 +283,7 @@ def test_cli_json_has_integer_bytes():
 def test_config_file_and_directory_sources(tmp_path):
     (tmp_path / "cfg.json").write_text(json.dumps(GEMMA4_26B_A4B))
     r = run(str(tmp_path / "cfg.json"), "--format", "int8-neuron", "--tp", "2", "--json")
-    assert r.exit_code == 0 and json.loads(r.output)["weights_per_rank"] == 13_244_114_492
+    assert r.exit_code == 0 and json.loads(r.output)["weights_per_rank"] == 13_982_312_120
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
     r = run(str(tmp_path / "ckpt"), "--format", "bf16", "--json")  # no weights: vision from the config
@@ -279,3 +325,46 @@ def test_bad_sources_refused(tmp_path):
     assert "invalid JSON" in run(str(tmp_path / "bad.json")).output
     (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
     assert "expected 'gemma4' or 'gemma4_text'" in run(str(tmp_path / "llama.json")).output
+
+
+def _header_only_checkpoint(path, config):
+    """A checkpoint directory whose one safetensors file has the real header of ``config``'s model
+    (names, dtypes and shapes from transformers' own model on the meta device, convert/synth.py) and
+    a sparse, all-zero data section: the exporter's source reader sees the real 26B inventory, and no
+    weight byte is on disk."""
+    from g4.convert.synth import synthetic_specs
+
+    header, offset = {}, 0
+    for spec in synthetic_specs(config):
+        header[spec.name] = {"dtype": "BF16", "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.mkdir()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("attention", ["bf16", "int8"])
+def test_neuron_weights_are_the_bytes_the_exporter_writes(tmp_path, attention):
+    """Issue 11: the int8-neuron plan's per-rank weight bytes equal the bytes of the tensors
+    ``g4convert int8-neuron`` would write into a rank file (its own spec list from the source's
+    headers, convert/int8_neuron.py), for the embedded model and the real 26B-A4B inventory at
+    every TP degree they can be split over (embedded: 1, 2, 4; 26B: 1, 2, 4, 8)."""
+    from g4.convert.int8_neuron import source_rank_specs
+
+    big = Checkpoint(_header_only_checkpoint(tmp_path / "26b", GEMMA4_26B_A4B), source=True)
+    for ckpt, degrees in ((Checkpoint(EMBEDDED_DIR, source=True), (1, 2, 4)), (big, (1, 2, 4, 8))):
+        for tp in degrees:
+            specs = source_rank_specs(ckpt, tp, quantize_attention=attention == "int8")
+            p = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, attention=attention)
+            assert p.weights_per_rank == sum(s.nbytes for s in specs), (ckpt.root, tp)
+            experts = sum(s.nbytes for s in specs if ".moe.expert_mlps.mlp_op." in s.name)
+            embedding = sum(s.nbytes for s in specs if s.name == "embed_tokens.weight")
+            assert p.experts == experts and p.embedding == embedding > 0
+    # the embedded model cannot be split over 8 ranks (4 query heads); the plan says so
+    with pytest.raises(G4Error, match="cannot be mapped"):
+        plan_memory(Checkpoint(EMBEDDED_DIR).config, fmt="int8-neuron", tp=8)

@@ -73,7 +73,7 @@ def test_not_a_directory(tmp_path):
 
 def test_backend_choice(monkeypatch, tiny_mm, tiny_mm_nvfp4, tmp_path):
     nv, bf = detect_format(tiny_mm_nvfp4), detect_format(tiny_mm)
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "g4-int8-neuron/1"}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "g4-int8-neuron/2"}))
     i8 = detect_format(tmp_path)
 
     # This machine: no vLLM, no Neuron -> auto serves on the CPU and says why.

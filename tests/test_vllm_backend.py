@@ -76,7 +76,7 @@ def test_bf16_checkpoint_has_no_quantization_flag(tmp_path):
 
 
 def test_int8_neuron_and_bad_options_refused(tmp_path, nvfp4_dir):
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "g4-int8-neuron/1"}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "g4-int8-neuron/2"}))
     with pytest.raises(G4Error, match="neuron backend"):
         vb.vllm_command(tmp_path)
     with pytest.raises(G4Error, match="kv-cache-dtype"):

@@ -6,10 +6,14 @@ engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distrib
 Runs in g4's venv with transformers 4.57 (NxDI 0.8's pin) put first on ``PYTHONPATH`` by the
 test, Neuron-only imports stubbed (``stubs.install_nxdi``). Never imported by the pytest process.
 
-``python nxdi_worker.py JOB.json``; JOB (or a list of TP-1 JOBs, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
-``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
+``python nxdi_worker.py JOB.json``; JOB (or a list of JOBs of one TP degree, run one after another): ``nxd_src``, ``nxdi_src``, ``model``, ``prompt`` (ids),
+``model_per_rank`` (instead of ``model``: rank r's directory), ``master_port`` (optional: this job's gloo port), ``new_tokens``, ``seq_len``, ``tp`` (one process per rank, RANK / WORLD_SIZE / MASTER_PORT in the
 environment, as torchrun sets them; NxDI's ``to_cpu`` then opens the gloo group), ``dtype`` (float32 / bfloat16), ``overrides`` (config attributes, e.g.
 ``sliding_window``), ``result`` (a .pt file, ``.rank{r}`` appended at TP > 1: tokens, logits ``[steps, vocab]`` fp32 and what ran).
+A job with ``"kind": "engine"`` drives g4's serving engine instead (:func:`engine`). A JOB with
+``"kind": "specs"`` (``configs``: name -> directory with a ``config.json``, ``tps``: name -> TP degrees)
+builds the int8 class on the meta device and reports its ``state_dict()`` specs (:func:`specs`); run
+last in a process, it tears down that process's gloo group.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ def main(job: dict) -> dict:
     t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
     main.ran = True
     t0 = time.perf_counter()
+    if "master_port" in job:  # a fresh gloo rendezvous per job (a reused port after destroy can hang)
+        os.environ["MASTER_PORT"] = str(job["master_port"])
+    if "model_per_rank" in job:  # rank r's own view of a pre-sharded result (only weights/tp{r})
+        job = dict(job, model=job["model_per_rank"][int(os.environ.get("RANK", "0"))])
     dtype = getattr(torch, job["dtype"])
     neuron_config = MoENeuronConfig(tp_degree=job.get("tp", 1), batch_size=1, seq_len=job["seq_len"], torch_dtype=dtype,
                                     on_cpu=True, **({"quantized": True, "quantized_checkpoints_path": job["model"],
@@ -56,9 +64,16 @@ def main(job: dict) -> dict:
 
     # every parameter and buffer of the module must come from the checkpoint (to_cpu loads with
     # strict=False, which would leave a misnamed weight at its initial value)
-    sd = model.get_state_dict(job["model"], config)
+    if job.get("quantized"):  # Route 2: this rank's pre-sharded file, as to_cpu loaded it
+        sd = g.load_g4_int8_neuron(job["model"], config)
+    else:
+        sd = model.get_state_dict(job["model"], config)
     own = {k for k in net.state_dict() if not k.startswith("kv_mgr.")}
     missing, unexpected = sorted(own - set(sd)), sorted(set(sd) - own)
+    # the module's own state (names, dtypes, per-rank shapes), and whether it holds the file's values
+    specs = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in net.state_dict().items()
+             if k in own}
+    loaded_equal = sorted(k for k in own & set(sd) if torch.equal(net.state_dict()[k], sd[k].to(net.state_dict()[k].dtype)))
 
     # what the experts ran: ExpertMLPsV2.forward dispatches to forward_all_experts (context
     # encoding of T*top_k < block_size tokens), forward_selective_loading (token generation, only
@@ -81,20 +96,128 @@ def main(job: dict) -> dict:
     tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
     t_gen = time.perf_counter() - t1
     kv = [list(p.shape) for p in net.kv_mgr.past_key_values]
+    kv_bytes = sum(p.numel() * p.element_size() for p in net.kv_mgr.past_key_values)
     local = {k: list(v.shape) for k, v in net.state_dict().items() if ".self_attn." in k or "expert_mlps" in k}
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
         torch.distributed.destroy_process_group()
-    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected,
-            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "local_shapes": local, "transformers": transformers.__version__,
+    return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected, "specs": specs,
+            "loaded_equal": loaded_equal, "rank_file_keys": len(sd),
+            "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "kv_bytes": kv_bytes, "local_shapes": local, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+G4_SERVING_MODULES = ("g4.serve.engine", "g4.serve.chat", "g4.serve.server", "g4.serve.cli", "g4.serve.neuron_backend",
+                      "g4.serve.nxdi_gemma4", "g4.serve.neuron_emulator", "g4.exporters.neuron_int8")
+
+
+def engine(job: dict) -> dict:
+    """``g4.serve.neuron_backend.NeuronEngine`` on ``job["model"]`` (an int8-neuron result whose
+    manifest says ``max_length`` = ``seq_len``) in NxDI's CPU mode: greedy through ``start`` and
+    ``step`` for ``new_tokens`` tokens, then ``greedy_generate`` on the same model object; then the
+    HTTP app (``create_app``) over the engine, one chat request and one that does not fit."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import importlib
+
+    import torch
+    import transformers
+
+    imports = {}
+    for name in G4_SERVING_MODULES:  # the modules g4's neuron serving path needs, under transformers 4.57
+        try:
+            importlib.import_module(name)
+            imports[name] = "ok"
+        except Exception as e:  # noqa: BLE001  (reported)
+            imports[name] = f"{type(e).__name__}: {e}"
+    from g4.serve import nxdi_gemma4 as g
+    from g4.serve.neuron_backend import NeuronEngine, load_neuron_engine
+
+    t_import = time.perf_counter() - T0 if not getattr(main, "ran", False) else 0.0
+    main.ran = True
+    t0 = time.perf_counter()
+    eng = load_neuron_engine(job["model"], on_cpu=True)
+    t_load = time.perf_counter() - t0
+    assert isinstance(eng, NeuronEngine)
+    net = eng.model.context_encoding_model.model
+    shapes = []
+    hook = net.register_forward_pre_hook(lambda m, args: shapes.append(list(args[0].shape)))
+    t1 = time.perf_counter()
+    tokens, logits = [], []
+    state, step_logits = eng.start(job["prompt"])
+    for i in range(job["new_tokens"]):
+        tokens.append(int(step_logits.argmax()))
+        logits.append(step_logits)
+        if i + 1 < job["new_tokens"]:
+            state, step_logits = eng.step(state, tokens[-1])
+    t_gen = time.perf_counter() - t1
+    hook.remove()
+    ref_tokens, ref_logits = g.greedy_generate(eng.model, job["prompt"], job["new_tokens"])
+
+    from fastapi.testclient import TestClient
+
+    from g4.serve.server import create_app
+
+    app = create_app(eng, served_model_name="tiny-neuron")
+    question = {"model": "tiny-neuron", "messages": [{"role": "user", "content": job["question"]}], "temperature": 0,
+                "max_tokens": 8, "return_token_ids": True}
+    with TestClient(app) as client:
+        chat = client.post("/v1/chat/completions", json=question)
+        too_long = client.post("/v1/chat/completions", json=dict(question, max_tokens=eng.max_length))
+        models = client.get("/v1/models").json()
+    app.state.worker.close()
+    return {"tokens": tokens, "logits": torch.stack(logits), "greedy_tokens": ref_tokens, "greedy_logits": ref_logits,
+            "input_shapes": shapes, "state": state, "max_context": eng.max_context, "description": eng.description,
+            "chat": {"status": chat.status_code, "body": chat.json()},
+            "too_long": {"status": too_long.status_code, "body": too_long.json()}, "models": models,
+            "imports": imports, "transformers": transformers.__version__,
+            "classes": sorted({type(m).__name__ for m in net.modules()}),
+            "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+def specs(job: dict) -> dict:
+    """The class's int8 ``state_dict()`` (names, dtypes, per-rank shapes; KV cache aside) at
+    ``torch_dtype=bfloat16`` (the Neuron dtype) for each config directory and TP degree, built on the
+    meta device inside NxD's mocked process group, as NxD's ModelBuilder builds for sharding
+    (aws-neuron/neuronx-distributed ``src/neuronx_distributed/trace/model_builder.py``)."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import torch
+
+    from g4.serve import nxdi_gemma4 as g
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.trace.mock_torchdist import mock_distributed
+    from neuronx_distributed.utils.model_utils import init_on_device
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    if torch.distributed.is_initialized():  # the gloo group of an earlier to_cpu() in this process
+        torch.distributed.destroy_process_group()
+    os.environ["NXD_CPU_MODE"] = "0"  # the mocked "xla" group has no gloo groups
+    found = {}
+    for name, model_dir in job["configs"].items():
+        for tp in job["tps"][name]:
+            with mock_distributed(world_size=tp), init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+                torch.distributed.init_process_group(backend="xla", rank=0, world_size=tp)
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, skip_collective_init=True)
+                try:
+                    nc = MoENeuronConfig(tp_degree=tp, batch_size=1, seq_len=32, torch_dtype=torch.bfloat16,
+                                         on_cpu=True, quantized=True, quantized_checkpoints_path=model_dir,
+                                         quantization_type="expert_wise_per_channel_symmetric",
+                                         modules_to_not_convert=["self_attn", "router", "embed_tokens"])
+                    config = g.Gemma4MoEInferenceConfig(nc, load_config=g.load_gemma4_config(model_dir))
+                    net = g.NeuronGemma4MoEModel(config)
+                    found[f"{name}/tp{tp}"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)]
+                                               for k, v in net.state_dict().items() if not k.startswith("kv_mgr.")}
+                finally:
+                    parallel_state.destroy_model_parallel()
+                    torch.distributed.destroy_process_group()
+    return {"specs": found}
 
 
 def run(job: dict) -> None:
     t = time.perf_counter()
     try:
-        result = main(job)
+        kind = job.get("kind")
+        result = specs(job) if kind == "specs" else engine(job) if kind == "engine" else main(job)
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.perf_counter() - t
@@ -105,9 +228,10 @@ def run(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    # one job, or a list of TP-1 jobs run one after another in this process (one import of NxDI):
-    # between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
-    # destroy_model_parallel) so that the next to_cpu() initialises it afresh
+    # one job, or a list of jobs of one TP degree run one after another in this process (one import
+    # of NxDI): between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
+    # destroy_model_parallel) so that the next to_cpu() initialises it afresh (at TP > 1 each job
+    # also ends with barrier + destroy_process_group, so the next to_cpu opens the gloo group again)
     jobs = json.loads(Path(sys.argv[1]).read_text())
     for i, job in enumerate(jobs if isinstance(jobs, list) else [jobs]):
         if i:

@@ -3,8 +3,8 @@
 found as JSON. Never imported by the pytest process (it installs import stubs, ``stubs.py``).
 
 ``python worker.py shard JOB.json``: first NxD's own per-channel quantizer on the Hugging Face
-source against g4's TP-1 file (``source``), then NxD's sharder. For each TP degree T it builds g4's module
-tree from NxD's layers (``NxdParallelOps``, g4's constructor arguments) on the meta device inside
+source against g4's TP-1 file (``source``), then NxD's sharder. For each TP degree T it builds the
+layout table's tree of NxD layers (``nxd_tree.layout_tree``) on the meta device inside
 NxD's mocked process group, exactly as ``ModelBuilder.shard_checkpoint`` does
 (aws-neuron/neuronx-distributed ``src/neuronx_distributed/trace/model_builder.py``:
 ``mock_distributed`` + ``init_process_group("xla")`` + ``initialize_model_parallel(...,
@@ -18,7 +18,7 @@ Each rank's result is compared with g4's ``weights/tp{r}_sharded_checkpoint.safe
 
 ``python worker.py layers JOB.json`` (one process per rank; RANK, WORLD_SIZE, MASTER_PORT in the
 environment): NxD's CPU mode (``NXD_CPU_MODE=1``, gloo, ``initialize_model_parallel(T)``); each
-quantized layer type g4 uses is built with g4's constructor arguments on the meta device, loaded
+quantized layer type the layout table names is built (``nxd_tree.NxdLayers``) on the meta device, loaded
 with g4's rank tensors (``load_state_dict(strict=True, assign=True)``) and run against a plain
 torch fp32 reference: dequantized weight ``q.float() * scale`` from the unsharded tensors.
 """
@@ -72,7 +72,8 @@ def shard(job: dict) -> dict:
     from neuronx_distributed.utils.model_utils import init_on_device
     from neuronx_distributed_inference.modules.attention.gqa import (
         determine_sharding_strategy, get_shardable_head_counts, replicate_kv)
-    from nxd_cpu.g4names import NeuronTextModel, NxdParallelOps, geometry
+    from nxd_cpu.g4names import geometry, rank_indices
+    from nxd_cpu.nxd_tree import NxdLayers, layout_tree
 
     results = {}
     for case in job["cases"]:  # {"name", "full": TP-1 dir, "out": TP-T dir, "tp", "quantize_attention"}
@@ -80,6 +81,8 @@ def shard(job: dict) -> dict:
         config = json.loads((out_dir / "config.json").read_text())
         full = load_file(full_dir / "weights" / "tp0_sharded_checkpoint.safetensors")
         g = geometry(config, T)
+        for name in rank_indices(full):  # NxD's SPMDRank checkpoint value, as NxDI's converters write it
+            full[name] = torch.arange(0, T, dtype=torch.int32)
         replicated = []
         for L in range(g.num_layers):  # NxDI GQA preshard: replicate K/V heads (and their scales) to T
             kv = g.kv_heads[L]
@@ -104,7 +107,8 @@ def shard(job: dict) -> dict:
             torch.distributed.init_process_group(backend="xla", rank=0, world_size=T)
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=T, skip_collective_init=True)
             try:
-                model = NeuronTextModel(config, NxdParallelOps(T), quantize_attention=case["quantize_attention"])
+                model = layout_tree(full, g.num_layers, g.has_v, quantize_attention=case["quantize_attention"],
+                                    tied=g.arch.tied, ops=NxdLayers(T))
                 layer_types = sorted({type(m).__name__ for m in model.modules()
                                       if type(m).__module__.startswith("neuronx_distributed")})
                 ckpt = dict(full)
@@ -156,6 +160,7 @@ def source(job: dict) -> dict:
     from safetensors.torch import load_file
 
     from neuronx_distributed.quantization.quantization_utils import extract_q_scale, quantize_per_channel_symmetric
+    from nxd_cpu.g4names import rank_indices, rank_module, rank_tensor
 
     ties = {}
 
@@ -182,16 +187,21 @@ def source(job: dict) -> dict:
             module = name.rsplit(".", 1)[0] if name.endswith(".weight") else name
             if name == "embed_tokens.weight":
                 want["lm_head.weight"], want["lm_head.scale"] = nxd_int8(v, "lm_head.weight")
+                want[name] = v  # the device embedding; at TP 1 the whole table
             elif module.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                module = rank_module(module)
                 q, sc = nxd_int8(v, f"{module}.weight")
                 want[f"{module}.weight"], want[f"{module}.scale"] = q.transpose(1, 2), sc.transpose(1, 2)
                 ties[f"{module}.weight"] = ties[f"{module}.weight"].transpose(1, 2)
             elif module.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") or (
                     case["quantize_attention"] and module.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                module = rank_module(module)
                 want[f"{module}.weight"], want[f"{module}.scale"] = nxd_int8(v, f"{module}.weight")
             else:
-                want[name] = v
+                want[rank_tensor(name)] = v
         g4 = load_file(Path(case["out"]) / "weights" / "tp0_sharded_checkpoint.safetensors")
+        for k in rank_indices(g4):  # NxD's SPMD rank index of rank 0 (no source tensor)
+            want[k] = torch.zeros(1, dtype=torch.int32)
         diffs = []
         missing, extra = sorted(set(want) - set(g4)), sorted(set(g4) - set(want))
         if missing or extra:
@@ -222,11 +232,11 @@ def layers(job: dict) -> dict:
     _install(job)
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from safetensors.torch import load_file
 
     from neuronx_distributed.parallel_layers import parallel_state
-    from nxd_cpu.g4names import CpuParallelOps, NeuronTextModel, NxdParallelOps, TorchDistComm, geometry
+    from nxd_cpu.g4names import geometry, rank_module
+    from nxd_cpu.nxd_tree import NxdLayers
 
     rank, T = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -280,7 +290,7 @@ def layers(job: dict) -> dict:
                              "where": traceback.format_exc().strip().splitlines()[-3].strip()}
 
     for dtype, tol in ((torch.float32, job["tol_fp32"]), (torch.bfloat16, job["tol_bf16"])):
-        ops = NxdParallelOps(T, dtype=dtype)
+        ops = NxdLayers(T, dtype=dtype)
         dn = "fp32" if dtype == torch.float32 else "bf16"
 
         def rnd(*shape):  # input in the layer dtype; the reference sees the same rounded values in fp32
@@ -308,24 +318,25 @@ def layers(job: dict) -> dict:
                 x = rnd(E, N, H)
                 if shape == "bcast":  # one token set for every expert: NxD's Experts gets [1, C, H]
                     x = x[:1].expand(E, N, H)
-                layer = build(lambda: ops.expert_gate_up(E, H, I), "layers.0.experts.gate_up_proj")
+                layer = build(lambda: ops.expert_gate_up(E, H, I), rank_module("layers.0.experts.gate_up_proj"))
                 arg = {"3d": x, "4d": x.unsqueeze(1), "bcast": x[:1].unsqueeze(1)}[shape]
                 y = layer(arg)
                 y = y if shape == "3d" else y.squeeze(1)
                 gate, up = y.float().chunk(2, -1)  # rank r holds [gate_r | up_r] (stride 2)
-                ref = torch.einsum("enh,ehi->eni", x.float(), deq("layers.0.experts.gate_up_proj"))
+                ref = torch.einsum("enh,ehi->eni", x.float(), deq(rank_module("layers.0.experts.gate_up_proj")))
                 return torch.cat([gather_last(gate), gather_last(up)], -1), ref
             return run
 
         def expert_down(shape4):
             def run():
                 x = rnd(E, N, I)
-                layer = build(lambda: ops.expert_down(E, I, H), "layers.0.experts.down_proj")
+                layer = build(lambda: ops.expert_down(E, I, H), rank_module("layers.0.experts.down_proj"))
                 xr = own(x)
                 y = layer(xr.unsqueeze(1) if shape4 else xr)
                 y = y.squeeze(1) if shape4 else y
                 # reduce_output=False: the partial sums are all-reduced after the MoE combine
-                return summed(y.float()), torch.einsum("eni,eih->enh", x.float(), deq("layers.0.experts.down_proj"))
+                return summed(y.float()), torch.einsum("eni,eih->enh", x.float(),
+                                                       deq(rank_module("layers.0.experts.down_proj")))
             return run
 
         record(f"column/{dn}", column, tol)
@@ -338,37 +349,6 @@ def layers(job: dict) -> dict:
         record(f"expert_gate_up_3d/{dn}", expert_gate_up("3d"), tol)
         record(f"expert_down_3d/{dn}", expert_down(False), tol)
 
-    # g4's own use of the expert layers: the expert block of g4's module tree over NxD's layers,
-    # against the same block over g4's plain-torch layers (CpuParallelOps), fp32.
-    def trees():
-        comm = TorchDistComm()
-        qa = "attention" in json.loads((out_dir / "manifest.json").read_text())["quantization"]["quantized"]
-        built = {}
-        for name, ops in (("nxd", NxdParallelOps(T, dtype=torch.float32)),
-                          ("cpu", CpuParallelOps(comm, torch.float32))):
-            with torch.device("meta"):
-                model = NeuronTextModel(config, ops, quantize_attention=qa, dtype=torch.float32)
-            sd = {k: (v.float() if v.dtype == torch.bfloat16 else v) for k, v in mine.items()}
-            model.load_state_dict(sd, strict=True, assign=True)
-            model.rotary = type(model.rotary)(model.text_config)
-            built[name] = model.eval()
-        return built
-
-    def expert_block():
-        built = trees()
-        x = torch.randn(N, H, generator=gen)
-        combine = F.softmax(torch.randn(N, E, generator=gen), -1)
-        ref = summed(built["cpu"].layers[0].experts(x, combine))
-        return summed(built["nxd"].layers[0].experts(x, combine)), ref
-
-    def whole_tree():
-        built = trees()
-        h = torch.randn(1, 7, H, generator=gen)
-        pos = torch.arange(7)[None]
-        return built["nxd"](h, pos), built["cpu"](h, pos)
-
-    record("g4_expert_block/fp32", expert_block, job["tol_fp32"])
-    record("g4_tree_forward/fp32", whole_tree, job["tol_fp32"])
     dist.barrier()
     dist.destroy_process_group()
     return results

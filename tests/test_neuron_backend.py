@@ -1,0 +1,153 @@
+"""The neuron backend's host-side rules (``g4/serve/neuron_backend.py``, ``Manifest.serving_shape``):
+the serving length and bucket ladders in ``manifest.json`` (with the defaults older results get),
+the NxDI settings built from them, and the compiled folder's reuse / recompile / refusal rules.
+The engine itself runs through NxDI in ``tests/test_nxdi_gemma4.py``; compiling for Neuron needs
+inf2 and is not run here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from g4.convert.errors import CheckpointError, G4Error
+from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH, Manifest, neuron_buckets
+from g4.serve import neuron_backend as nb
+
+
+@pytest.fixture(scope="module")
+def int8_out(tmp_path_factory):
+    from g4.convert.int8_neuron import convert_int8_neuron
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    return convert_int8_neuron(EMBEDDED_DIR, tmp_path_factory.mktemp("nb") / "int8", tp=1, target="inf2.xlarge",
+                               progress=False, seq_len=300).out
+
+
+def test_neuron_buckets_follow_nxdi_autobucketing():
+    assert neuron_buckets(8192) == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert neuron_buckets(3000) == [128, 256, 512, 1024, 2048, 3000]
+    assert neuron_buckets(300) == [128, 300] and neuron_buckets(400) == [128, 256, 400]
+    assert neuron_buckets(150) == [150] and neuron_buckets(32) == [32]
+
+
+def test_conversion_writes_the_serving_shape_and_plans_for_it(int8_out):
+    raw = json.loads((int8_out / "manifest.json").read_text())
+    assert raw["max_length"] == 300
+    assert raw["context_encoding_buckets"] == raw["token_generation_buckets"] == [128, 300]
+    assert raw["memory_plan"]["inputs"]["seq_len"] == 300
+    assert Manifest.from_dir(int8_out).serving_shape(2048) == (300, [128, 300], [128, 300])
+
+
+def test_an_older_manifest_gets_its_plans_length_capped_at_the_model(int8_out, tmp_path):
+    old = shutil.copytree(int8_out, tmp_path / "old")
+    raw = json.loads((old / "manifest.json").read_text())
+    for key in ("max_length", "context_encoding_buckets", "token_generation_buckets"):
+        del raw[key]
+    raw["memory_plan"]["inputs"]["seq_len"] = 8192
+    (old / "manifest.json").write_text(json.dumps(raw))
+    m = Manifest.from_dir(old)
+    assert m.max_length is None
+    assert m.serving_shape(2048) == (2048, neuron_buckets(2048), neuron_buckets(2048))
+    raw["memory_plan"] = None
+    (old / "manifest.json").write_text(json.dumps(raw))
+    assert Manifest.from_dir(old).serving_shape(None)[0] == DEFAULT_MAX_LENGTH
+
+
+@pytest.mark.parametrize("field,value", [("max_length", 0), ("context_encoding_buckets", [300, 128]),
+                                         ("token_generation_buckets", [128, 256]), ("max_length", "300")])
+def test_a_bad_serving_shape_is_refused(int8_out, tmp_path, field, value):
+    bad = shutil.copytree(int8_out, tmp_path / "bad")
+    raw = json.loads((bad / "manifest.json").read_text())
+    raw[field] = value
+    (bad / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=field if field != "max_length" else "max_length|buckets"):
+        Manifest.from_dir(bad).serving_shape(2048)
+
+
+def test_seq_len_beyond_the_model_is_a_usage_error(tmp_path):
+    from g4.convert.cli import main
+
+    r = CliRunner().invoke(main, ["int8-neuron", "embedded", str(tmp_path / "o"), "--tp", "1", "--seq-len", "4096"])
+    assert r.exit_code == 2 and "error: --seq-len 4096: the model takes 1 to 2048 tokens" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_nxdi_settings_on_neuron_and_on_cpu(int8_out):
+    m, config = Manifest.from_dir(int8_out), json.loads((int8_out / "config.json").read_text())
+    neuron = nb.nxdi_settings(m, config, on_cpu=False, dtype="bfloat16")
+    assert neuron["seq_len"] == neuron["max_length"] == neuron["max_context_length"] == 300
+    assert neuron["enable_bucketing"] and neuron["context_encoding_buckets"] == [128, 300]
+    assert neuron["tp_degree"] == 1 and neuron["quantized"]
+    cpu = nb.nxdi_settings(m, config, on_cpu=True, dtype="float32")
+    assert cpu["on_cpu"] and "context_encoding_buckets" not in cpu and cpu["max_context_length"] == 300
+
+
+class _Compiles:
+    """What g4's compile step needs of NxDI's model object: ``compile(path)`` writing ``model.pt``
+    (counted), as ``NeuronApplicationBase.compile`` does."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def compile(self, path):
+        self.calls += 1
+        (Path(path) / nb.COMPILED_MODEL).write_bytes(b"compiled")
+
+
+def test_the_compiled_folder_is_reused_recompiled_when_stale_and_never_taken_when_foreign(int8_out, tmp_path):
+    compiled = tmp_path / "compiled"
+    settings = nb.nxdi_settings(Manifest.from_dir(int8_out), json.loads((int8_out / "config.json").read_text()),
+                                on_cpu=False, dtype="bfloat16")
+    stamp = nb.compile_stamp(int8_out, settings)
+    assert nb.compiled_state(compiled, stamp) == "absent"
+    model = _Compiles()
+    nb._compile(model, compiled, stamp, replace=False)
+    assert nb.compiled_state(compiled, stamp) == "current" and model.calls == 1
+    assert not list(tmp_path.glob(".compiled.partial*"))
+    # other settings, or another result's manifest: stale, compiled again in place
+    assert nb.compiled_state(compiled, nb.compile_stamp(int8_out, dict(settings, tp_degree=2))) == "stale"
+    other = shutil.copytree(int8_out, tmp_path / "other")
+    raw = json.loads((other / "manifest.json").read_text())
+    raw["source"]["files"] = {"model.safetensors": "0" * 64}
+    (other / "manifest.json").write_text(json.dumps(raw))
+    other_stamp = nb.compile_stamp(other, settings)
+    assert other_stamp["sha256"] != stamp["sha256"] and nb.compiled_state(compiled, other_stamp) == "stale"
+    nb._compile(model, compiled, other_stamp, replace=True)
+    assert nb.compiled_state(compiled, other_stamp) == "current" and nb.compiled_state(compiled, stamp) == "stale"
+    # a folder g4 did not write is refused, not deleted
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(G4Error, match="not a g4 compiled folder"):
+        nb.compiled_state(foreign, stamp)
+    assert (foreign / "notes.txt").is_file()
+
+
+def test_a_failed_compile_leaves_nothing(int8_out, tmp_path):
+    class Fails:
+        def compile(self, path):
+            (Path(path) / "half").write_text("x")
+            raise RuntimeError("neuronx-cc failed")
+
+    with pytest.raises(RuntimeError):
+        nb._compile(Fails(), tmp_path / "compiled", {"sha256": "x", "settings": {}}, replace=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_g4serve_neuron_without_neuron_is_one_error_line(int8_out):
+    from g4.serve.cli import main
+
+    r = CliRunner().invoke(main, [str(int8_out), "--backend", "neuron"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: backend neuron unavailable: ")
+    r = CliRunner().invoke(main, [str(int8_out), "--backend", "cpu", "--compiled-dir", str(int8_out / "c")])
+    assert r.exit_code == 2 and "error: --compiled-dir is a neuron backend option" in r.output
+
+
+def test_load_neuron_engine_refuses_without_neuron(int8_out):
+    with pytest.raises(G4Error, match="neuron backend unavailable"):
+        nb.load_neuron_engine(int8_out)
