@@ -191,7 +191,9 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, o
 def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     """Compare converted OUT against its source on held-out prompts (CPU reference).
 
-    Dequantizes OUT into transformers' Gemma 4 model and reports greedy token agreement
+    Runs SRC and OUT (dequantized) side by side one decoder layer at a time through
+    transformers' Gemma 4 layers, so a model larger than RAM verifies in about one layer of
+    memory, and reports per-layer relative error of the hidden states, greedy token agreement
     and mean KL(source || converted) of next-token distributions; for the embedded model
     also whether every fact is still answered. A W4A4 OUT is computed with W4A4 activation
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves

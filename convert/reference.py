@@ -9,8 +9,10 @@ and the embedding stays inside ``Gemma4TextScaledWordEmbedding`` (so its
 quantized linear's input is also fake-quantized to NVFP4 against its ``input_scale``
 (W4A4 as served on Blackwell; Hopper serves weight-only).
 
-Both models are held in RAM: this is for models that fit the host (the embedded tiny
-model and small real ones), not the 26B.
+:func:`load_source_model` / :func:`load_converted_model` hold a whole model in RAM (the
+``g4serve`` CPU engine and tests use them); :func:`verify_nvfp4` never does: it runs source
+and result one decoder layer at a time (:mod:`g4.convert.stream`), so the 26B verifies in
+about one layer of RAM beside the head.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ class VerifyReport:
     continuation of each prompt) where both models' argmax agree. ``mean_kl``: mean
     KL(source || converted) in nats over the same positions. ``all_*``: the same over
     every position of prompt plus continuation (prompt positions are text the model
-    did not choose, so these are lower and only reported).
+    did not choose, so these are lower and only reported). ``layer_rel_error``: per
+    decoder layer, ``||h_converted - h_source|| / ||h_source||`` of its output hidden
+    states over the continuation positions (:func:`g4.convert.stream.compare_streamed`):
+    where along the model the result drifts.
     """
 
     prompts: int
@@ -65,6 +70,7 @@ class VerifyReport:
     facts_total: int = 0
     facts_correct: int = 0
     answers: list[dict] = field(default_factory=list)
+    layer_rel_error: list[float] = field(default_factory=list)
 
     def failures(self, min_agreement: float) -> list[str]:
         """Why the check fails at ``min_agreement`` (empty when it passes)."""
@@ -80,6 +86,9 @@ class VerifyReport:
                  f"held-out prompts; mean KL {self.mean_kl:.4f} nats ({'W4A4' if self.act_quant else 'W4A16'} emulation)",
                  f"all {self.all_positions} positions incl. prompts: agreement {self.all_token_agreement:.3f}, "
                  f"mean KL {self.all_mean_kl:.4f} nats"]
+        if self.layer_rel_error:
+            lines.append("hidden-state relative error per layer: "
+                         + " ".join(f"{i}:{e:.4f}" for i, e in enumerate(self.layer_rel_error)))
         if self.facts_total:
             lines.append(f"facts answered: {self.facts_correct}/{self.facts_total}")
             lines += [f"  {'ok ' if a['ok'] else 'BAD'} {a['question']!r} -> {a['reply']!r} (expected {a['answer']!r})"
@@ -90,18 +99,27 @@ class VerifyReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torch.bfloat16, *, prefix: str = ""
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Dequantize an NVFP4 checkpoint into a transformers-layout state dict.
+    """Dequantize an NVFP4 checkpoint (or the part of it under ``prefix``) into a
+    transformers-layout state dict.
+
+    Args:
+        out_dir: the result directory, or it already opened.
+        dtype: dtype of the dequantized weights.
+        prefix: read only the tensors whose names start with it, e.g. one decoder layer's
+            ``model.language_model.layers.5.`` (the layer-streaming reference,
+            :mod:`g4.convert.stream`); ``""``: the whole checkpoint.
 
     Returns:
         (state dict with dequantized ``dtype`` weights and fused 3-D experts, every other
         tensor as stored; ``{module name: input_scale}`` of quantized modules, with
-        experts keyed ``<layer>.experts.gate_up_proj`` / ``<layer>.experts.down_proj``).
+        experts keyed ``<layer>.experts.gate_up_proj`` / ``<layer>.experts.down_proj``),
+        keys being full checkpoint names.
     """
-    ckpt = Checkpoint(out_dir)
+    ckpt = out_dir if isinstance(out_dir, Checkpoint) else Checkpoint(out_dir)
     layout = output_layout(ckpt)  # name -> what it is and where it goes in transformers' model
-    raw = {name: ckpt.get(name) for name in ckpt.tensors}
+    raw = {name: ckpt.get(name) for name in ckpt.tensors if name.startswith(prefix)}
     sd: dict[str, torch.Tensor] = {}
     input_scales: dict[str, torch.Tensor] = {}
     # fused expert tensor -> expert -> its dequantized linears in table order ((gate, up) or (down,))
@@ -123,10 +141,26 @@ def load_nvfp4_as_hf(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
                 sd[lin.hf_name] = w
             else:
                 experts.setdefault(lin.hf_name, {}).setdefault(lin.expert, []).append(w)
+
+    def take(by_expert: dict[int, list[torch.Tensor]], e: int) -> torch.Tensor:  # dropped once taken
+        ws = by_expert.pop(e)
+        return fuse_gate_up(*ws) if len(ws) == 2 else ws[0]
+
     for fused, by_expert in experts.items():  # transformers' [E, 2I, H] gate_up (gate rows first) and [E, H, I] down
-        sd[fused] = torch.stack([fuse_gate_up(*ws) if len(ws) == 2 else ws[0]
-                                 for ws in (by_expert[e] for e in range(len(by_expert)))])
+        sd[fused] = _stack_dropping(len(by_expert), lambda e, b=by_expert: take(b, e))
     return sd, input_scales
+
+
+def _stack_dropping(n: int, take) -> torch.Tensor:
+    """``torch.stack([take(e) for e in range(n)])`` filled one expert at a time, so that (with a
+    ``take`` that drops its inputs) a layer's experts are never in RAM twice."""
+    first = take(0)
+    out = first.new_empty((n, *first.shape))
+    out[0] = first
+    del first
+    for e in range(1, n):
+        out[e] = take(e)
+    return out
 
 
 def missing_weights(missing: list[str], config: dict) -> list[str]:
@@ -140,6 +174,17 @@ def _model_class(config: dict):
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     return Gemma4ForConditionalGeneration if config.get("model_type") == "gemma4" else Gemma4ForCausalLM
+
+
+def empty_model(config, raw_config: dict, dtype: torch.dtype):
+    """The transformers model class of ``raw_config`` (config.json as a dict) built from the
+    transformers ``config`` in ``dtype``, eval mode, weights to be loaded by the caller.
+
+    Built as ``from_pretrained`` builds (``_from_config(dtype=)``): the RoPE ``inv_freq`` buffers
+    stay fp32 as in the source model; ``model.to(bf16)`` would cast them, a RoPE error the source
+    does not have.
+    """
+    return _model_class(raw_config)._from_config(config, dtype=dtype).eval()
 
 
 def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
@@ -169,7 +214,7 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
 
     config = AutoConfig.from_pretrained(src, experts_implementation="eager")
     src_config = Checkpoint(src, source=True).config
-    model = _model_class(src_config)(config).to(dtype).eval()
+    model = empty_model(config, src_config, dtype)
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, src_config)
@@ -188,7 +233,7 @@ def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Te
         if name in input_scales and isinstance(module, nn.Linear):
             scale = input_scales[name]
             module.register_forward_pre_hook(lambda m, args, s=scale: (q.fake_quantize_activation(args[0], s),))
-        elif name.endswith(".experts") and f"{name}.gate_up_proj" in input_scales:
+        elif (name == "experts" or name.endswith(".experts")) and f"{name}.gate_up_proj" in input_scales:
             scales = {kind: input_scales[f"{name}.{kind.split('.')[1]}"]
                       for kind in ("experts.gate_up_proj", "experts.down_proj")}
             module.forward = experts_forward_with_input_hook(
@@ -226,25 +271,25 @@ def _chat_ids(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-@torch.no_grad()
-def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: int = 16) -> dict[str, float]:
-    """Teacher-force both models on each chat-formatted prompt plus the source's greedy
-    continuation and compare next-token distributions.
+def compare_logprobs(pairs) -> dict[str, float]:
+    """Token agreement and KL of next-token distributions, the figures ``verify`` reports.
+
+    Args:
+        pairs: per sequence ``(lp, lq, reply_start)``: fp32 ``[S-1, V]`` log-probabilities of
+            the source and of the converted model at every position but the last (position
+            ``t`` predicts token ``t + 1``), and the first position that predicts a
+            continuation token (prompt length - 1).
 
     Returns:
         ``{"positions", "token_agreement", "mean_kl"}`` over continuation positions and
         ``{"all_positions", "all_token_agreement", "all_mean_kl"}`` over every position;
-        agreement in [0, 1], KL(source || converted) in nats.
+        agreement in [0, 1] (argmax equal), KL(source || converted) in nats.
     """
     sums = {"n": 0, "agree": 0, "kl": 0.0, "all_n": 0, "all_agree": 0, "all_kl": 0.0}
-    for prompt in prompts:
-        ids = _chat_ids(tokenizer, prompt)
-        seq = src_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        lp = torch.log_softmax(src_model(seq).logits[0, :-1].float(), -1)
-        lq = torch.log_softmax(q_model(seq).logits[0, :-1].float(), -1)
+    for lp, lq, start in pairs:
         kl = (lp.exp() * (lp - lq)).sum(-1)
         agree = lp.argmax(-1) == lq.argmax(-1)
-        reply = slice(ids.shape[1] - 1, None)
+        reply = slice(start, None)
         sums["n"] += kl[reply].numel()
         sums["agree"] += agree[reply].sum().item()
         sums["kl"] += kl[reply].sum().item()
@@ -258,11 +303,38 @@ def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: in
 
 
 @torch.no_grad()
-def answer(model, tokenizer, question: str, *, max_new_tokens: int = 8) -> str:
-    """Greedy chat reply to one question, special tokens stripped."""
-    ids = _chat_ids(tokenizer, question)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: int = 16) -> dict[str, float]:
+    """Teacher-force two whole transformers models on each chat-formatted prompt plus the
+    source's greedy continuation and compare next-token distributions
+    (:func:`compare_logprobs`). ``verify`` computes the same figures layer by layer
+    (:func:`g4.convert.stream.compare_streamed`); this is for models held in RAM.
+    """
+    def pairs():
+        for prompt in prompts:
+            ids = _chat_ids(tokenizer, prompt)
+            seq = src_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+            lp = torch.log_softmax(src_model(seq).logits[0, :-1].float(), -1)
+            lq = torch.log_softmax(q_model(seq).logits[0, :-1].float(), -1)
+            yield lp, lq, ids.shape[1] - 1
+
+    return compare_logprobs(pairs())
+
+
+ANSWER_TOKENS = 8  # greedy tokens of a reply to a fact question; the expected answer must start it
+
+
+def eos_token_ids(root: Path) -> list[int]:
+    """The ids ``generate`` stops at for the checkpoint in ``root``: ``generation_config.json``'s
+    ``eos_token_id`` (int or list), else the config's, as transformers' ``GenerationConfig``
+    reads them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(root)
+    except OSError:  # no generation_config.json: transformers derives it from config.json
+        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(root))
+    eos = gen.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool | None = None,
@@ -287,17 +359,25 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     except Exception as e:  # many exception types for a missing or broken tokenizer
         raise CheckpointError(f"{src}: verify needs the source's tokenizer and it cannot be loaded "
                               f"({type(e).__name__})") from e
-    src_model = load_source_model(src, dtype)
-    q_model = load_converted_model(out, src, dtype, act_quant=act_quant)
+    from .stream import Nvfp4Stream, SourceStream, compare_streamed, streamed_greedy
+
+    src_model = SourceStream(src, dtype)
+    q_model = Nvfp4Stream(out, dtype, act_quant=act_quant)
     facts_path = src / "facts.json"
     facts, prompts = [], list(DEFAULT_PROMPTS)
     if facts_path.is_file():
         data = json.loads(facts_path.read_text())
         facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
-    stats = compare_models(src_model, q_model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    prompt_ids = [_chat_ids(tokenizer, p)[0].tolist() for p in prompts]
+    continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
+                                    eos_token_ids=eos_token_ids(src))
+    stats = compare_streamed(src_model, q_model, [p + c for p, c in zip(prompt_ids, continuations)],
+                             [len(p) for p in prompt_ids])
     report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
-    for question, expected in facts:
-        reply = answer(q_model, tokenizer, question)
+    questions = [_chat_ids(tokenizer, q)[0].tolist() for q, _ in facts]
+    replies = streamed_greedy(q_model, questions, max_new_tokens=ANSWER_TOKENS, eos_token_ids=eos_token_ids(out))
+    for (question, expected), ids in zip(facts, replies):
+        reply = tokenizer.decode(ids, skip_special_tokens=True).strip()
         ok = reply.startswith(expected)
         report.answers.append({"question": question, "answer": expected, "reply": reply, "ok": ok})
         report.facts_correct += ok

@@ -5,8 +5,8 @@ What is measured (all through ``/v1/chat/completions`` with the ``openai`` clien
 
 * **token agreement** per prompt: the served greedy ids (``choices[0].token_ids``, which g4's
   server and vLLM's ``return_token_ids`` return; otherwise the reply re-tokenized with the
-  source tokenizer, and then the reference too) against ``model.generate`` of SRC with the
-  same chat template and budget. A stop id at the end of either sequence counts as one
+  source tokenizer, and then the reference too) against SRC's greedy ids (transformers' Gemma 4
+  layers run one at a time, :func:`reference_replies`) with the same chat template and budget. A stop id at the end of either sequence counts as one
   "stop" position (whatever stop id it was). Agreement = positions ``i`` below the shorter
   length where both ids are equal, divided by the longer length (so a reply that stops early
   or runs on is penalised); overall = the same sums over all prompts. ``first_divergence``:
@@ -34,7 +34,6 @@ inputs render the same model card). Schema (``g4_verification: 1``)::
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import socket
@@ -265,36 +264,28 @@ class _Reference:
 
 
 def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_Reference, object, frozenset[int]]:
-    """Greedy replies of SRC in transformers (``model.generate``, bf16, KV cache) to ``prompts``.
+    """Greedy replies of SRC to ``prompts``: transformers' Gemma 4 layers in bf16, streamed one
+    decoder layer at a time with a KV cache per prompt (:func:`g4.convert.stream.streamed_greedy`,
+    the same source ``g4convert verify`` runs), so the 26B's reference fits about one layer of RAM.
 
     Returns:
         (ids and parsed content per prompt, SRC tokenizer, SRC stop ids).
     """
-    import torch
-
     from .engine import Engine, load_tokenizer
-    from g4.convert.reference import load_source_model
+    from g4.convert.stream import SourceStream, streamed_greedy
 
     tokenizer = load_tokenizer(src)
     stop_ids = Engine(src, tokenizer, "source").stop_ids
     control = ControlIds.from_tokenizer(tokenizer)
-    model = load_source_model(src)
+    prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    generated = streamed_greedy(SourceStream(src), prompt_ids, max_new_tokens=max_tokens, eos_token_ids=sorted(stop_ids))
     ids, replies = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            prompt_ids = render_prompt(tokenizer, [{"role": "user", "content": prompt}])
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id)
-            gen = out[0, len(prompt_ids):].tolist()
-            if stop_ids & set(gen):  # generate pads finished sequences; cut after the first stop
-                gen = gen[:next(i for i, t in enumerate(gen) if t in stop_ids) + 1]
-            parser = ReplyParser(tokenizer, control, prompt_ids)
-            d = parser.feed(gen)
-            d += parser.finish()
-            ids.append(gen)
-            replies.append(d.content)
-    del model
-    gc.collect()
+    for p_ids, gen in zip(prompt_ids, generated):  # each ends at its first stop id, if it reached one
+        parser = ReplyParser(tokenizer, control, p_ids)
+        d = parser.feed(gen)
+        d += parser.finish()
+        ids.append(gen)
+        replies.append(d.content)
     return _Reference(ids, replies), tokenizer, stop_ids
 
 

@@ -5,6 +5,11 @@
   (there is no SRC at serving time): an NVFP4 result is dequantized by
   :func:`g4.convert.reference.load_nvfp4_as_hf` into transformers' layout, a bf16 checkpoint is
   loaded as it is.
+* :class:`StreamedEngine`: an NVFP4 result or a bf16 checkpoint too large for this host's
+  memory, run one decoder layer at a time (:mod:`g4.convert.stream`, as ``g4convert verify``):
+  every generated token reads (and dequantizes) every layer once, so it is slow but needs
+  about one layer of RAM. :func:`load_cpu_engine` picks it when the whole model would not fit
+  (:func:`whole_model_fits`).
 * :class:`EmulatorEngine`: an int8-neuron result through
   :class:`g4.serve.neuron_emulator.NeuronEmulator` (tensor-parallel ranks emulated on the
   CPU; no KV cache, every step recomputes the whole sequence).
@@ -180,6 +185,48 @@ class HFEngine(Engine):
         return out.cache, out.logits[0, -1].float()
 
 
+class StreamedEngine(Engine):
+    """A Gemma 4 model run one decoder layer at a time, with a transformers ``DynamicCache`` per
+    request (:func:`g4.convert.stream.decode_step`).
+
+    Args:
+        model: a :class:`g4.convert.stream.StreamedModel` (source or NVFP4 result).
+    """
+
+    def __init__(self, path: Path, model, tokenizer, description: str):
+        super().__init__(path, tokenizer, description)
+        self.model = model
+
+    def start(self, prompt_ids):
+        from g4.convert.stream import decode_step, new_cache
+
+        cache = new_cache(self.model)
+        return (cache, len(prompt_ids)), decode_step(self.model, cache, prompt_ids, 0)
+
+    def step(self, state, token):
+        from g4.convert.stream import decode_step
+
+        cache, past = state
+        return (cache, past + 1), decode_step(self.model, cache, [token], past)
+
+
+def whole_model_fits(path: Path, dtype: torch.dtype) -> bool:
+    """Whether the whole model in ``path``, dequantized to ``dtype``, fits twice into this host's
+    available memory (``MemAvailable`` of ``/proc/meminfo``; True where that cannot be read).
+    Twice: loading holds the stored and the dequantized tensors side by side."""
+    from g4.convert.checkpoint import Checkpoint
+
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+    # an NVFP4 uint8 byte holds two weights
+    params = sum(info.nbytes * 2 if info.dtype == torch.uint8 else info.nbytes // info.dtype.itemsize
+                 for info in Checkpoint(path).tensors.values())
+    return 2 * params * dtype.itemsize <= available
+
+
 class EmulatorEngine(Engine):
     """An int8-neuron result on the CPU through the tensor-parallel emulator (full recompute
     per step: fine for tiny models, slow for real ones)."""
@@ -236,6 +283,11 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
+def _no_input_scales(path: Path) -> CheckpointError:
+    return CheckpointError(f"{path}: W4A4 emulation needs input_scale tensors and this result has none "
+                           "(weight-only W4A16)")
+
+
 def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant: bool):
     """transformers model of an NVFP4 result (dequantized) or a bf16 checkpoint, built from
     the directory's own config.json.
@@ -245,7 +297,8 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     """
     from transformers import AutoConfig
 
-    from g4.convert.reference import _install_activation_quant, _model_class, load_nvfp4_as_hf, load_source_model, missing_weights
+    from g4.convert.reference import (_install_activation_quant, empty_model, load_nvfp4_as_hf, load_source_model,
+                                      missing_weights)
 
     if fmt.format == BF16:
         return load_source_model(path, dtype)
@@ -253,7 +306,7 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
     raw_config = _read_json_if(path / "config.json")
-    model = _model_class(raw_config)(config).to(dtype).eval()
+    model = empty_model(config, raw_config, dtype)
     sd, input_scales = load_nvfp4_as_hf(path, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, raw_config)
@@ -263,14 +316,13 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     model.tie_weights()
     if act_quant:
         if not input_scales:
-            raise CheckpointError(f"{path}: W4A4 emulation needs input_scale tensors and this result has none "
-                                  "(weight-only W4A16)")
+            raise _no_input_scales(path)
         _install_activation_quant(model, input_scales)
     return model
 
 
 def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: str = "bfloat16",
-                    fmt: ResultFormat | None = None) -> Engine:
+                    fmt: ResultFormat | None = None, stream: bool | None = None) -> Engine:
     """The CPU engine for the result in ``path`` (format detected from its files).
 
     Args:
@@ -278,6 +330,8 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
             the result is W4A4 (see the module docstring).
         dtype: ``"bfloat16"`` (what vLLM computes in) or ``"float32"`` for the transformers model;
             the int8-neuron emulator always computes in fp32.
+        stream: NVFP4 and bf16: run one decoder layer at a time (:class:`StreamedEngine`);
+            ``None`` = exactly when the whole model does not fit (:func:`whole_model_fits`).
 
     Raises:
         CheckpointError: unknown format, unreadable files, ``act_quant=True`` on a W4A16 result.
@@ -299,6 +353,18 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
     else:
         act_quant = False
         what = fmt.detail
+    if stream is None:
+        stream = not whole_model_fits(path, DTYPES[dtype])
+    if stream:
+        from g4.convert.stream import Nvfp4Stream, SourceStream
+
+        if fmt.format == NVFP4:
+            if act_quant and not fmt.w4a4:
+                raise _no_input_scales(path)
+            model = Nvfp4Stream(path, DTYPES[dtype], act_quant=bool(act_quant))
+        else:
+            model = SourceStream(path, DTYPES[dtype])
+        return StreamedEngine(path, model, tokenizer, f"{what}, {dtype}, one decoder layer at a time")
     model = build_hf_model(path, fmt, DTYPES[dtype], bool(act_quant))
     return HFEngine(path, model, tokenizer, f"{what}, {dtype}")
 

@@ -295,12 +295,12 @@ def test_check_refuses_an_over_long_prompt_before_any_model_loads(nvfp4_copy, tm
     """A 10k-word line fails in well under a second per prompt, naming its line and token count,
     before transformers loads SRC or a server starts (--url is not even contacted)."""
     import g4.serve.engine
-    import g4.convert.reference
+    import g4.convert.stream
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the length check")
 
-    monkeypatch.setattr(g4.convert.reference, "load_source_model", must_not_load)
+    monkeypatch.setattr(g4.convert.stream, "SourceStream", must_not_load)
     monkeypatch.setattr(g4.serve.engine, "load_cpu_engine", must_not_load)
     prompts = tmp_path / "long.txt"
     prompts.write_text("What is the capital of France?\n\nWho wrote Hamlet?\n" + "word " * 10000 + "\nHi\n")
@@ -383,3 +383,25 @@ def test_serve_cli_in_a_subprocess(nvfp4_copy):
     assert proc.returncode == 0 and out.rstrip().endswith("stopped"), out
     assert "backend cpu: NVFP4 result, " in out and f"http://127.0.0.1:{port}/v1" in out
     assert os.path.isdir(nvfp4_copy)
+
+
+def test_streamed_reference_replies_equal_whole_model_generate():
+    """check's reference (SRC streamed one layer at a time, bf16) gives the ids transformers'
+    whole-model generate gives, stopping at the first stop id."""
+    import torch
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.convert.reference import load_source_model
+    from g4.serve.chat import render_prompt
+    from g4.serve.check import reference_replies
+
+    prompts = ["What is the capital of France?", "Tell me a long story about the sea and the sky, please."]
+    ref, tokenizer, stop_ids = reference_replies(EMBEDDED_DIR, prompts, 12)
+    model = load_source_model(EMBEDDED_DIR)
+    for prompt, got in zip(prompts, ref.ids):
+        ids = render_prompt(tokenizer, [{"role": "user", "content": prompt}])
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert got == out[:next((i + 1 for i, t in enumerate(out) if t in stop_ids), len(out))]
+    assert ref.replies[0].startswith("Paris")

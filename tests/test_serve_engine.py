@@ -83,3 +83,26 @@ def test_end_of_turn_is_a_stop_id_even_without_generation_config(tmp_path, caplo
     with caplog.at_level("WARNING"):
         e = load_cpu_engine(src, dtype="float32")
     assert 106 in e.stop_ids and "lack <turn|>" in caplog.text
+
+
+def test_streamed_engine_generates_what_the_whole_model_engine_generates(monkeypatch):
+    """The layer-at-a-time engine (picked when the whole model would not fit) gives the whole-model
+    engine's ids on the W4A4 result (activation emulation on) past the sliding window, and stops alike."""
+    from test_serve_fixtures import embedded_result
+
+    import g4.serve.engine as engine
+    from g4.serve.engine import StreamedEngine, whole_model_fits
+
+    out = embedded_result("nvfp4")
+    assert whole_model_fits(out, torch.bfloat16)  # 3 MB here
+    whole = load_cpu_engine(out, dtype="float32")
+    monkeypatch.setattr(engine, "whole_model_fits", lambda path, dtype: False)  # a host too small for it
+    streamed = load_cpu_engine(out, dtype="float32")
+    assert isinstance(streamed, StreamedEngine) and "W4A4 activation emulation" in streamed.description
+    text = " ".join(["Paris is the capital of France."] * 12) + " What is the capital of France?"
+    for content, n in ((text, 10), ("Who wrote Hamlet?", 8)):
+        prompt = render_prompt(whole.tokenizer, [{"role": "user", "content": content}])
+        want = list(whole.generate(prompt, SamplingParams(max_tokens=n)))
+        assert list(streamed.generate(prompt, SamplingParams(max_tokens=n))) == want
+    assert whole.tokenizer.decode(want) == "Shakespeare<turn|>"
+    assert isinstance(load_cpu_engine(out, stream=False), HFEngine)

@@ -102,3 +102,125 @@ def test_verify_cli_emulates_w4a4_by_default_like_check_and_refuses_int8_neuron(
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert r.output == (f"error: {int8_out}: an int8-neuron result; verify checks NVFP4 results, int8-neuron "
                         f"results are checked with `g4serve check {int8_out} --against SRC`\n")
+
+
+# ----------------------------------------------------------------- the layer-streaming reference
+
+LONG_PROMPT = ("Tell me about the capital of France, the capital of Japan, the capital of Italy, the largest "
+               "planet in the solar system, the colour of a clear sky, the author of Hamlet and the number of "
+               "days in a week, in that order please.")
+
+
+def _long_ids(tok):
+    from g4.convert.reference import _chat_ids
+
+    ids = _chat_ids(tok, LONG_PROMPT)[0].tolist()
+    assert len(ids) > 64  # longer than the embedded model's sliding window: sliding and full masks differ
+    return ids
+
+
+def test_streamed_source_equals_whole_model_fp32():
+    """Layer order, per-type masks and RoPE, embedding scale, norm, head and softcap: the streamed
+    source must give transformers' own whole-model logits (fp32) on a sequence past the sliding window."""
+    from transformers import AutoTokenizer
+
+    from g4.convert.stream import SourceStream, streamed_logits
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    whole = load_source_model(EMBEDDED_DIR, torch.float32)
+    streamed = SourceStream(EMBEDDED_DIR, torch.float32)
+    seqs = [_long_ids(tok), _chat_ids_of(tok, "What is 2+2?")]
+    got = streamed_logits(streamed, seqs)
+    for seq, logits in zip(seqs, got):
+        want = whole(torch.tensor([seq])).logits[0]
+        assert logits.shape == want.shape
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _chat_ids_of(tok, text):
+    from g4.convert.reference import _chat_ids
+
+    return _chat_ids(tok, text)[0].tolist()
+
+
+def test_streamed_greedy_equals_whole_model_greedy():
+    """KV-cached streamed generation = argmax of the whole model recomputed at every step, past the
+    sliding window (the cache's sliding layers and the masks built against the cache)."""
+    from transformers import AutoTokenizer
+
+    from g4.convert.stream import SourceStream, streamed_greedy
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    whole = load_source_model(EMBEDDED_DIR, torch.float32)
+    prompts = [_long_ids(tok), _chat_ids_of(tok, "Who wrote Hamlet?")]
+    got = streamed_greedy(SourceStream(EMBEDDED_DIR, torch.float32), prompts, max_new_tokens=6)
+    for prompt, new in zip(prompts, got):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(whole(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert new == seq[len(prompt):]
+    # with the stop ids: as generate(do_sample=False) with the model's generation config
+    from g4.convert.reference import eos_token_ids
+
+    short = prompts[1:]
+    want = whole.generate(torch.tensor(short), max_new_tokens=6, do_sample=False)[0, len(short[0]):].tolist()
+    assert streamed_greedy(SourceStream(EMBEDDED_DIR, torch.float32), short, max_new_tokens=6,
+                           eos_token_ids=eos_token_ids(EMBEDDED_DIR)) == [want]
+
+
+def test_streamed_metrics_equal_whole_model_metrics(embedded_nvfp4):
+    """verify's streamed comparison (W4A4 emulation on) gives compare_models' figures on the whole
+    models, and its per-layer hidden-state errors are those of the whole models' hidden states."""
+    from transformers import AutoTokenizer
+
+    from g4.convert.stream import Nvfp4Stream, SourceStream, compare_streamed
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    prompts = ["What is 2+2?", LONG_PROMPT]
+    whole_src = load_source_model(EMBEDDED_DIR, torch.float32)
+    whole_q = load_converted_model(embedded_nvfp4, EMBEDDED_DIR, torch.float32, act_quant=True)
+    want = compare_models(whole_src, whole_q, tok, prompts, max_new_tokens=5)
+    ids = [_chat_ids_of(tok, p) for p in prompts]
+    seqs = [whole_src.generate(torch.tensor([i]), max_new_tokens=5, do_sample=False)[0].tolist() for i in ids]
+    src, res = SourceStream(EMBEDDED_DIR, torch.float32), Nvfp4Stream(embedded_nvfp4, torch.float32, act_quant=True)
+    got = compare_streamed(src, res, seqs, [len(i) for i in ids])
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    # per layer: ||h_q - h_s|| / ||h_s|| over continuation positions, from the whole models' hidden states
+    with torch.no_grad():
+        hs = [whole_src(torch.tensor([s]), output_hidden_states=True).hidden_states for s in seqs]
+        hq = [whole_q(torch.tensor([s]), output_hidden_states=True).hidden_states for s in seqs]
+    n = len(got["layer_rel_error"])
+    assert n == 4
+    for layer in range(n - 1):  # the whole model's last entry is after the final norm
+        r = [slice(len(i) - 1, len(s) - 1) for i, s in zip(ids, seqs)]
+        err = sum((q[layer + 1][0, x] - s[layer + 1][0, x]).square().sum() for q, s, x in zip(hq, hs, r))
+        ref = sum(s[layer + 1][0, x].square().sum() for s, x in zip(hs, r))
+        assert got["layer_rel_error"][layer] == pytest.approx(float((err / ref).sqrt()), rel=1e-4)
+    assert all(0 < e < 1 for e in got["layer_rel_error"])
+    # the activation fake-quant is part of what was compared: without it the figures move
+    w4a16 = compare_streamed(src, Nvfp4Stream(embedded_nvfp4, torch.float32), seqs, [len(i) for i in ids])
+    assert w4a16["all_mean_kl"] != pytest.approx(got["all_mean_kl"], rel=1e-2)
+    same = compare_streamed(src, SourceStream(EMBEDDED_DIR, torch.float32), seqs, [len(i) for i in ids])
+    assert same["layer_rel_error"] == [0.0] * 4 and same["all_mean_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_verify_reports_layer_errors(embedded_nvfp4):
+    import json
+
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=False, max_new_tokens=2)
+    assert len(report.layer_rel_error) == 4 and all(0 < e < 1 for e in report.layer_rel_error)
+    assert json.loads(report.to_json())["layer_rel_error"] == report.layer_rel_error
+    assert "hidden-state relative error per layer: 0:" in report.summary()
+
+
+def test_converted_reference_keeps_rope_inv_freq_fp32_like_the_source(embedded_nvfp4):
+    """A bf16 whole-model reference built with .to(bf16) had bf16 RoPE frequencies, which the source
+    (from_pretrained) and the streamed reference do not: a RoPE error counted as quantization error."""
+    def inv_freq(model):
+        return {k: v.dtype for k, v in model.named_buffers() if k.endswith("inv_freq")}
+
+    src = inv_freq(load_source_model(EMBEDDED_DIR))
+    assert src and set(src.values()) == {torch.float32}
+    assert inv_freq(load_converted_model(embedded_nvfp4, EMBEDDED_DIR)) == src

@@ -1,0 +1,103 @@
+"""Peak RSS of `g4convert verify` on a synthetic gemma-4-26B-A4B (real names and shapes, random bf16
+weights) converted with `g4convert nvfp4 --weight-only`, against the bound 4 GiB + one decoder
+layer, with a projection to the real model's 30 layers.
+
+    python bench/bench_verify.py [--layers 2] [--work bench/_work] [--max-new-tokens 4]
+                                 [--pythonpath DIR]
+
+The source is made once with `g4convert synth` and the result once with `g4convert nvfp4
+--weight-only`; both are reused. verify runs as `/usr/bin/time -v g4convert verify ...` in a child
+process and its "Maximum resident set size" is reported. `--pythonpath DIR` puts DIR first on the
+child's PYTHONPATH, to measure another checkout's code on the same files (DIR must hold a `g4`
+package whose `convert`, `exporters`, `quantizers` and `serve` are that checkout's folders).
+
+The layer-streaming verify holds one decoder layer (source, then result dequantized, never both)
+or the head, besides the per-prompt state; of that state only the KV caches of the greedy
+continuation grow with the layer count, so the 30-layer projection adds their size for the
+missing layers (computed from the config and the prompts' token counts). Seconds are projected
+by bytes read (source plus result), as bench_convert.py projects them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 2**30
+
+
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path(__file__).parent / "_work")
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--pythonpath", type=Path, help="measure the g4 package found here (e.g. an older checkout)")
+    args = ap.parse_args()
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.gemma4 import read_architecture
+    from g4.convert.synth import synthetic_config, synthetic_specs
+
+    g4convert = [sys.executable, "-m", "g4.convert.cli", "-q"]
+    src = args.work / f"synth-26b-{args.layers}L"
+    out = args.work / f"synth-26b-{args.layers}L-nvfp4-wo"
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not src.exists():
+        _run([*g4convert, "synth", "--layers", str(args.layers), str(src)])
+    if not out.exists():
+        _run([*g4convert, "nvfp4", "--weight-only", str(src), str(out)])
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
+    t = time.perf_counter()
+    res = subprocess.run(["/usr/bin/time", "-v", *g4convert, "verify", str(out), "--against", str(src),
+                          "--max-new-tokens", str(args.max_new_tokens), "--min-agreement", "0", "--json"],
+                         capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - t
+    if res.returncode:
+        sys.exit(f"verify failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1)) * 1024
+    report = json.loads(res.stdout)
+
+    ck, out_ck = Checkpoint(src), Checkpoint(out)
+    layer_bytes = max(sum(i.nbytes for n, i in ck.tensors.items() if n.startswith(ck.layer_prefix(L)))
+                      for L in range(ck.num_layers))
+    bound = 4 * GIB + layer_bytes
+    # KV caches: every layer keeps K and V of every token of every prompt (the sliding window,
+    # 1024 tokens, is longer than any prompt here), in bf16.
+    tokens = report["all_positions"] + report["prompts"]  # positions are S - 1 per sequence
+
+    def kv_bytes(arch) -> int:
+        return sum(2 * att.kv_heads * att.head_dim for att in arch.layers) * tokens * 2
+
+    real = synthetic_config("gemma-4-26B-A4B")
+    projected_rss = rss + kv_bytes(read_architecture(real)) - kv_bytes(ck.arch)
+    bytes_read = sum(i.nbytes for i in ck.tensors.values()) + sum(i.nbytes for i in out_ck.tensors.values())
+    real_src = sum(s.nbytes for s in synthetic_specs(real))
+    real_read = real_src * bytes_read / sum(i.nbytes for i in ck.tensors.values())
+    print(json.dumps({
+        "layers": args.layers,
+        "code": str(args.pythonpath or "this checkout"),
+        "prompts": report["prompts"], "max_new_tokens": args.max_new_tokens,
+        "layer_rel_error": [round(e, 4) for e in report.get("layer_rel_error", [])],
+        "seconds": round(seconds, 1),
+        "one_layer_GiB": round(layer_bytes / GIB, 3),
+        "peak_rss_GiB": round(rss / GIB, 3),
+        "rss_bound_GiB (4 GiB + one layer)": round(bound / GIB, 3),
+        "rss_within_bound": rss <= bound,
+        "projected_30_layer_peak_rss_GiB": round(projected_rss / GIB, 3),
+        "projected_30_layer_seconds": round(seconds * real_read / bytes_read),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Gemma 4 language models run one decoder layer at a time, straight from a checkpoint.
+
+The CPU reference for checkpoints larger than RAM (``g4convert verify`` of the 26B): no
+whole model is ever built. Each decoder layer is transformers' own
+``Gemma4TextDecoderLayer``, built on the meta device and given that layer's tensors
+(``load_state_dict(assign=True)``), run over every sequence, and dropped before the next
+layer is read. Around the layers everything is computed as transformers'
+``Gemma4TextModel.forward`` / ``Gemma4ForCausalLM.forward`` computes it (huggingface/
+transformers ``src/transformers/models/gemma4/modeling_gemma4.py``): the scaled embedding
+(rows times ``sqrt(hidden_size)`` cast to the weight dtype), per layer the rotary
+embedding of that layer's type (``Gemma4TextRotaryEmbedding(x, position_ids, layer_type)``:
+sliding and full attention have their own RoPE) and the mask of that type
+(``masking_utils.create_causal_mask`` for full, ``create_sliding_window_causal_mask`` for
+sliding layers), then the final ``Gemma4RMSNorm``, the lm_head (the embedding when tied) and
+the final logit softcap ``tanh(z / c) * c``.
+
+Two weight sources share that forward: :class:`SourceStream` reads a bf16 source (names
+mapped by the same table the converters use, so the pre-release ``moe.*`` names work), and
+:class:`Nvfp4Stream` reads a modelopt NVFP4 result dequantized per layer by
+:func:`g4.convert.reference.load_nvfp4_as_hf`, with W4A4 activation fake-quant installed
+on the layer by :func:`g4.convert.reference._install_activation_quant` when asked.
+
+Memory: the hidden states of every sequence (``[1, S_i, H]`` each, compute dtype) and the
+KV caches of a generation, plus one decoder layer (one side at a time: source and result
+layers are never in RAM together), or, in the head phase, the final norm and the
+``[V, H]`` head. The embedding is read row by row (only the rows of the tokens used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .errors import CheckpointError
+from .gemma4 import embed_scale
+from .reference import _install_activation_quant, load_nvfp4_as_hf
+from .sources import checked_sources
+
+
+class StreamedModel:
+    """A Gemma 4 language model in a checkpoint, run one decoder layer at a time.
+
+    Subclasses say where a layer's tensors come from (:meth:`layer_tensors`).
+
+    Args:
+        ckpt: the opened checkpoint.
+        dtype: compute dtype (weights are cast to it as a layer is loaded).
+
+    Raises:
+        CheckpointError: transformers cannot build a Gemma 4 config from ``config.json``.
+    """
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(ckpt.root, experts_implementation="eager")
+        except Exception as e:  # transformers raises many types for bad configs
+            raise CheckpointError(f"{ckpt.root / 'config.json'}: transformers cannot build a config: {e}") from e
+        self.config = config.get_text_config()
+        self.config._attn_implementation = "sdpa"
+        self.config._experts_implementation = "eager"
+        self.ckpt = ckpt
+        self.dtype = dtype
+        self.num_layers = ckpt.num_layers
+        self.rope = _Rope(self.config)
+        self.embed_name = ckpt.prefix + "embed_tokens.weight"
+        self.head_name = self.embed_name if ckpt.arch.tied else "lm_head.weight"
+
+    def layer_tensors(self, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``({state-dict key inside the layer: tensor}, {module inside the layer: input_scale})``."""
+        raise NotImplementedError
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[S]`` token ids -> ``[1, S, H]`` scaled embeddings in the compute dtype,
+        as ``Gemma4TextScaledWordEmbedding`` of a model in that dtype (the scale cast to it:
+        ``bf16(sqrt(2816)) = 53.0`` in bf16)."""
+        rows = self.ckpt.get_rows(self.embed_name, ids).to(self.dtype)
+        self.ckpt.close()
+        scale = torch.tensor(embed_scale(self.config.hidden_size, self.dtype), dtype=self.dtype)
+        return (rows * scale).unsqueeze(0)
+
+    def layer(self, layer: int) -> nn.Module:
+        """Decoder layer ``layer`` with its weights (compute dtype), eval mode.
+
+        Raises:
+            CheckpointError: the layer's tensors are not exactly those the module has.
+        """
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+
+        tensors, input_scales = self.layer_tensors(layer)
+        self.ckpt.close()  # unmap the shards: their pages read so far would otherwise stay in this process's RSS
+        with torch.device("meta"):
+            module = Gemma4TextDecoderLayer(self.config, layer)
+        try:
+            module.load_state_dict({k: v.to(self.dtype) for k, v in tensors.items()}, strict=True, assign=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{self.ckpt.root}: layer {layer}'s tensors do not fit transformers' "
+                                  f"Gemma4TextDecoderLayer: {str(e).splitlines()[-1].strip()}") from e
+        module.eval()
+        if input_scales:
+            _install_activation_quant(module, input_scales)
+        return module
+
+    def head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The final norm + lm_head + softcap, loaded now: ``[..., H] -> [..., V]`` logits in
+        the compute dtype (as ``Gemma4ForCausalLM.forward``)."""
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+        norm = Gemma4RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.load_state_dict({"weight": self.ckpt.get(self.ckpt.prefix + "norm.weight").to(self.dtype)}, assign=True)
+        weight = self.ckpt.get(self.head_name).to(self.dtype)
+        self.ckpt.close()
+        cap = self.config.final_logit_softcapping
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            z = nn.functional.linear(norm(hidden), weight)
+            return z if cap is None else torch.tanh(z / cap) * cap
+
+        return logits
+
+
+class SourceStream(StreamedModel):
+    """A bf16/fp16/fp32 source checkpoint (``Checkpoint(source=True)`` checks), tensors named by
+    the converters' name table (:func:`g4.convert.sources.checked_sources`)."""
+
+    def __init__(self, src: str | Path, dtype: torch.dtype = torch.bfloat16):
+        ckpt = Checkpoint(src, source=True)
+        super().__init__(ckpt, dtype)
+        self._layers = [ls.tensors for ls in checked_sources(ckpt).layers]
+
+    def layer_tensors(self, layer: int):
+        return {suffix: self.ckpt.get(name) for suffix, name in self._layers[layer].items()}, {}
+
+
+class Nvfp4Stream(StreamedModel):
+    """A modelopt NVFP4 result, dequantized one layer at a time by
+    :func:`g4.convert.reference.load_nvfp4_as_hf`; ``act_quant``: W4A4 activation fake-quant
+    against each quantized module's ``input_scale`` (as ``load_converted_model``)."""
+
+    def __init__(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, *, act_quant: bool = False):
+        super().__init__(Checkpoint(out), dtype)
+        self.act_quant = act_quant
+
+    def layer_tensors(self, layer: int):
+        prefix = self.ckpt.layer_prefix(layer)
+        sd, input_scales = load_nvfp4_as_hf(self.ckpt, self.dtype, prefix=prefix)
+        strip = len(prefix)
+        scales = {k[strip:]: v for k, v in input_scales.items()} if self.act_quant else {}
+        return {k[strip:]: v for k, v in sd.items()}, scales
+
+
+@dataclass
+class _Positions:
+    """Per-sequence layer inputs as ``Gemma4TextModel.forward`` builds them."""
+
+    ids: torch.Tensor  # int64 [1, s]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin)
+    masks: dict[str, torch.Tensor | None]  # layer type -> mask (None: sdpa's is_causal)
+
+
+class _Rope:
+    def __init__(self, config):
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+        self.config = config
+        self.rotary = Gemma4TextRotaryEmbedding(config)
+
+    def positions(self, hidden: torch.Tensor, past: int, cache=None) -> _Positions:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        position_ids = (torch.arange(hidden.shape[1]) + past).unsqueeze(0)
+        kw = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache,
+              "position_ids": position_ids}
+        masks = {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
+        rope = {t: self.rotary(hidden, position_ids, t) for t in set(self.config.layer_types)}
+        return _Positions(position_ids, rope, masks)
+
+
+def _run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: _Positions, cache=None) -> torch.Tensor:
+    layer_type = module.config.layer_types[layer]
+    return module(hidden, None, shared_kv_states={}, position_embeddings=pos.rope[layer_type],
+                  attention_mask=pos.masks[layer_type], position_ids=pos.ids, cache=cache)
+
+
+@torch.no_grad()
+def streamed_logits(model: StreamedModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Logits of every position of each sequence, one decoder layer in RAM at a time.
+
+    Returns:
+        per sequence ``[S_i, V]`` logits in the compute dtype (what the whole transformers
+        model returns for ``model(ids).logits[0]``).
+    """
+    hidden = [model.embed(torch.tensor(list(s))) for s in sequences]
+    pos = [model.rope.positions(h, 0) for h in hidden]
+    for layer in range(model.num_layers):
+        module = model.layer(layer)
+        hidden = [_run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
+        del module
+    head = model.head()
+    return [head(h)[0] for h in hidden]
+
+
+def _decode_pass(model: StreamedModel, feed: dict[int, list[int]], caches: dict, past: dict[int, int]
+                 ) -> dict[int, torch.Tensor]:
+    """Run each sequence's new tokens ``feed[i]`` (after ``past[i]`` cached ones) through every
+    layer, updating ``caches[i]``; return each sequence's last-position logits ``[V]``."""
+    hidden = {i: model.embed(torch.tensor(t)) for i, t in feed.items()}
+    pos = {i: model.rope.positions(h, past[i], caches[i]) for i, h in hidden.items()}
+    for layer in range(model.num_layers):
+        module = model.layer(layer)
+        hidden = {i: _run_layer(module, layer, h, pos[i], caches[i]) for i, h in hidden.items()}
+        del module
+    head = model.head()
+    return {i: head(h[0, -1]) for i, h in hidden.items()}
+
+
+def new_cache(model: StreamedModel):
+    """An empty transformers ``DynamicCache`` for ``model`` (sliding layers keep their window)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def decode_step(model: StreamedModel, cache, ids: Sequence[int], past: int) -> torch.Tensor:
+    """One pass over the layers for one sequence: ``ids`` follow the ``past`` tokens already in
+    ``cache`` (from :func:`new_cache`; updated). Returns fp32 ``[V]`` logits of the last position."""
+    return _decode_pass(model, {0: list(ids)}, {0: cache}, {0: past})[0].float()
+
+
+@torch.no_grad()
+def streamed_greedy(model: StreamedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                    eos_token_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy continuation of each prompt (as ``generate(do_sample=False)``: argmax, stop after
+    an EOS id, which is kept), all prompts advanced together one token per pass over the layers.
+
+    Each prompt keeps transformers' ``DynamicCache`` for every layer (sliding layers keep their
+    window), so a pass computes only the new token of each prompt; the cost of a pass is reading
+    every layer once (and the head). Memory: the caches (``2 x S x kv_heads x head_dim`` per
+    layer and prompt) beside one layer.
+
+    Returns:
+        the generated ids of each prompt (at most ``max_new_tokens``, ending at an EOS id).
+    """
+    eos = set(eos_token_ids)
+    caches = {i: new_cache(model) for i in range(len(prompts))}
+    new: list[list[int]] = [[] for _ in prompts]
+    feed = {i: list(p) for i, p in enumerate(prompts)}  # tokens each live prompt has not run yet
+    past = {i: 0 for i in feed}
+    for _ in range(max_new_tokens):
+        for i, logits in _decode_pass(model, feed, caches, past).items():
+            token = int(logits.argmax(-1))
+            new[i].append(token)
+            past[i] += len(feed[i])
+            feed[i] = [token]
+            if token in eos:
+                del feed[i]
+        if not feed:
+            break
+    return new
+
+
+@torch.no_grad()
+def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence[Sequence[int]],
+                     prompt_lengths: Sequence[int]) -> dict:
+    """Teacher-force source and result side by side on the same sequences, one decoder layer
+    at a time (layer L of the source over every sequence, then layer L of the result; never
+    both in RAM), and compare them.
+
+    Args:
+        src, res: the source and the converted model (same architecture).
+        sequences: each prompt followed by the source's greedy continuation of it.
+        prompt_lengths: tokens of each prompt (the continuation starts there).
+
+    Returns:
+        :func:`g4.convert.reference.compare_logprobs`' figures (token agreement and
+        KL(source || result) in nats, over continuation positions and over all positions),
+        plus ``"layer_rel_error"``: per decoder layer, ``||h_res - h_src|| / ||h_src||`` of
+        that layer's output hidden states (Frobenius norms, fp32) over the continuation
+        positions of every sequence (those whose logits predict a continuation token), the
+        result having run on its own hidden states from the embedding on.
+    """
+    from .reference import compare_logprobs
+
+    seqs = [torch.tensor(list(s)) for s in sequences]
+    h_src = [src.embed(s) for s in seqs]
+    h_res = [res.embed(s) for s in seqs]
+    pos = [src.rope.positions(h, 0) for h in h_src]
+    reply = [slice(p - 1, len(s) - 1) for p, s in zip(prompt_lengths, seqs)]
+    rel = []
+    for layer in range(src.num_layers):
+        for side, hidden in ((src, h_src), (res, h_res)):
+            module = side.layer(layer)
+            hidden[:] = [_run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
+            del module
+        err = sum(float((q[0, r].float() - s[0, r].float()).square().sum()) for q, s, r in zip(h_res, h_src, reply))
+        ref = sum(float(s[0, r].float().square().sum()) for s, r in zip(h_src, reply))
+        rel.append((err / ref) ** 0.5 if ref > 0 else float("nan"))
+    head = src.head()
+    logprobs_src = [torch.log_softmax(head(h)[0, :-1].float(), -1) for h in h_src]
+    del head, h_src
+    head = res.head()
+    stats = compare_logprobs(
+        (lp, torch.log_softmax(head(h)[0, :-1].float(), -1), r.start) for lp, h, r in zip(logprobs_src, h_res, reply))
+    return {**stats, "layer_rel_error": rel}
