@@ -223,7 +223,8 @@ G4_RESULT_FOLDERS = ("neuron_compiled",)
 
 def foreign_files(path: Path) -> list[str]:
     """Files under the g4 result ``path`` that g4 did not write (a user's notes, an evaluation
-    folder), as paths relative to ``path``, sorted; --overwrite refuses to delete them.
+    folder, an empty folder: ``"name/"``), as paths relative to ``path``, sorted; --overwrite
+    refuses to delete them.
 
     g4's own: :data:`G4_RESULT_FILES`, the side files copied from SRC, the safetensors files
     named by ``model.safetensors.index.json`` (``weight_map``) or ``manifest.json``
@@ -246,7 +247,11 @@ def foreign_files(path: Path) -> list[str]:
     foreign = []
     for f in sorted(path.rglob("*")):
         rel = f.relative_to(path)
-        if f.is_dir() and not f.is_symlink() or rel.parts[0] in G4_RESULT_FOLDERS:
+        if rel.parts[0] in G4_RESULT_FOLDERS:
+            continue
+        if f.is_dir() and not f.is_symlink():
+            if not any(f.iterdir()):  # g4 writes no empty folder: a user made it
+                foreign.append(rel.as_posix() + "/")
             continue
         name = rel.as_posix()
         if name in named or name in G4_RESULT_FILES or (len(rel.parts) == 1 and any(

@@ -194,7 +194,10 @@ def test_overwrite_never_deletes_files_a_user_added_to_a_g4_result(tmp_path, ren
     with pytest.raises(ExportError, match=r"holds my_eval/res.json, which g4 did not write"):
         with atomic_output_dir(out, overwrite=True):
             pytest.fail("must refuse before the run")
-    (out / "my_eval" / "res.json").unlink()
+    (out / "my_eval" / "res.json").unlink()  # an empty folder is the user's too (g4 makes none)
+    with pytest.raises(ExportError, match=r"holds my_eval/, which g4 did not write"):
+        with atomic_output_dir(out, overwrite=True):
+            pytest.fail("must refuse before the run")
     (out / "my_eval").rmdir()
     with pytest.raises(ExportError, match="is not the g4 result --overwrite was given") as e:
         with atomic_output_dir(out, overwrite=True) as tmp:
