@@ -14,7 +14,7 @@ import click
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 from .errors import G4Error, exit_on_user_error, raise_terminated
-from .options import COUNT, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
+from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
@@ -247,6 +247,9 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
               help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
                    "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
                    "or more (2048 on an A100), else 2048.")
+@click.option("--gpu-memory-utilization", type=FRACTION,
+              help="GPU plans: vllm serve's --gpu-memory-utilization, the share of each GPU vLLM may use; "
+                   "the fit check is against it. Default: vLLM's, 0.9.")
 @click.option("--bucketing", is_flag=True,
               help="Neuron plans: NxDI's enable_bucketing (one graph per bucket of 128, 256, ... up to --seq-len, "
                    "each with its own logits output); default off, as NxDI's NeuronConfig.")
@@ -256,8 +259,8 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
 @click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: device (int8-neuron: always, its rank files hold the shard).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, bucketing, lm_head, attention, embedding,
-         as_json):
+def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization, bucketing,
+         lm_head, attention, embedding, as_json):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
     SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
@@ -279,7 +282,8 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
     name, config, directory = load_source(src)
     result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
                          batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing)
+                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing,
+                         gpu_memory_utilization=gpu_memory_utilization)
     click.echo(result.to_json() if as_json else result.summary())
 
 

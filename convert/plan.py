@@ -226,6 +226,9 @@ VLLM_BLOCK_TOKENS = 16  # tokens per KV block when --block-size is not given
 VLLM_BATCHED_TOKENS = 2048  # vllm serve's --max-num-batched-tokens below 70 GiB of GPU memory
 VLLM_BATCHED_TOKENS_LARGE_GPU = 8192  # ... from 70 GiB up (not on an A100)
 _VLLM_LARGE_GPU_BYTES = 70 * GiB
+# vllm serve's --gpu-memory-utilization: the share of each GPU's total memory vLLM may use
+# (weights, KV cache, activations); vllm-project/vllm vllm/config/cache.py (CacheConfig).
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
 def vllm_default_batched_tokens(gpu_mem_bytes: int | None) -> int:
@@ -416,6 +419,7 @@ class PlanInputs:
     embedding: str
     max_num_batched_tokens: int | None = None
     enable_bucketing: bool = False
+    gpu_memory_utilization: float | None = None
 
 
 GROUPS = ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision")
@@ -441,7 +445,7 @@ class MemoryPlan:
             (positions, :func:`nxdi_buckets`); None for a GPU plan.
         total_per_rank: ``weights_per_rank + kv_cache + logits_outputs``.
         device_mem_per_rank: device memory of one rank (16 GiB per NeuronCore, or
-            ``--gpu-mem``); None without a target.
+            ``--gpu-mem`` times vLLM's ``--gpu-memory-utilization``); None without a target.
         margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
         fits: device verdict (``margin >= 0``); None without a target.
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
@@ -511,7 +515,9 @@ class MemoryPlan:
             rows.append(("logits outputs", self.logits_outputs, self.layout["logits_outputs"]))
         rows.append(("total", self.total_per_rank, ""))
         if self.device_mem_per_rank is not None:
-            rows += [("device memory", self.device_mem_per_rank, "one NeuronCore" if p.target else "one GPU"),
+            what = ("one NeuronCore" if p.target
+                    else f"vLLM's {p.gpu_memory_utilization:g} of one GPU (--gpu-memory-utilization)")
+            rows += [("device memory", self.device_mem_per_rank, what),
                      ("margin", self.margin, _verdict(self.fits))]
         lines += _table("per rank (device)", rows)
         if self.host_ram_need or self.host_ram is not None:
@@ -560,7 +566,9 @@ def _describe_target(p: PlanInputs) -> str:
         return (f"{t.name} ({t.neuron_cores} NeuronCores x {t.hbm_per_core_bytes // GiB} GiB HBM, "
                 f"{t.host_ram_bytes // GiB} GiB host RAM)")
     if p.gpu_mem_bytes:
-        return f"GPUs of {p.gpu_mem_bytes / GB:.2f} GB = {p.gpu_mem_bytes / GiB:.2f} GiB, one rank per GPU"
+        usable = p.gpu_mem_bytes * p.gpu_memory_utilization
+        return (f"GPUs of {p.gpu_mem_bytes / GB:.2f} GB = {p.gpu_mem_bytes / GiB:.2f} GiB, one rank per GPU; "
+                f"vLLM uses {p.gpu_memory_utilization:g} of it (--gpu-memory-utilization): {usable / GB:.2f} GB")
     return "no target (no fit check)"
 
 
@@ -695,7 +703,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
                 seq_len: int = 8192, batch: int = 1, lm_head: str | None = None, attention: str | None = None,
                 embedding: str | None = None, src_dir: str | Path | None = None,
                 model: str | None = None, max_num_batched_tokens: int | None = None,
-                enable_bucketing: bool = False) -> MemoryPlan:
+                enable_bucketing: bool = False, gpu_memory_utilization: float | None = None) -> MemoryPlan:
     """Plan the memory of ``config`` served in ``fmt`` at TP degree ``tp``.
 
     Args:
@@ -726,6 +734,9 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
             (nvfp4 or bf16 without a Neuron ``target``); Neuron plans use NxDI's rule.
         enable_bucketing: Neuron plans: NxDI's ``enable_bucketing`` (:func:`nxdi_buckets`), which
             sets how many graphs output logits; the KV cache does not depend on it.
+        gpu_memory_utilization: GPU plans: the share (0, 1] of ``gpu_mem_bytes`` vLLM may use
+            (``vllm serve --gpu-memory-utilization``); default
+            :data:`VLLM_GPU_MEMORY_UTILIZATION`. The fit check is against that share.
 
     Returns:
         The :class:`MemoryPlan`. The vision tower and ``embed_vision`` are counted (bf16,
@@ -746,6 +757,11 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
                       "by NxDI's rule")
     if enable_bucketing and not on_neuron:
         raise G4Error("--bucketing is an NxDI (Neuron) setting; a GPU plan sizes the KV cache by vLLM's rule")
+    if gpu_memory_utilization is not None and on_neuron:
+        raise G4Error("--gpu-memory-utilization is a vLLM (GPU) setting; a Neuron plan has none")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise G4Error(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    utilization = None if on_neuron else gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
     if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
         raise G4Error(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
     batched = None if on_neuron else max_num_batched_tokens or vllm_default_batched_tokens(gpu_mem_bytes)
@@ -786,7 +802,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     else:
         kv_parts, buckets, logits = kv_cache_vllm(g, tp, seq_len, batch, batched), None, 0
     kv = kv_parts.total
-    device = t.hbm_per_core_bytes if t else gpu_mem_bytes
+    device = t.hbm_per_core_bytes if t else None if gpu_mem_bytes is None else int(gpu_mem_bytes * utilization)
     margin = None if device is None else device - weights - kv - logits
     host_embedding = table if embedding == "host" else 0
     host_files = tp * weights if t else 0
@@ -794,7 +810,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     host_margin = None if host_ram is None else host_ram - host_files - host_embedding
     return MemoryPlan(
         inputs=PlanInputs(model or "model", fmt, tp, target, gpu_mem_bytes, seq_len, batch, lm_head, attention,
-                          embedding, batched, enable_bucketing),
+                          embedding, batched, enable_bucketing, utilization),
         **groups, weights_per_rank=weights, kv_cache=kv, kv_cache_sliding=kv_parts.sliding,
         kv_cache_full=kv_parts.full, logits_outputs=logits, buckets=buckets, total_per_rank=weights + kv + logits,
         device_mem_per_rank=device,

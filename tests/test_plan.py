@@ -137,8 +137,10 @@ def test_gpu_kv_cache_is_what_vllm_reserves_26b_80gib_128k():
 
 def test_gpu_plan_p18_does_not_fit_where_vllm_would_not_start():
     """26B NVFP4 TP1, 32k context, 17.6 GB GPU: the window-costed cache (0.88 GB) fitted, the
-    cache vLLM reserves at its default 2048 batched tokens (1.30 GB) does not."""
-    p = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=int(17.6 * GB), seq_len=32768)
+    cache vLLM reserves at its default 2048 batched tokens (1.30 GB) does not (the whole GPU
+    given to vLLM here, --gpu-memory-utilization 1, to isolate the KV rule)."""
+    p = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=int(17.6 * GB), seq_len=32768,
+                    gpu_memory_utilization=1.0)
     assert p.inputs.max_num_batched_tokens == 2048  # vllm serve's default below 70 GiB
     # sliding: min(1023 + 2048, 32768) = 3071 tokens -> ceil(3071 / 16) + 1 = 193 blocks of 16
     assert p.kv_cache_sliding == 193 * 16 * KV_S * LS == 632_422_400
@@ -147,6 +149,27 @@ def test_gpu_plan_p18_does_not_fit_where_vllm_would_not_start():
     assert p.margin + p.kv_cache - (1024 * KV_S * LS + 32768 * KV_F * LF) > 0  # the old costing said FITS
     r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "17.6GB", "--seq-len", "32768")
     assert r.exit_code == 0 and "device: DOES NOT FIT" in r.output and "vLLM's rule" in r.output
+
+
+def test_gpu_plan_fits_against_vllms_gpu_memory_utilization():
+    """vLLM uses 0.9 of each GPU by default: 26B NVFP4 at 8192 tokens on a 17.6 GB GPU fits the
+    whole GPU with 0.38 GB spare, but not the 15.84 GB vLLM allots itself."""
+    whole = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=int(17.6 * GB), seq_len=8192,
+                        gpu_memory_utilization=1.0)
+    default = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=int(17.6 * GB), seq_len=8192)
+    assert whole.fits is True and default.fits is False
+    assert default.inputs.gpu_memory_utilization == 0.9
+    assert default.device_mem_per_rank == int(17.6 * GB * 0.9) == 15_840_000_000
+    assert whole.margin - default.margin == int(17.6 * GB) - 15_840_000_000
+    r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "17.6GB", "--seq-len", "8192")
+    assert r.exit_code == 0 and "DOES NOT FIT" in r.output and "vLLM uses 0.9 of it" in r.output
+    r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "17.6GB", "--gpu-memory-utilization", "1")
+    assert r.exit_code == 0 and "device: FITS" in r.output
+    for bad in ("0", "1.5"):
+        r = run("gemma-4-26B-A4B", "--format", "nvfp4", "--gpu-mem", "17.6GB", "--gpu-memory-utilization", bad)
+        assert r.exit_code == 2, r.output
+    r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--gpu-memory-utilization", "0.8")
+    assert r.exit_code == 2 and "is a vLLM (GPU) setting" in r.output
 
 
 def test_gpu_kv_cache_follows_max_num_batched_tokens_and_seq_len():
@@ -273,11 +296,11 @@ def test_cli_json_has_integer_bytes():
     assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
                            "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
                            "attention": "bf16", "embedding": "device", "max_num_batched_tokens": None,
-                           "enable_bucketing": False}
+                           "enable_bucketing": False, "gpu_memory_utilization": None}
     assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [8192], "token_generation": [8192]}
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
-    assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == 128 * GiB and d["fits"] is True
+    assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == int(128 * GiB * 0.9) and d["fits"] is True
 
 
 def test_config_file_and_directory_sources(tmp_path):
