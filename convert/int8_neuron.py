@@ -199,8 +199,9 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 
     if target is None:
         return None
+    # bucketing as g4serve compiles the result (the manifest's bucket ladder, serve/neuron_backend.py)
     plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target, seq_len=seq_len,
-                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root)
+                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root, enable_bucketing=True)
     if not plan.fits and not force:
         raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
                       f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "

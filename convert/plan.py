@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, parse_rank_name
+from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, neuron_buckets, parse_rank_name
 
 from .errors import G4Error
 from .gemma4 import (
@@ -326,7 +326,6 @@ def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padd
     return KvCache(sliding, full)
 
 
-NXDI_MIN_BUCKET = 128  # NxDI's autobucketing starts at 128 positions
 
 
 def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False) -> tuple[list[int], list[int]]:
@@ -339,8 +338,7 @@ def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False) -> tuple[li
     ``max_length`` itself (so ``[max_length]`` alone up to 181 positions)."""
     if not enable_bucketing:
         return [max_length], [max_length]
-    low, high = int(math.log2(NXDI_MIN_BUCKET)), round(math.log2(max_length))
-    buckets = [2**i for i in range(low, high)] + [max_length]
+    buckets = neuron_buckets(max_length)  # the ladder the int8-neuron manifest records and serving compiles
     return buckets, list(buckets)
 
 

@@ -103,6 +103,10 @@ def test_files_manifest_and_host_embedding(outputs):
     assert manifest["tp_degree"] == 2 and manifest["rank_files"] == [rank_file(0), rank_file(1)]
     assert manifest["embed_scale"] == embed_scale(128) == 11.3125 and embed_scale(2816) == 53.0
     assert manifest["memory_plan"]["fits"] is True
+    # the plan is for the buckets g4serve compiles: the ones the manifest records
+    planned = manifest["memory_plan"]["buckets"]
+    assert planned["context_encoding"] == manifest["context_encoding_buckets"] == [128, 256, 512, 1024, 2048]
+    assert planned["token_generation"] == manifest["token_generation_buckets"]
     src = load_file(EMBEDDED_DIR / "model.safetensors")
     host = load_file(out / "embed_tokens.safetensors")
     assert torch.equal(host["embed_tokens.weight"], src["model.language_model.embed_tokens.weight"])  # unscaled
