@@ -584,7 +584,8 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
     if fmt not in FORMATS:
         raise G4Error(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     if target is not None and target not in NEURON_TARGETS:
-        raise G4Error(f"unknown target {target!r}; known: {', '.join(NEURON_TARGETS)} (or --gpu-mem for a GPU)")
+        gpu = "" if fmt == "int8-neuron" else " (or --gpu-mem for a GPU)"
+        raise G4Error(f"unknown target {target!r}; known: {', '.join(NEURON_TARGETS)}{gpu}")
     if target is not None and gpu_mem_bytes is not None:
         raise G4Error("give either a Neuron --target or --gpu-mem, not both")
     if gpu_mem_bytes is not None and gpu_mem_bytes <= 0:
