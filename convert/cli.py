@@ -197,8 +197,11 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
     it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
+    from g4.exporters.formats import check_result
+
     from .reference import verify_nvfp4
 
+    check_result(out)  # against its format's table before the reference trusts it
     report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import click
 
+from g4.exporters.formats import check_result
 from g4.exporters.model_card import CARD_FILE, FACTS_FILE, INDEX_NAME, check_repo_id
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
@@ -286,9 +287,12 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         HubError: no token, no write access, a repo with other content, a network failure
             after the retries, or a remote copy that differs from OUT (names, sizes, hashes).
         CardError: OUT is not a g4 result with a model card facts file.
+        G4Error: OUT differs from its format's table (:func:`g4.exporters.formats.check_result`),
+            before anything is written or sent.
     """
     out = Path(out)
     check_repo_id(repo_id)
+    check_result(out)  # against its format's table before anything is written or sent
     facts = load_conversion_facts(out)
     if base_model is not None:
         check_repo_id(base_model, what="--base-model")
