@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
 
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.convert.nvfp4 import convert_nvfp4
@@ -102,3 +103,18 @@ def test_verify_cli_emulates_w4a4_by_default_like_check_and_refuses_int8_neuron(
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert r.output == (f"error: {int8_out}: an int8-neuron result; verify checks NVFP4 results, int8-neuron "
                         f"results are checked with `g4serve check {int8_out} --against SRC`\n")
+
+
+@pytest.mark.parametrize("kind", sorted(NVFP4_TAMPERS))
+def test_verify_cli_refuses_a_result_that_differs_from_its_table(kind, embedded_nvfp4, tmp_path):
+    """The output table is checked before the reference trusts OUT: one line naming the file,
+    the tensor and what differs, exit 2 (not a PASS, a KeyError or a torch traceback)."""
+    from click.testing import CliRunner
+
+    from g4.convert.cli import main
+
+    mutate, expected = NVFP4_TAMPERS[kind]
+    bad = tampered_copy(embedded_nvfp4, tmp_path / "bad", mutate)
+    r = CliRunner().invoke(main, ["-q", "verify", str(bad), "--against", "embedded"])
+    assert r.exit_code == 2
+    assert_one_error_line(r.output, bad / "model.safetensors", expected)
