@@ -292,7 +292,6 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     """
     out = Path(out)
     check_repo_id(repo_id)
-    check_result(out)  # against its format's table before anything is written or sent
     facts = load_conversion_facts(out)
     if base_model is not None:
         check_repo_id(base_model, what="--base-model")
@@ -305,6 +304,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
 
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
+    check_result(out)  # against its format's table, before anything is written or sent
     token = token or _token()
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import RevisionNotFoundError
@@ -362,6 +362,7 @@ def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max
     files = [f for f in local_files(out) if f.rel != CARD_FILE]
     files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
     check_complete(out, files, max_file_bytes=max_file_bytes)
+    check_result(out)
     return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
 
 
