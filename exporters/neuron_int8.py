@@ -1,7 +1,7 @@
 """The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
 names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
-the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check
-(``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
+the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check (:func:`check_rank_files`,
+used by ``g4.exporters.formats.check_result`` and ``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
 from here, so file keys, per-rank shapes and manifest fields cannot drift apart.
 
 Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), the keys,
