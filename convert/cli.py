@@ -201,8 +201,9 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
     from .reference import verify_nvfp4
 
+    src_dir = resolve_source(src)  # SRC's own errors first, as g4serve check reports them
     check_result(out)  # against its format's table before the reference trusts it
-    report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
+    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)
