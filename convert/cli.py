@@ -199,9 +199,13 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
     it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
+    from g4.exporters.formats import check_result
+
     from .reference import verify_nvfp4
 
-    report = verify_nvfp4(out, resolve_source(src), max_new_tokens=max_new_tokens, act_quant=act_quant)
+    src_dir = resolve_source(src)  # SRC's own errors first, as g4serve check reports them
+    check_result(out)  # against its format's table before the reference trusts it
+    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant)
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import click
 
+from g4.exporters.formats import check_result
 from g4.exporters.model_card import CARD_FILE, FACTS_FILE, INDEX_NAME, check_repo_id
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
@@ -286,6 +287,8 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
         HubError: no token, no write access, a repo with other content, a network failure
             after the retries, or a remote copy that differs from OUT (names, sizes, hashes).
         CardError: OUT is not a g4 result with a model card facts file.
+        G4Error: OUT differs from its format's table (:func:`g4.exporters.formats.check_result`),
+            before anything is written or sent.
     """
     out = Path(out)
     check_repo_id(repo_id)
@@ -301,6 +304,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
 
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
+    check_result(out)  # against its format's table, before anything is written or sent
     token = token or _token()
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import RevisionNotFoundError
@@ -365,6 +369,7 @@ def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max
     files = [f for f in local_files(out) if f.rel != CARD_FILE]
     files = sorted(files + [LocalFile(CARD_FILE, out / CARD_FILE, len(card.encode("utf-8")))], key=lambda f: f.rel)
     check_complete(out, files, max_file_bytes=max_file_bytes)
+    check_result(out)
     return PushReport(repo_id, revision, files, card, dry_run=True, notes=notes)
 
 

@@ -103,3 +103,35 @@ def detect_format(path: str | Path) -> ResultFormat:
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights (pickled weights are never loaded)")
     return ResultFormat(BF16, path, False, f"unquantized Gemma 4 checkpoint ({config.get('dtype', 'bf16')})")
+
+
+def check_result(path: str | Path) -> ResultFormat:
+    """Detect the format of ``path`` (:func:`detect_format`) and check the finished result
+    against its format's table before anything trusts it (``g4convert verify``, ``g4serve check``,
+    ``g4serve OUT``, ``g4convert push``). Headers and JSON only: no tensor is read, so it costs
+    milliseconds even for the 26B.
+
+    * ``nvfp4``: :func:`g4.exporters.modelopt_nvfp4.check_export` with ``values=False``: every
+      header name, dtype and shape against the output table rebuilt from OUT
+      (:func:`~g4.exporters.modelopt_nvfp4.output_layout`), the roles of every quantized
+      linear, and the exclusion list.
+    * ``int8-neuron``: :func:`g4.exporters.neuron_int8.check_rank_files`: the manifest, every
+      rank file against the layout table, the host embedding table.
+    * ``bf16``: the index and shard headers hold together and the config is a Gemma 4 MoE
+      (:class:`g4.convert.checkpoint.Checkpoint`).
+
+    Raises:
+        G4Error: one line naming the file (and tensor) and what differs; see :func:`detect_format`.
+    """
+    from g4.convert.checkpoint import Checkpoint
+    from g4.exporters.modelopt_nvfp4 import check_export
+    from g4.exporters.neuron_int8 import check_rank_files
+
+    fmt = detect_format(path)
+    if fmt.format == NVFP4:
+        check_export(fmt.path, values=False)
+    elif fmt.format == INT8_NEURON:
+        check_rank_files(fmt.path)
+    else:
+        Checkpoint(fmt.path)
+    return fmt

@@ -123,7 +123,7 @@ def _w4(act_quant: bool) -> str:
 
 
 def check_export(out_dir: str | Path, *, label: str | Path | None = None,
-                 layout: Nvfp4Layout | None = None) -> dict[str, int]:
+                 layout: Nvfp4Layout | None = None, values: bool = True) -> dict[str, int]:
     """Check an NVFP4 output directory against its output table and the rules vLLM depends on.
 
     The header is compared with the table (:class:`~g4.exporters.nvfp4_names.Nvfp4Layout`:
@@ -142,18 +142,27 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
         label: the name used for the directory in error messages (the final OUT when
             checking its temporary directory).
         layout: the table the output was written from (default: rebuilt from OUT).
+        values: also read and check the scales (every ``weight_scale`` block and the scalar
+            scales). ``False`` reads the safetensors headers and the JSON metadata only: the
+            cheap check a finished result passes before verify, check, serve or push trust it
+            (:func:`g4.exporters.formats.check_result`).
 
     Returns:
         ``{"quantized_modules": n, "kept_tensors": m}``.
 
     Raises:
-        ExportError: naming the first offending tensor, module or file.
+        ExportError: naming the first offending tensor (and the file holding it), module or file.
+        CheckpointError: unreadable metadata, or an index or shard header that does not hold
+            together (:class:`~g4.convert.checkpoint.Checkpoint`).
     """
     out_dir = Path(out_dir)
     label = label or out_dir
-    config = json.loads((out_dir / "config.json").read_text())
+    config = _json_object(out_dir / "config.json", label)
     qc = config.get("quantization_config") or {}
-    hq = json.loads((out_dir / "hf_quant_config.json").read_text())["quantization"]
+    hq = _json_object(out_dir / "hf_quant_config.json", label).get("quantization")
+    if not isinstance(qc, dict) or not isinstance(hq, dict):
+        raise ExportError(f"{label}: config.json quantization_config or hf_quant_config.json quantization "
+                          "is not an object")
     excludes = qc.get("ignore", [])
     if excludes != hq.get("exclude_modules"):
         raise ExportError(f"{label}: config.json ignore and hf_quant_config.json exclude_modules differ")
@@ -166,35 +175,33 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     if layout.act_quant != w4a4:
         raise ExportError(f"{label}: config.json declares {_w4(w4a4)}, the tensors were written {_w4(layout.act_quant)}")
     header = ckpt.tensors
+
+    def where(name: str) -> Path:
+        return Path(label) / header[name].file
+
     for name in header:
         if name not in layout.by_name:
-            raise ExportError(f"tensor {name}: not in the NVFP4 output table (vLLM does not load fused 3-D experts, "
-                              ".moe. or compressed-tensors names for modelopt NVFP4)")
+            raise ExportError(f"{where(name)}: tensor {name}: not in the NVFP4 output table (vLLM does not load "
+                              "fused 3-D experts, .moe. or compressed-tensors names for modelopt NVFP4)")
     for lin in layout.linears:
-        have = [r.value for r in QUANT_ROLES if lin.name(r) in header]
+        have = [r for r in QUANT_ROLES if lin.name(r) in header]
         if len(have) != len(lin.roles):
-            raise ExportError(f"module {lin.module}: has {have}, expected {[r.value for r in lin.roles]} "
-                              f"({_w4(w4a4)} per config.json)")
+            missing = [r.value for r in lin.roles if r not in have]
+            raise ExportError(f"{where(lin.name(have[0])) if have else label}: module {lin.module}: has "
+                              f"{[r.value for r in have]}, expected {[r.value for r in lin.roles]} (missing {missing}; "
+                              f"{_w4(w4a4)} per config.json)")
     for t in layout.tensors:
         info = header.get(t.name)
         if info is None:
-            raise ExportError(f"tensor {t.name}: missing")
+            raise ExportError(f"{label}: tensor {t.name}: missing")
         if (info.dtype, info.shape) != (t.dtype, t.shape):
-            raise ExportError(f"tensor {t.name}: {info.dtype} {list(info.shape)}, expected {t.dtype} {list(t.shape)}")
-
-    scalars: dict[str, torch.Tensor] = {}
+            raise ExportError(f"{where(t.name)}: tensor {t.name}: {info.dtype} {list(info.shape)}, "
+                              f"expected {t.dtype} {list(t.shape)}")
+    if values:
+        _check_values(ckpt, layout)
     for lin in layout.linears:
-        for role in lin.roles[2:]:  # weight_scale_2, input_scale
-            v = ckpt.get(lin.name(role))
-            if not (torch.isfinite(v) and v > 0):
-                raise ExportError(f"tensor {lin.name(role)}: {v.item()} is not finite and > 0")
-            scalars[lin.name(role)] = v
-        bs = ckpt.get(lin.name(Role.WEIGHT_SCALE)).float()
-        if not (torch.isfinite(bs).all() and (bs > 0).all()):
-            raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
         if _excluded(lin.module, excludes):
             raise ExportError(f"module {lin.module}: is quantized but matches the exclusion list")
-    _check_shared(layout, scalars)
     kept = [t for t in layout.tensors if t.role == Role.KEPT]
     for t in kept:
         if t.excludable and not _excluded(t.module, excludes):
@@ -206,6 +213,31 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
         if not any(_excluded(t.module, [p]) for t in kept):
             raise ExportError(f"{label}: exclusion pattern {p!r} matches no tensor in the checkpoint")
     return {"quantized_modules": len(layout.linears), "kept_tensors": len(kept)}
+
+
+def _check_values(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
+    """Every scale of every quantized linear finite and > 0 (P04), fused partners sharing theirs."""
+    scalars: dict[str, torch.Tensor] = {}
+    for lin in layout.linears:
+        for role in lin.roles[2:]:  # weight_scale_2, input_scale
+            v = ckpt.get(lin.name(role))
+            if not (torch.isfinite(v) and v > 0):
+                raise ExportError(f"tensor {lin.name(role)}: {v.item()} is not finite and > 0")
+            scalars[lin.name(role)] = v
+        bs = ckpt.get(lin.name(Role.WEIGHT_SCALE)).float()
+        if not (torch.isfinite(bs).all() and (bs > 0).all()):
+            raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
+    _check_shared(layout, scalars)
+
+
+def _json_object(path: Path, label: str | Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{Path(label) / path.name}: unreadable JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise ExportError(f"{Path(label) / path.name}: not a JSON object")
+    return data
 
 
 def _check_shared(layout: Nvfp4Layout, scalars: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """The int8-neuron output contract, beside its writer (``g4.convert.int8_neuron``): the file
 names, the layout table, the sharding rules and the typed ``manifest.json``. The exporter,
-the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check
-(``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
+the CPU emulator (``g4.serve.neuron_emulator``), the rank-file check (:func:`check_rank_files`,
+used by ``g4.exporters.formats.check_result`` and ``g4.serve.neuron_runtime``) and the neuron serving engine (``g4.serve.neuron_backend``) read it
 from here, so file keys, per-rank shapes and manifest fields cannot drift apart.
 
 Per TP rank ``r`` of ``T`` (file ``weights/tp{r}_sharded_checkpoint.safetensors``), the keys,
@@ -665,3 +665,79 @@ class Manifest:
             raise CheckpointError(f"{where}: embed_scale {got!r}, but hidden_size {arch.hidden} needs "
                                   f"bf16(sqrt({arch.hidden})) = {expected:g} (P12)")
         return expected
+
+
+def check_rank_files(out_dir: str | Path, ranks: list[int] | None = None, *, host: bool = True,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[Manifest, dict, list[Path]]:
+    """Check a finished int8-neuron result against this table from its headers and JSON alone
+    (no tensor is read): ``manifest.json`` (:meth:`Manifest.from_dir`; one rank file per TP rank
+    under the names :func:`rank_file` gives, :meth:`Manifest.check_embed_scale`,
+    :meth:`Manifest.serving_shape`), and every rank file's names, dtypes and per-rank shapes
+    exactly :func:`expected_rank_specs` of ``config.json``, and the host embedding table
+    (``manifest.host_embedding``: :data:`EMBED_TENSOR`, ``[vocab_size, hidden_size]``) in ``dtype``.
+
+    Args:
+        out_dir: the result directory.
+        ranks: the rank files to check (default: all of them); the manifest is always checked.
+        host: also check the host embedding table (a rank's own loader reads only its rank file).
+        dtype: dtype of the tensors kept as the source stored them (bf16 for a Gemma 4 release).
+
+    Returns:
+        ``(manifest, config, paths)``: the manifest, ``config.json`` and the checked rank files'
+        paths, in the order of ``ranks``.
+
+    Raises:
+        CheckpointError: an unreadable or inconsistent manifest or config, a missing or corrupt
+            file, or a rank file (or the host table) that differs from the table: one line naming
+            the file, the tensor and what differs.
+    """
+    from g4.convert.checkpoint import read_safetensors_header
+
+    out_dir = Path(out_dir)
+    manifest = Manifest.from_dir(out_dir)
+    try:
+        config = json.loads((out_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{out_dir / 'config.json'}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{out_dir / 'config.json'}: not a JSON object")
+    tp = manifest.tp_degree
+    want_files = [rank_file(r) for r in range(tp)] if isinstance(tp, int) and tp > 0 else None
+    if manifest.rank_files != want_files:
+        raise CheckpointError(f"{out_dir / MANIFEST}: rank_files {manifest.rank_files!r} are not the {tp!r} files "
+                              f"{want_files!r} of tp_degree {tp!r}")
+    g = geometry(config, tp)
+    manifest.check_embed_scale(g.arch, out_dir / MANIFEST)
+    text = config.get("text_config") or config
+    manifest.serving_shape(text.get("max_position_embeddings"))
+
+    def check_file(path: Path, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], what: str) -> None:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: {what} is missing")
+        header = read_safetensors_header(path)  # truncated or corrupt file: one clear error
+        extra, missing = sorted(set(header) - set(expected)), sorted(set(expected) - set(header))
+        if extra or missing:
+            raise CheckpointError(f"{path}: keys differ from the layout table (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]})")
+        for name in sorted(header):
+            have, want = header[name], expected[name]
+            if (have.dtype, tuple(have.shape)) != want:
+                raise CheckpointError(f"{path}: tensor {name} is {have.dtype} {list(have.shape)}, the layout says "
+                                      f"{want[0]} {list(want[1])} for {what}")
+
+    specs = {s.name: (s.dtype, tuple(s.shape)) for s in expected_rank_specs(
+        config, tp, quantize_attention=manifest.quantize_attention, dtype=dtype)}
+    paths = []
+    for rank in range(tp) if ranks is None else ranks:
+        if not 0 <= rank < tp:
+            raise CheckpointError(f"{out_dir}: no TP rank {rank} (TP degree {tp})")
+        paths.append(out_dir / manifest.rank_files[rank])
+        check_file(paths[-1], specs, f"rank {rank}")
+    if not host:
+        return manifest, config, paths
+    table = manifest.host_embedding if isinstance(manifest.host_embedding, dict) else {}
+    if (table.get("file"), table.get("tensor")) != (EMBED_FILE, EMBED_TENSOR):
+        raise CheckpointError(f"{out_dir / MANIFEST}: host_embedding {manifest.host_embedding!r}, expected file "
+                              f"{EMBED_FILE!r} holding {EMBED_TENSOR!r}")
+    check_file(out_dir / EMBED_FILE, {EMBED_TENSOR: (dtype, (g.arch.vocab, g.hidden))}, "the host embedding table")
+    return manifest, config, paths

@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 
 from g4.convert.checkpoint import weight_fingerprints
 from g4.convert.errors import G4Error
-from g4.exporters.formats import ResultFormat, detect_format
+from g4.exporters.formats import ResultFormat, check_result, detect_format
 
 from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
 
@@ -433,7 +433,8 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         The report (see the module docstring); ``report["passed"]`` says whether it passed.
 
     Raises:
-        G4Error: unreadable OUT/SRC or prompts, a SRC g4convert would refuse (already quantized, a
+        G4Error: unreadable OUT/SRC or prompts, an OUT that differs from its format's table
+            (:func:`g4.exporters.formats.check_result`: nothing is served or written), a SRC g4convert would refuse (already quantized, a
             tensor not BF16/F16/F32, a shard named outside it), an empty or malformed ``url``, a prompt longer
             than OUT's context (checked before any model loads), a backend that cannot start,
             an unreachable ``url`` or one serving anything but OUT as it is now (another
@@ -444,7 +445,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     from .engine import choose_backend
 
     out, src = Path(out), Path(src)
-    fmt = detect_format(out)
+    fmt = check_result(out)  # against its format's table, before anything is served or written
     _check_pair(out, src)
     base_url = check_url(url) if url is not None else None
     prompts, facts, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens, chat_max_tokens)

@@ -101,10 +101,10 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
           compiled_dir, shutdown_timeout, verbose):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     from .engine import choose_backend
-    from g4.exporters.formats import detect_format
+    from g4.exporters.formats import check_result
 
     _setup_logging(verbose)
-    fmt = detect_format(out)
+    fmt = check_result(out)  # before anything loads or listens
     chosen, why = choose_backend(fmt, backend)
     click.echo(f"backend {chosen}: {why}")
     name = served_model_name or out.resolve().name

@@ -376,7 +376,7 @@ def test_int8_rank_file_is_the_class_state_dict_and_loads_unchanged(lane, case, 
     files), and after ``to_cpu`` every tensor equals rank ``rank``'s file (its own rank index
     included: rank r holds ``[r]``)."""
     from g4.convert.resolve import EMBEDDED_DIR
-    from g4.serve.neuron_runtime import expected_rank_specs
+    from g4.exporters.neuron_int8 import expected_rank_specs
 
     config = json.loads((EMBEDDED_DIR / "config.json").read_text())
     table = {s.name: [str(s.dtype).replace("torch.", ""), list(s.shape)]
@@ -394,7 +394,7 @@ def test_the_layout_table_is_the_int8_class_state_dict_at_every_tp(lane, name):
     TP 2, 4, 8, where the full layers' 2 KV heads are replicated at TP 4 and 8)."""
     from g4.convert.resolve import EMBEDDED_DIR
     from g4.convert.synth import GEMMA4_26B_A4B
-    from g4.serve.neuron_runtime import expected_rank_specs
+    from g4.exporters.neuron_int8 import expected_rank_specs
 
     r = lane["specs"]
     assert "error" not in r, (r.get("error"), r.get("where"))

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 from mock_hub import MockHub
+from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
+from test_serve_fixtures import embedded_result
 
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.push import HubError, push_result
@@ -263,3 +265,18 @@ def test_push_int8_neuron_result_with_nested_rank_files(hub, tiny_mm, tmp_path):
     (out / "weights" / "tp1_sharded_checkpoint.safetensors").unlink()
     r = g4push(hub, "push", str(out), "someone/tiny-int8")
     assert r.returncode == 2 and "missing weights/tp1_sharded_checkpoint.safetensors" in r.stderr
+
+
+@pytest.mark.parametrize("kind", sorted(NVFP4_TAMPERS))
+def test_push_refuses_a_result_that_differs_from_its_table(hub, kind, tmp_path):
+    """Checked against the output table before anything is written or sent: one line naming the
+    file, the tensor and what differs, exit 2, no repo created, nothing uploaded, OUT untouched
+    (not a push that reports 'verified')."""
+    mutate, expected = NVFP4_TAMPERS[kind]
+    bad = tampered_copy(embedded_result("nvfp4"), tmp_path / "bad", mutate)
+    before = local_files(bad)
+    r = g4push(hub, "push", str(bad), REPO)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert_one_error_line(r.stderr, bad / "model.safetensors", expected)
+    assert not hub.repos and hub.lfs_uploads == 0
+    assert local_files(bad) == before

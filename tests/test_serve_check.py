@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, tampered_copy
 from test_serve_fixtures import cpu_app, embedded_result, start_g4serve
 
 from g4.serve.check import STOP, agreement, free_port, normalise_ids
@@ -405,3 +406,35 @@ def test_streamed_reference_replies_equal_whole_model_generate():
                                  eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
         assert got == out[:next((i + 1 for i, t in enumerate(out) if t in stop_ids), len(out))]
     assert ref.replies[0].startswith("Paris")
+
+@pytest.mark.parametrize("kind", sorted(NVFP4_TAMPERS))
+def test_check_and_serve_refuse_a_result_that_differs_from_its_table(kind, tmp_path):
+    """A tampered NVFP4 result (metadata intact) is refused by `g4serve check` and by the server
+    start with one line naming the file, the tensor and what differs, exit 2, before anything
+    is served or written: an earlier verification.json stays as it was."""
+    mutate, expected = NVFP4_TAMPERS[kind]
+    bad = tampered_copy(embedded_result("nvfp4"), tmp_path / "bad", mutate)
+    earlier = b'{"passed": false, "note": "an earlier report"}\n'
+    (bad / "verification.json").write_bytes(earlier)
+    r = run("check", bad, "--against", "embedded")
+    assert r.exit_code == 2
+    assert_one_error_line(r.output, bad / "model.safetensors", expected)
+    assert report_bytes(bad) == earlier
+    served = subprocess.run([sys.executable, "-c", "from g4.serve.cli import main; main()", str(bad), "--port",
+                             str(free_port())], capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2 and served.stdout == "", served.stdout
+    assert_one_error_line(served.stderr, bad / "model.safetensors", expected)
+
+
+@pytest.mark.parametrize("kind", sorted(INT8_TAMPERS))
+def test_check_and_serve_refuse_an_int8_neuron_rank_file_that_differs_from_its_table(kind, tmp_path):
+    mutate, expected = INT8_TAMPERS[kind]
+    bad = tampered_copy(embedded_result("int8-neuron"), tmp_path / "bad", mutate, RANK1)
+    r = run("check", bad, "--against", "embedded")
+    assert r.exit_code == 2
+    assert_one_error_line(r.output, bad / RANK1, expected)
+    assert report_bytes(bad) is None
+    served = subprocess.run([sys.executable, "-c", "from g4.serve.cli import main; main()", str(bad), "--port",
+                             str(free_port())], capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2 and served.stdout == "", served.stdout
+    assert_one_error_line(served.stderr, bad / RANK1, expected)

@@ -113,3 +113,27 @@ def test_backend_module_import_failure_is_a_reason(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     ok, why = engine_mod._backend_status("neuron")
     assert not ok and "cannot be imported" in why
+
+
+def test_check_result_reads_headers_only_and_passes_finished_results(tiny_mm_nvfp4, tiny_mm, tmp_path, monkeypatch):
+    """check_result (run before verify, check, serve and push trust a result) passes g4's own
+    results of every format without reading a tensor: opening a safetensors file for its
+    tensors fails the test."""
+    import safetensors
+    import safetensors.torch
+
+    from g4.convert import checkpoint
+    from g4.convert.int8_neuron import convert_int8_neuron
+    from g4.exporters.formats import check_result
+
+    int8_out = tmp_path / "int8"
+    convert_int8_neuron(tiny_mm, int8_out, tp=2, progress=False)
+
+    def no_tensor_reads(*args, **kwargs):
+        raise AssertionError(f"a tensor was read: {args}")
+
+    for mod, attr in ((safetensors, "safe_open"), (checkpoint, "safe_open"), (safetensors.torch, "load_file")):
+        monkeypatch.setattr(mod, attr, no_tensor_reads)
+    assert check_result(tiny_mm_nvfp4).format == NVFP4
+    assert check_result(int8_out).format == INT8_NEURON
+    assert check_result(tiny_mm).format == BF16

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
 
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.convert.nvfp4 import convert_nvfp4
@@ -224,3 +225,17 @@ def test_converted_reference_keeps_rope_inv_freq_fp32_like_the_source(embedded_n
     src = inv_freq(load_source_model(EMBEDDED_DIR))
     assert src and set(src.values()) == {torch.float32}
     assert inv_freq(load_converted_model(embedded_nvfp4, EMBEDDED_DIR)) == src
+
+@pytest.mark.parametrize("kind", sorted(NVFP4_TAMPERS))
+def test_verify_cli_refuses_a_result_that_differs_from_its_table(kind, embedded_nvfp4, tmp_path):
+    """The output table is checked before the reference trusts OUT: one line naming the file,
+    the tensor and what differs, exit 2 (not a PASS, a KeyError or a torch traceback)."""
+    from click.testing import CliRunner
+
+    from g4.convert.cli import main
+
+    mutate, expected = NVFP4_TAMPERS[kind]
+    bad = tampered_copy(embedded_nvfp4, tmp_path / "bad", mutate)
+    r = CliRunner().invoke(main, ["-q", "verify", str(bad), "--against", "embedded"])
+    assert r.exit_code == 2
+    assert_one_error_line(r.output, bad / "model.safetensors", expected)
