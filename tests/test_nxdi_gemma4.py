@@ -217,10 +217,17 @@ def lane(tmp_path_factory):
             procs.append((group, rank, log, subprocess.Popen(
                 [sys.executable, str(WORKER), str(base / f"{group}.json")], cwd=REPO, env=env, stdout=log,
                 stderr=subprocess.STDOUT)))
-    refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
-    refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
-    refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
+    # the references run beside the workers on the same cores: one thread, as the workers have
+    # (OMP_NUM_THREADS=1); torch's default of one thread per core made them 20-100x slower there
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
+        refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
+        refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
+        refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
+    finally:
+        torch.set_num_threads(threads)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
