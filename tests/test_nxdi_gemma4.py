@@ -38,12 +38,21 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
   (NxDI's Route 2: pre-sharded files loaded as they are); both ranks against the emulator on the
   same result, tolerance ``TOL``;
 - ``int8_tp_mismatch``: the TP-2 result at TP 1, which must be refused with a clear error;
+- ``synth_heads``: a random fp32 checkpoint built here with transformers 5.24 (``tests/tiny.py:
+  build_with_geometry_of``) with the real 26B-A4B attention geometry (``g4.convert.synth.GEMMA4_26B_A4B``:
+  16 query heads, sliding head_dim 256 / 8 KV heads, full global_head_dim 512 / 2 KV heads with k_eq_v,
+  proportional RoPE with partial_rotary_factor 0.25 on full layers, softcap 30) and the rest shrunk
+  (``SYNTH``: hidden 256, layers S S S F, 8 experts top-2, vocab 512, sliding_window 8 < the 31
+  positions, ``layer_scalar`` 0.5 / 0.8 / 1.1 / 1.4), text-only layout, greedy from fixed random
+  ids (``SYNTH_PROMPT_LEN``, seeded: no tokenizer); ``synth_heads_tp2`` the same at TP 2, where the
+  full layers' 2 KV heads are split (1 per rank), not replicated;
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
 
 Tolerance: max |logit difference| over all steps and the whole vocabulary ``1e-4`` (fp32; logits
-reach about 15, measured differences are a few 1e-6).
+reach about 15, measured differences are a few 1e-6 on the embedded model; on ``synth_heads`` 2-3e-5, the
+size of fp32 rounding there: transformers' own fp32 logits differ from its fp64 ones by as much).
 """
 
 from __future__ import annotations
@@ -68,6 +77,11 @@ OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
 TOL, TOL_BF16 = 1e-4, 0.25
 SPEC_TPS = {"embedded": [1, 2, 4], "26B-A4B": [2, 4, 8]}
+# synth_heads: the 26B-A4B config with everything but its attention geometry shrunk
+SYNTH = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 128, "moe_intermediate_size": 64,
+         "num_experts": 8, "top_k_experts": 2, "vocab_size": 512, "vocab_size_per_layer_input": 512,
+         "sliding_window": 8}
+SYNTH_PROMPT_LEN = 20
 NEW_TOKENS, SEQ_LEN = 12, 32
 QUESTION = "What is the capital of France?"
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
@@ -116,17 +130,21 @@ def _chat_ids(question: str) -> list[int]:
 
 
 @torch.no_grad()
-def _reference(prompt: list[int], sliding_window: int | None = None) -> tuple[list[int], torch.Tensor]:
-    """transformers 5.24, fp32, greedy with its own KV cache: tokens and raw logits per step."""
-    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+def _reference(prompt: list[int], sliding_window: int | None = None, model_dir: Path | None = None
+               ) -> tuple[list[int], torch.Tensor]:
+    """transformers 5.24, fp32, greedy with its own KV cache: tokens and raw logits per step, on
+    ``model_dir`` (default the embedded model; multimodal or text-only layout)."""
+    from transformers import AutoConfig, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     from g4.convert.resolve import EMBEDDED_DIR
 
-    config = AutoConfig.from_pretrained(EMBEDDED_DIR)
+    model_dir = model_dir or EMBEDDED_DIR
+    config = AutoConfig.from_pretrained(model_dir)
+    multimodal = hasattr(config, "text_config")
     if sliding_window is not None:
-        config.text_config.sliding_window = sliding_window
-    model = Gemma4ForConditionalGeneration.from_pretrained(EMBEDDED_DIR, config=config, dtype=torch.float32,
-                                                           experts_implementation="eager").eval()
+        (config.text_config if multimodal else config).sliding_window = sliding_window
+    cls = Gemma4ForConditionalGeneration if multimodal else Gemma4ForCausalLM
+    model = cls.from_pretrained(model_dir, config=config, dtype=torch.float32, experts_implementation="eager").eval()
     out = model(torch.tensor([prompt]), use_cache=True)
     tokens, logits = [], []
     for _ in range(NEW_TOKENS):
@@ -168,6 +186,12 @@ def lane(tmp_path_factory):
     chat, other = _chat_ids(QUESTION), _chat_ids("What is the largest planet in the solar system?")
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
+    from g4.convert.synth import GEMMA4_26B_A4B
+    from tiny import build_with_geometry_of
+
+    synth = build_with_geometry_of(base / "synth_heads", GEMMA4_26B_A4B, seed=0, **SYNTH)
+    synth_prompt = torch.randint(3, SYNTH["vocab_size"], (SYNTH_PROMPT_LEN,),
+                                 generator=torch.Generator().manual_seed(0)).tolist()
     from g4.convert.int8_neuron import convert_int8_neuron
 
     int8_dirs = {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"int8-tp{tp}", tp=tp, quantize_attention=False,
@@ -175,8 +199,10 @@ def lane(tmp_path_factory):
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
              "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
-             "int8_tp_mismatch": (chat, {}, 1)}
-    models = {"int8": int8_dirs[1], "int8_tp2": int8_dirs[2], "int8_tp_mismatch": int8_dirs[2]}
+             "int8_tp_mismatch": (chat, {}, 1), "synth_heads": (synth_prompt, {}, 1),
+             "synth_heads_tp2": (synth_prompt, {}, 2)}
+    models = {"int8": int8_dirs[1], "int8_tp2": int8_dirs[2], "int8_tp_mismatch": int8_dirs[2],
+              "synth_heads": synth, "synth_heads_tp2": synth}
     jobs = {}
     for name, (prompt, overrides, tp) in cases.items():
         jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt,
@@ -191,14 +217,12 @@ def lane(tmp_path_factory):
                       "question": QUESTION, "model": str(int8_dirs[1]), "new_tokens": NEW_TOKENS, "tp": 1,
                       "result": str(base / "engine.pt")}
     # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
-    from g4.convert.synth import GEMMA4_26B_A4B
-
     (base / "26b").mkdir()
     (base / "26b" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
     jobs["specs"] = {"kind": "specs", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
                      "configs": {"embedded": str(EMBEDDED_DIR), "26B-A4B": str(base / "26b")},
                      "tps": SPEC_TPS, "result": str(base / "specs.pt")}
-    for name in ("chat_tp2", "int8_tp2"):  # run one after the other by the same two processes
+    for name in ("chat_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
         jobs[name]["master_port"] = _free_port()
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
     groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
@@ -217,10 +241,20 @@ def lane(tmp_path_factory):
             procs.append((group, rank, log, subprocess.Popen(
                 [sys.executable, str(WORKER), str(base / f"{group}.json")], cwd=REPO, env=env, stdout=log,
                 stderr=subprocess.STDOUT)))
-    refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
-    refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
-    refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
-    refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
+    # the references run beside the workers on the same cores: one thread, as the workers have
+    # (OMP_NUM_THREADS=1); torch's default of one thread per core made them 20-100x slower there
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
+        refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
+        refs["int8"] = refs["engine"] = _int8_reference(int8_dirs[1], chat)
+        refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
+        refs["synth_heads"] = refs["synth_heads_tp2"] = _reference(synth_prompt, model_dir=synth)
+        # the same checkpoint with a window as wide as the sequence: the reference's first step moves
+        refs["synth_full_window"] = _reference(synth_prompt, sliding_window=SEQ_LEN, model_dir=synth)
+    finally:
+        torch.set_num_threads(threads)
     for group, rank, log, p in procs:
         rc = p.wait(timeout=240)
         log.close()
@@ -235,6 +269,8 @@ def lane(tmp_path_factory):
             assert "error" not in r, (name, rank, r["error"], r["where"])
             r["ref_tokens"], r["ref_logits"] = refs[name]
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
+    found["synth_full_window"] = refs["synth_full_window"]
+    found["synth_config"], found["synth_dir"] = json.loads((synth / "config.json").read_text()), str(synth)
     found["wall_s"] = time.perf_counter() - t0
     found["overlay_s"] = t0 - t_overlay
     print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
@@ -269,7 +305,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2",
-                                  "int8_tp2/rank1"])
+                                  "int8_tp2/rank1", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -308,7 +344,8 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16"])
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16", "synth_heads", "synth_heads_tp2",
+                                  "synth_heads_tp2/rank1"])
 def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
     """The KV cache NxDI allocated for g4's class (every buffer's bytes, on each rank) is the memory
     plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
@@ -318,14 +355,16 @@ def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
     from g4.convert.plan import kv_cache_nxdi
     from g4.convert.resolve import EMBEDDED_DIR
 
-    r, tp = lane[case], 2 if case.startswith("chat_tp2") else 1
-    arch = read_architecture(json.loads((EMBEDDED_DIR / "config.json").read_text()))
+    r, tp = lane[case], 2 if "_tp2" in case else 1
+    config = lane["synth_config"] if case.startswith("synth") else json.loads((EMBEDDED_DIR / "config.json").read_text())
+    arch = read_architecture(config)
     width = 2 if case == "chat_bf16" else 4
     assert r["kv_bytes"] == kv_cache_nxdi(arch, tp, SEQ_LEN, 1, dtype_bytes=width).total
     assert r["kv_shapes"] == [[1, c.heads, SEQ_LEN, c.head_dim] for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"])
+@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1",
+                                  "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1"])
 def test_decode_takes_the_selective_loading_path(lane, case):
     """NxD's ExpertMLPsV2: context encoding (32 tokens x top-2 < block size 512) computes all experts;
     each decode step (1 x 2 / 8 experts < 1) only the chosen ones (forward_selective_loading)."""
@@ -353,6 +392,45 @@ def test_tp2_splits_heads_and_experts_and_replicates_the_single_full_attention_k
         assert (r["logits"] - lane["chat"]["logits"]).abs().max() < TOL
 
 
+def test_synth_heads_has_the_26b_attention_geometry_and_exercises_it(lane):
+    """``synth_heads`` is the 26B-A4B's attention as the real config gives it (every attention key of
+    ``GEMMA4_26B_A4B`` unchanged but the window), in the class as in the checkpoint: KV cache
+    ``[1, 8, S, 256]`` on sliding and ``[1, 2, S, 512]`` on full layers at TP 1; at TP 2 16 query heads
+    -> 8 per rank, sliding KV 8 -> 4, full KV 2 -> 1 (split, not replicated); no ``v_proj`` on the
+    full layer. The window is narrower than the sequence and changes the reference's answer, the
+    ``layer_scalar`` values are not 1, and the greedy ids are not one repeated id."""
+    from g4.convert.synth import GEMMA4_26B_A4B
+
+    real, tc = GEMMA4_26B_A4B["text_config"], lane["synth_config"]
+    for key in ("num_attention_heads", "head_dim", "global_head_dim", "num_key_value_heads",
+                "num_global_key_value_heads", "attention_k_eq_v", "rope_parameters", "final_logit_softcapping"):
+        assert tc[key] == real[key], key
+    assert tc["layer_types"] == real["layer_types"][:3] + ["full_attention"]
+    assert SYNTH_PROMPT_LEN > 2 * tc["sliding_window"]
+    S = SEQ_LEN
+    assert lane["synth_heads"]["kv_shapes"] == [[1, 8, S, 256]] * 6 + [[1, 2, S, 512]] * 2
+    for case in ("synth_heads_tp2", "synth_heads_tp2/rank1"):
+        r = lane[case]
+        assert r["kv_shapes"] == [[1, 4, S, 256]] * 6 + [[1, 1, S, 512]] * 2
+        shapes = r["local_shapes"]
+        assert shapes["layers.0.self_attn.q_proj.weight"] == [8 * 256, 256]
+        assert shapes["layers.0.self_attn.k_proj.weight"] == [4 * 256, 256]
+        assert shapes["layers.3.self_attn.q_proj.weight"] == [8 * 512, 256]
+        assert shapes["layers.3.self_attn.k_proj.weight"] == [512, 256]
+        assert shapes["layers.3.self_attn.o_proj.weight"] == [256, 8 * 512]
+        assert "layers.3.self_attn.v_proj.weight" not in shapes
+        assert (r["logits"] - lane["synth_heads"]["logits"]).abs().max() < TOL
+    ref_tokens, ref_logits = lane["synth_heads"]["ref_tokens"], lane["synth_heads"]["ref_logits"]
+    _, wide_logits = lane["synth_full_window"]
+    assert (wide_logits[0] - ref_logits[0]).abs().max() > 1
+    assert len(set(ref_tokens)) >= 4, ref_tokens
+    from safetensors import safe_open
+
+    with safe_open(Path(lane["synth_dir"]) / "model.safetensors", "pt") as f:
+        scalars = [f.get_tensor(f"model.layers.{i}.layer_scalar").item() for i in range(4)]
+    assert len(set(scalars)) == 4 and 1.0 not in scalars, scalars
+
+
 def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
     """``g4convert int8-neuron --tp 1`` output (int8 experts expert-wise, int8 dense MLP and lm_head
     per channel, bf16 attention) loaded by the class into NxD's int8 layers; ids and logits as g4's
@@ -362,7 +440,8 @@ def test_int8_runs_on_nxd_int8_layers_with_g4_int8_neuron_weights(lane):
 
 
 def test_every_weight_comes_from_the_checkpoint(lane):
-    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1"):
+    for case in ("chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1", "synth_heads",
+                 "synth_heads_tp2", "synth_heads_tp2/rank1"):
         assert lane[case]["missing"] == [] and lane[case]["unexpected"] == [], case
     assert {"ExpertMLPsV2", "ColumnParallelLinear", "RowParallelLinear", "Gemma4KVCacheManager",
             "Gemma4ScaledEmbedding", "Gemma4SoftcappedLMHead"} <= set(lane["chat"]["classes"])

@@ -59,3 +59,44 @@ def tensor_names(path: Path) -> dict[str, tuple]:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def build_with_geometry_of(out: Path, like: dict, *, seed: int = 0, **overrides) -> Path:
+    """Save a random text-only Gemma 4 MoE (``Gemma4ForCausalLM``, fp32, no tokenizer) whose attention
+    geometry is ``like``'s (a release-form config such as ``g4.convert.synth.GEMMA4_26B_A4B``: query
+    heads, head_dim / global_head_dim, KV heads / global KV heads, ``attention_k_eq_v``, RoPE
+    parameters, softcap) with ``overrides`` applied to its text config (to shrink width, layers,
+    experts and vocabulary). ``config.json`` is written back in the release form
+    (``g4.convert.gemma4.release_config``), as checkpoints ship.
+
+    Weights are transformers' seeded initialisation, made non-degenerate: embedding rows ~ N(0, 0.3^2)
+    (tied lm_head: logits of about 10-20, below the softcap of 30 where tanh would flatten
+    differences); ``layer_scalar`` of layer ``L`` = ``0.5 + 0.3 L`` (transformers initialises them to
+    1); q_norm / k_norm weights ``d^-0.25`` times U(0.5, 1.5), so that the scale-1.0 attention scores
+    are O(1) rather than O(sqrt(d)) and RoPE moves the attention pattern; post_attention /
+    post_feedforward norm weights 20 times U(0.5, 1.5), so that the layers outweigh the scaled
+    embedding in the residual (else the tied head's top id is the input id and greedy repeats it)."""
+    from g4.convert.gemma4 import release_config, text_config_of
+    from g4.convert.synth import synthetic_config
+
+    tc = synthetic_config(like, layers=overrides.pop("num_hidden_layers", None), vision=False)
+    tc.update(overrides)
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{k: v for k, v in tc.items() if k != "architectures"}))
+    model = model.float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.randn(model.model.embed_tokens.weight.shape, generator=gen) * 0.3)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.3 * i)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                d = norm.weight.numel()
+                norm.weight.copy_((0.5 + torch.rand(d, generator=gen)) * d ** -0.25)
+            for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                norm.weight.copy_(20.0 * (0.5 + torch.rand(norm.weight.numel(), generator=gen)))
+    model.save_pretrained(out)
+    path = Path(out) / "config.json"
+    config = release_config(json.loads(path.read_text()))
+    assert text_config_of(config).get("global_head_dim") == tc["global_head_dim"], "release form lost"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out)
