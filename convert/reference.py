@@ -229,11 +229,13 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
 def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Tensor]) -> None:
     """Fake-quantize (NVFP4, dynamic fp8 block scales, static global input_scale) the
     input of every quantized linear and of both expert projections."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
     for name, module in model.named_modules():
         if name in input_scales and isinstance(module, nn.Linear):
             scale = input_scales[name]
             module.register_forward_pre_hook(lambda m, args, s=scale: (q.fake_quantize_activation(args[0], s),))
-        elif (name == "experts" or name.endswith(".experts")) and f"{name}.gate_up_proj" in input_scales:
+        elif isinstance(module, Gemma4TextExperts) and f"{name}.gate_up_proj" in input_scales:
             scales = {kind: input_scales[f"{name}.{kind.split('.')[1]}"]
                       for kind in ("experts.gate_up_proj", "experts.down_proj")}
             module.forward = experts_forward_with_input_hook(
