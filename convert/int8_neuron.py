@@ -48,11 +48,11 @@ from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import int8
 
 from .card import write_model_card
-from .checkpoint import Checkpoint, copy_side_files, file_sha256
+from .checkpoint import Checkpoint, copy_side_files
 from .errors import G4Error
 from .gemma4 import VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
-from .pipeline import BackgroundWriter, Prefetcher
+from .pipeline import BackgroundHashes, BackgroundWriter, Prefetcher
 from .progress import progress_bar
 from .sources import checked_sources
 
@@ -170,21 +170,30 @@ def convert_int8_neuron(
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
 
     need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
-    with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
-        with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
-            per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
-        ckpt.close()
-        Manifest.build(
-            g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
-            not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
-            source={"files": {f: file_sha256(path) for f, path in ckpt.shards.items()}, "prefix": ckpt.prefix},
-            memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
-        (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
-        copy_side_files(ckpt.root, tmp)
-        write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
-                         options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
+    hashes = BackgroundHashes(ckpt.shards)  # the manifest's source hashes, while the weights are written
+    try:
+        with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
+            with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
+                per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
+            ckpt.close()
+            Manifest.build(
+                g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
+                not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
+                source={"files": hashes.result(), "prefix": ckpt.prefix},
+                memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
+            _finish(tmp, ckpt, out, tp, quantize_attention, target, force)
+    finally:
+        hashes.close()
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
                       time.perf_counter() - t0, peak_rss_bytes())
+
+
+def _finish(tmp: Path, ckpt: Checkpoint, out, tp: int, quantize_attention: bool, target, force: bool) -> None:
+    """The result's config (release form), side files and model card, beside the weights."""
+    (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
+    copy_side_files(ckpt.root, tmp)
+    write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
+                     options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
 
 
 def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
