@@ -292,12 +292,7 @@ class Checkpoint:
         path = self.root / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)")
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: invalid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{path}: not a JSON object")
+        config = read_json_object(path)
         try:
             self.arch: Architecture = read_architecture(config)
         except G4Error as e:
@@ -500,6 +495,32 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
             "%s has no chat template (chat_template.jinja or tokenizer_config.json chat_template); "
             "the result will not serve /v1/chat/completions until one is added", src)
     return copied
+
+
+def read_json_object(path: str | Path, *, shown: str | Path | None = None,
+                     error: type[G4Error] = CheckpointError) -> dict:
+    """The JSON object in the file ``path`` (a config, an index, a manifest).
+
+    Args:
+        shown: how the file is named in the message (default ``path``).
+        error: the g4 error type to raise (the caller's kind of failure).
+
+    Raises:
+        ``error``: ``<file>: unreadable (...)`` (I/O), ``<file>: invalid JSON (...)`` (not UTF-8 JSON)
+            or ``<file>: not a JSON object``.
+    """
+    where = path if shown is None else shown
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise error(f"{where}: unreadable ({type(e).__name__}: {e})") from e
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # JSON files are UTF-8
+        raise error(f"{where}: invalid JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise error(f"{where}: not a JSON object")
+    return data
 
 
 def file_sha256(path: Path) -> str:

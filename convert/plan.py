@@ -57,6 +57,7 @@ import torch
 
 from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, neuron_buckets, parse_rank_name
 
+from .checkpoint import read_json_object
 from .errors import G4Error
 from .gemma4 import (
     NVFP4_BLOCK as _NVFP4_BLOCK,
@@ -853,8 +854,5 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
         from .checkpoint import Checkpoint
 
         Checkpoint(directory, source=True)
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise G4Error(f"{file}: invalid JSON: {e}") from e
+    config = read_json_object(file, error=G4Error)
     return (src if src == EMBEDDED else source_name(src) if directory else file.name), config, directory

@@ -17,10 +17,10 @@ Anything else is refused with a one-line :class:`g4.convert.errors.CheckpointErr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from g4.convert.checkpoint import read_json_object
 from g4.convert.errors import CheckpointError
 from g4.convert.gemma4 import MODEL_TYPES
 from g4.exporters.neuron_int8 import LAYOUT_NAME, MANIFEST
@@ -46,16 +46,6 @@ class ResultFormat:
     detail: str
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
-
-
 def detect_format(path: str | Path) -> ResultFormat:
     """Detect the format of the directory ``path`` from its own files (no source needed).
 
@@ -68,16 +58,16 @@ def detect_format(path: str | Path) -> ResultFormat:
         raise CheckpointError(f"{path}: not a directory")
     manifest = path / MANIFEST
     if manifest.is_file():
-        layout = _read_json(manifest).get("format")
+        layout = read_json_object(manifest).get("format")
         if layout == LAYOUT_NAME:
             return ResultFormat(INT8_NEURON, path, False, f"int8-neuron ({layout})")
         raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {LAYOUT_NAME!r})")
     config_path = path / "config.json"
-    config = _read_json(config_path) if config_path.is_file() else None
+    config = read_json_object(config_path) if config_path.is_file() else None
     hf_quant = path / "hf_quant_config.json"
     algo = None
     if hf_quant.is_file():
-        algo = (_read_json(hf_quant).get("quantization") or {}).get("quant_algo")
+        algo = (read_json_object(hf_quant).get("quantization") or {}).get("quant_algo")
     qc = (config or {}).get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise CheckpointError(f"{config_path}: quantization_config is not an object")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from g4.convert.checkpoint import SOURCE_DTYPES, Checkpoint
+from g4.convert.checkpoint import SOURCE_DTYPES, Checkpoint, read_json_object
 from g4.convert.errors import ExportError
 from g4.convert.gemma4 import is_tied, tower_of
 from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
@@ -157,9 +157,9 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     """
     out_dir = Path(out_dir)
     label = label or out_dir
-    config = _json_object(out_dir / "config.json", label)
+    config = read_json_object(out_dir / "config.json", shown=Path(label) / "config.json", error=ExportError)
     qc = config.get("quantization_config") or {}
-    hq = _json_object(out_dir / "hf_quant_config.json", label).get("quantization")
+    hq = read_json_object(out_dir / "hf_quant_config.json", shown=Path(label) / "hf_quant_config.json", error=ExportError).get("quantization")
     if not isinstance(qc, dict) or not isinstance(hq, dict):
         raise ExportError(f"{label}: config.json quantization_config or hf_quant_config.json quantization "
                           "is not an object")
@@ -228,16 +228,6 @@ def _check_values(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
         if not (torch.isfinite(bs).all() and (bs > 0).all()):
             raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
     _check_shared(layout, scalars)
-
-
-def _json_object(path: Path, label: str | Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ExportError(f"{Path(label) / path.name}: unreadable JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict):
-        raise ExportError(f"{Path(label) / path.name}: not a JSON object")
-    return data
 
 
 def _check_shared(layout: Nvfp4Layout, scalars: dict[str, torch.Tensor]) -> None:

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from g4.convert.checkpoint import read_json_object
 from g4.convert.errors import CheckpointError, G4Error
 from g4.convert.gemma4 import (
     ATTENTION_NORMS,
@@ -695,12 +696,7 @@ def check_rank_files(out_dir: str | Path, ranks: list[int] | None = None, *, hos
 
     out_dir = Path(out_dir)
     manifest = Manifest.from_dir(out_dir)
-    try:
-        config = json.loads((out_dir / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{out_dir / 'config.json'}: unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{out_dir / 'config.json'}: not a JSON object")
+    config = read_json_object(out_dir / "config.json")
     tp = manifest.tp_degree
     want_files = [rank_file(r) for r in range(tp)] if isinstance(tp, int) and tp > 0 else None
     if manifest.rank_files != want_files:

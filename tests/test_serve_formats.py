@@ -57,7 +57,7 @@ def test_nvfp4_from_either_metadata_file_and_weight_only(tiny_mm_nvfp4, tmp_path
     ({"config.json": {"model_type": "llama"}}, "not Gemma 4"),
     ({"config.json": {"model_type": "gemma4"}}, "no \\*.safetensors"),
     ({}, "no config.json"),
-    ({"config.json": "{not json"}, "unreadable JSON"),
+    ({"config.json": "{not json"}, "invalid JSON"),
 ])
 def test_unservable_directories(tmp_path, files, match):
     for name, body in files.items():
