@@ -57,11 +57,11 @@ def main() -> None:
                     and torch.equal(ours.weight_scale_2, ref_g.reshape(())))
 
         identical = same(nvfp4.quantize(w))
-        fused = nvfp4._FUSED.get("fn")
-        nvfp4._FUSED["fn"] = None  # the eager fallback
+        fused = nvfp4.KERNEL.compiled
+        nvfp4.KERNEL.compiled = None  # the eager fallback
         identical = identical and same(nvfp4.quantize(w))
         t_eager = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
-        nvfp4._FUSED["fn"] = fused
+        nvfp4.KERNEL.compiled = fused
         t_ours = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
         t_ref = best_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
         print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "

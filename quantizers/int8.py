@@ -16,13 +16,12 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from .compiled import CompiledKernel
+
 
 INT8_QMAX = 127.0
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -52,23 +51,9 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # As in g4.quantizers.nvfp4: _quantize_rows compiled by torch.compile (inductor) into one
-# pass, static in the input width, dynamic in the rows; tensors under _FUSED_MIN_ELEMENTS,
+# pass, static in the input width, dynamic in the rows; small tensors,
 # G4_INT8_EAGER=1 or a compile/run failure use the eager chunks (same bytes; tests check both).
-_FUSED: dict[str, object] = {}
-_FUSED_MIN_ELEMENTS = 1 << 20
-
-
-def _fused_kernel():
-    """The compiled :func:`_quantize_rows`, or None when disabled or unavailable."""
-    if "fn" not in _FUSED:
-        fn = None
-        if os.environ.get("G4_INT8_EAGER", "") in ("", "0"):
-            try:
-                fn = torch.compile(_quantize_rows, dynamic=False)
-            except Exception as e:  # noqa: BLE001
-                log.warning("int8: torch.compile unavailable (%s); using the eager quantizer", e)
-        _FUSED["fn"] = fn
-    return _FUSED["fn"]
+KERNEL = CompiledKernel(_quantize_rows, eager_env="G4_INT8_EAGER", label="int8")
 
 
 def quantize(w: torch.Tensor) -> Int8Weight:
@@ -87,15 +72,14 @@ def quantize(w: torch.Tensor) -> Int8Weight:
     if w.dim() < 2:
         raise ValueError(f"int8 per-channel quantization needs [..., out, in], got shape {tuple(w.shape)}")
     flat = w.reshape(-1, w.shape[-1])
-    fused = _fused_kernel() if flat.numel() >= _FUSED_MIN_ELEMENTS else None
+    fused = KERNEL.for_size(flat.numel())
     if fused is not None:
         try:
             torch._dynamo.maybe_mark_dynamic(flat, 0)
             q, scale = fused(flat)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
-            log.warning("int8: compiled quantizer failed (%s: %s); using the eager quantizer", type(e).__name__,
-                        str(e).strip().splitlines()[0] if str(e).strip() else "")
-            _FUSED["fn"] = fused = None
+            KERNEL.disable(e)
+            fused = None
         else:
             if not torch.isfinite(scale).all():
                 raise ValueError("int8 quantization: weight holds NaN/Inf")

@@ -26,13 +26,12 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from .compiled import CompiledKernel
+
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -122,7 +121,7 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
     ``[]`` for the whole tensor or ``[rows, 1]``, one per row.
 
     The one definition of the arithmetic, in modelopt's order; run eagerly on row chunks
-    or compiled by :func:`_fused_kernel` into one pass over the whole tensor.
+    or compiled by :data:`KERNEL` into one pass over the whole tensor.
     """
     x = blocks.float()
     s = x.abs().amax(-1) / (E2M1_MAX * g)
@@ -140,31 +139,11 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
 # chunks on the 26B-A4B shapes (bench/bench_quantizer.py).
 # Static in the input dimension (a dynamic one loses the vectorization, 4x slower) and
 # dynamic in the rows, so one compile per input width (a few seconds with inductor's
-# on-disk cache, up to ~30 s without). Tensors under _FUSED_MIN_ELEMENTS stay eager (no
+# on-disk cache, up to ~30 s without). Tensors under 1M elements stay eager (no
 # compile for small test models). G4_NVFP4_EAGER=1, or any compile or run failure (no C
 # compiler), uses the eager chunks, which give the same bytes (tests/test_nvfp4_quantizer.py
-# checks both against modelopt).
-_FUSED: dict[str, object] = {}
-_FUSED_MIN_ELEMENTS = 1 << 20
-
-
-def _fused_kernel():
-    """The compiled :func:`_quantize_blocks`, or None when disabled or unavailable."""
-    if "fn" not in _FUSED:
-        fn = None
-        if os.environ.get("G4_NVFP4_EAGER", "") in ("", "0"):
-            try:
-                fn = torch.compile(_quantize_blocks, dynamic=False)
-            except Exception as e:  # noqa: BLE001
-                log.warning("NVFP4: torch.compile unavailable (%s); using the eager quantizer", e)
-        _FUSED["fn"] = fn
-    return _FUSED["fn"]
-
-
-def _disable_fused(e: Exception) -> None:
-    log.warning("NVFP4: compiled quantizer failed (%s: %s); using the eager quantizer",
-                type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
-    _FUSED["fn"] = None
+# checks both against modelopt); see g4.quantizers.compiled.
+KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4")
 
 
 def quantize(
@@ -214,7 +193,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Codes and block scales of ``w`` ``[rows, in]`` under ``g`` (``[]`` or ``[rows, 1]``, > 0)."""
     out_features, in_features = w.shape
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
-    fused = _fused_kernel() if w.numel() >= _FUSED_MIN_ELEMENTS else None
+    fused = KERNEL.for_size(w.numel())
     if fused is not None:
         try:
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
@@ -222,7 +201,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
                 torch._dynamo.maybe_mark_dynamic(g, 0)
             return fused(blocks, g)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
-            _disable_fused(e)
+            KERNEL.disable(e)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     rows = max(1, _ROW_CHUNK_ELEMENTS // in_features)

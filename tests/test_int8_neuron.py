@@ -36,7 +36,7 @@ def test_int8_exact_values_and_error_bound():
 def test_compiled_quantizer_gives_the_eager_bytes(monkeypatch):
     # The compiled one-pass kernel (large tensors) must equal the eager chunks, including the
     # values whose w * (1 / scale) lands on or within an ulp of a half-way point.
-    if int8._fused_kernel() is None:
+    if int8.KERNEL.for_size(int8.KERNEL.min_elements) is None:
         pytest.skip("torch.compile unavailable here")
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(4, 96, 256, generator=g) * 0.02).bfloat16()
@@ -44,9 +44,9 @@ def test_compiled_quantizer_gives_the_eager_bytes(monkeypatch):
     w[0, :, 1] = 0.25
     w[1, :, :] = 0
     w[2, :, 5] = torch.linspace(-1, 1, 96).bfloat16()
-    monkeypatch.setattr(int8, "_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(int8.KERNEL, "min_elements", 0)
     fused = int8.quantize(w)
-    monkeypatch.setitem(int8._FUSED, "fn", None)
+    monkeypatch.setattr(int8.KERNEL, "compiled", None)
     eager = int8.quantize(w)
     assert torch.equal(fused.weight, eager.weight) and torch.equal(fused.scale, eager.scale)
     with pytest.raises(ValueError, match="NaN"):

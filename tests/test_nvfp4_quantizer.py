@@ -16,11 +16,11 @@ def modelopt_quantize(w, g=None):
 def mode(request, monkeypatch):
     """Run a test with the compiled one-pass quantizer and with the eager row chunks."""
     if request.param == "eager":
-        monkeypatch.setitem(q._FUSED, "fn", None)
-    elif q._fused_kernel() is None:
+        monkeypatch.setattr(q.KERNEL, "compiled", None)
+    elif q.KERNEL.for_size(q.KERNEL.min_elements) is None:
         pytest.skip("torch.compile unavailable here")
     else:
-        monkeypatch.setattr(q, "_FUSED_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(q.KERNEL, "min_elements", 0)
     return request.param
 
 
