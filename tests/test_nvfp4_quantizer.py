@@ -112,3 +112,23 @@ def test_experts_in_one_call_match_one_by_one(mode):
         assert torch.equal(batched.weight[e], one.weight)
         assert torch.equal(batched.weight_scale[e].view(torch.uint8), one.weight_scale.view(torch.uint8))
         assert torch.equal(batched.weight_scale_2[e], one.weight_scale_2)
+
+
+def test_a_failing_compiled_kernel_falls_back_to_the_eager_bytes(monkeypatch, caplog):
+    """A compiled kernel that fails to run (no C compiler, a codegen error) is dropped with one
+    warning, and the same call gives the eager path's bytes."""
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    monkeypatch.setattr(q.KERNEL, "compiled", None)
+    eager = q.quantize(w)
+
+    def broken(*args):
+        raise RuntimeError("no C compiler\nmore detail")
+
+    monkeypatch.setattr(q.KERNEL, "compiled", broken)
+    monkeypatch.setattr(q.KERNEL, "min_elements", 0)
+    with caplog.at_level("WARNING"):
+        got = q.quantize(w)
+    assert torch.equal(got.weight, eager.weight) and torch.equal(got.weight_scale.view(torch.uint8),
+                                                                   eager.weight_scale.view(torch.uint8))
+    assert q.KERNEL.compiled is None
+    assert "NVFP4: compiled quantizer failed (RuntimeError: no C compiler); using the eager quantizer" in caplog.text
