@@ -52,14 +52,12 @@ from .checkpoint import Checkpoint, copy_side_files
 from .errors import G4Error
 from .gemma4 import VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
-from .pipeline import BackgroundHashes, BackgroundWriter, Prefetcher
+from .pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
-# Bytes of small source tensors read ahead beyond the next one (see Prefetcher).
-_READ_AHEAD_BYTES = 64 << 20
 
 @dataclass
 class Int8Report:
@@ -233,9 +231,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
-    reader = Prefetcher(ckpt, reads, budget_bytes=_READ_AHEAD_BYTES)
-    out = BackgroundWriter(budget_bytes=max(largest // 2, _READ_AHEAD_BYTES))
-    try:
+    with overlapped(ckpt, reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES), bar=bar) as (reader, out):
         for L, src_names, entries in layers:
             for e in entries:
                 if e.source is None:  # a rank index
@@ -254,12 +250,6 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
             bar.update(max(rest, 0))
             log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", g.tp)
-        bar.set_postfix_str("writing", refresh=False)
-        out.close()
-    finally:
-        reader.close()
-        out.close()
-    ckpt.close()
     embed = ckpt.get_finite(embed_name)
     for e, name in model:
         value = embed if name == embed_name else None if name is None else ckpt.get_finite(name)

@@ -42,17 +42,13 @@ from .calibrate import LayerCalibrator, calibration_device, make_calibration_ids
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
-from .pipeline import BackgroundWriter, Prefetcher
+from .pipeline import overlapped
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
 _CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Small source tensors read ahead beyond the next one, and output bytes queued for the
-# writer thread (see g4.convert.pipeline).
-_READ_AHEAD_BYTES = 64 << 20
-_WRITE_BEHIND_BYTES = 256 << 20
 
 
 @dataclass
@@ -299,11 +295,9 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
     n_quant = params_quant = quant_bytes = 0
     reads = [n for lay in layout.layers for n in lay.sources.values()]
     # Read the next layer while this one is calibrated and quantized, write in the background.
-    # The reader holds at most one tensor (or _READ_AHEAD_BYTES of small ones) that this layer
+    # The reader holds at most one tensor (or READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
-    reader = Prefetcher(ckpt, reads, budget_bytes=_READ_AHEAD_BYTES)
-    out = BackgroundWriter(budget_bytes=_WRITE_BEHIND_BYTES)
-    try:
+    with overlapped(ckpt, reads, bar=bar) as (reader, out):
         for lay in layout.layers:
             layer_bytes = sum(ckpt.tensors[n].nbytes for n in lay.sources.values())
             layer_params = params_in_layer(lay)
@@ -331,12 +325,6 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
             del w, by_source
-        bar.set_postfix_str("writing", refresh=False)
-        out.close()
-    finally:
-        reader.close()
-        out.close()
-    ckpt.close()
     for t in layout.model:
         writer.write(t.name, ckpt.get_finite(t.source))
         bar.update(ckpt.tensors[t.source].nbytes)

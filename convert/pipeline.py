@@ -6,9 +6,10 @@ I/O release the GIL).
 - :class:`BackgroundWriter` appends tensors to their ``ShardedSafetensorsWriter`` in a
   background thread, in the order they were queued, at most ``budget_bytes`` behind;
 - :class:`BackgroundHashes` hashes the source files while the conversion runs (their bytes are
-  then mostly in the page cache already, or soon).
+  then mostly in the page cache already, or soon);
+- :func:`overlapped` runs a layer loop with the first two.
 
-Both keep the sequential order of every read and every write, so the files are the same
+The reader and the writer keep the sequential order of every read and every write, so the files are the same
 bytes as a sequential run. An exception in a thread is raised again in the caller at its
 next call, or at :meth:`close`.
 """
@@ -20,12 +21,18 @@ import hashlib
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError
+
+# Bytes of small source tensors read ahead beyond the next one (Prefetcher), and of outputs
+# queued for the writer thread (BackgroundWriter), in the conversions' layer loops.
+READ_AHEAD_BYTES = 64 << 20
+WRITE_BEHIND_BYTES = 256 << 20
 
 
 class _ByteBudget:
@@ -167,6 +174,27 @@ class BackgroundWriter:
         self._thread.join()
         if self._q.error is not None:
             raise self._q.error
+
+
+@contextmanager
+def overlapped(ckpt: Checkpoint, reads: Sequence[str], *, write_behind_bytes: int = WRITE_BEHIND_BYTES,
+               bar=None) -> Iterator[tuple[Prefetcher, BackgroundWriter]]:
+    """A conversion's layer loop with reading and writing in the background: yields the
+    :class:`Prefetcher` of ``reads`` (at most one tensor or :data:`READ_AHEAD_BYTES` ahead) and a
+    :class:`BackgroundWriter` (``write_behind_bytes`` behind). On a normal exit it waits for
+    every queued write (``bar`` shows "writing") and closes ``ckpt``'s file mappings; on any
+    exit both threads are stopped. A thread's error is raised again here."""
+    reader = Prefetcher(ckpt, reads, budget_bytes=READ_AHEAD_BYTES)
+    out = BackgroundWriter(budget_bytes=write_behind_bytes)
+    try:
+        yield reader, out
+        if bar is not None:
+            bar.set_postfix_str("writing", refresh=False)
+        out.close()
+    finally:
+        reader.close()
+        out.close()
+    ckpt.close()
 
 
 class BackgroundHashes:

@@ -42,3 +42,46 @@ def test_close_stops_it_and_result_then_refuses(tmp_path):
     with pytest.raises(CheckpointError, match="stopped before it finished"):
         hashes.result()
     assert time.monotonic() - t < 10  # stopped at the next chunk, not after 4 GiB
+
+
+
+def test_a_read_error_in_the_reader_thread_reaches_the_layer_loop(tiny_mm, tmp_path):
+    """A NaN in a source tensor, met by the reader thread, is raised at the loop's get of that
+    tensor, naming it; the threads are stopped and nothing hangs."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.pipeline import overlapped
+
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    bad = "model.language_model.layers.1.mlp.up_proj.weight"
+    sd[bad][0, 0] = float("nan")
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    ckpt = Checkpoint(src)
+    reads = [n for n in ckpt.tensors if ".layers." in n]
+    got = []
+    with pytest.raises(CheckpointError, match=bad):
+        with overlapped(ckpt, reads) as (reader, out):
+            for name in reads:
+                got.append(reader.get(name))
+    assert 0 < len(got) < len(reads) and all(torch.isfinite(t).all() for t in got)
+
+
+def test_a_write_error_in_the_writer_thread_is_raised_when_the_loop_ends(tiny_mm):
+    import torch
+
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.pipeline import overlapped
+
+    class BrokenWriter:
+        def write(self, name, t):
+            raise OSError(28, "No space left on device")
+
+    ckpt = Checkpoint(tiny_mm)
+    with pytest.raises(OSError, match="No space left"):
+        with overlapped(ckpt, []) as (reader, out):
+            out.write(BrokenWriter(), "x", torch.zeros(2))
