@@ -21,7 +21,8 @@ On Neuron, :func:`load_neuron_engine` compiles once into ``OUT/neuron_compiled``
 carries ``g4_compiled.json``: a sha256 over the result's ``manifest.json`` and ``config.json`` and
 the NxDI settings g4 compiled with; a folder whose stamp differs (another result, another
 conversion, other settings) is compiled again, never silently used; a folder without the stamp is
-not g4's and is refused. Weights are not copied into it: NxDI shards them from OUT at each load.
+not g4's and is refused. Weights are not copied into it: each load reads every rank's file from OUT (the class's
+``load_weights``).
 **Not yet run on inf2 hardware.**
 
 On a CPU the same engine runs through NxDI's CPU mode (``NeuronConfig(on_cpu=True)`` and
@@ -230,8 +231,8 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
 
 
 def _what_the_class_cannot_load(path: Path, run) -> None:
-    """``run()``; a result g4's NxDI class does not load yet (its ``NotImplementedError``, e.g. an
-    int8-neuron result at TP > 1) becomes one ``error:`` line naming ``path``."""
+    """``run()``; a result g4's NxDI class does not load yet (its ``NotImplementedError``, e.g.
+    ``--quantize-attention``) becomes one ``error:`` line naming ``path``."""
     try:
         run()
     except NotImplementedError as e:

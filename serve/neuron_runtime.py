@@ -8,8 +8,8 @@ pre-sharded loading takes (aws-neuron/neuronx-distributed ``trace/spmd.py``
 ``NxDModel.initialize(checkpoint: List[Dict[str, Tensor]], start_rank)``: one dict per rank,
 exact dtypes, contiguous tensors).
 
-The serving path does not go through it: ``g4.serve.neuron_backend`` hands the result to g4's
-NxDI class (``g4.serve.nxdi_gemma4``), which reads the files itself and lets NxDI shard.
+g4's NxDI class (``g4.serve.nxdi_gemma4``) reads each rank's file through it, on the CPU
+(``to_cpu``) and on Neuron (``load_weights``).
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ layout or text-only; the vision tower is dropped), or, with ``NeuronConfig(quant
 ``g4convert int8-neuron --tp T`` result at ``tp_degree`` T: its per-rank files are this class's
 ``state_dict()`` at TP T (g4's layout table, ``g4.exporters.neuron_int8``), and each rank loads only
 its own file, as NxDI's Route 2 does with pre-sharded checkpoints
-(:meth:`NeuronGemma4MoEForCausalLM.to_cpu`, :func:`load_g4_int8_neuron`, :func:`convert_to_g4_int8`). Attention heads, the dense MLP and the experts'
-intermediate dimension are split over TP; a layer with fewer KV heads than ranks gets its KV heads
+(:meth:`NeuronGemma4MoEForCausalLM.to_cpu` on the CPU, :meth:`~NeuronGemma4MoEForCausalLM.load_weights`
+on Neuron, :func:`load_g4_int8_neuron`, :func:`convert_to_g4_int8`). Attention heads, the dense MLP and
+the experts' intermediate dimension are split over TP; a layer with fewer KV heads than ranks gets its KV heads
 replicated (rank r holds head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE``
 does. This module imports NxD and NxDI at the top:
 import it only where they are installed (a Neuron host, or the CPU test lane
@@ -400,7 +401,10 @@ class NeuronGemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(E, dtype=config.neuron_config.torch_dtype))
 
     def forward(self, x: torch.Tensor):
-        h = self.norm(x) * self.scale * self.root
+        # scale in the activation dtype, as transformers computes it: NxDI's load_module
+        # (models/model_wrapper.py:1472-1474) keeps every parameter named ``*scale`` in fp32, which
+        # would otherwise lift h to fp32 in front of the bf16 proj (a dtype error when traced in bf16)
+        h = self.norm(x) * self.scale.to(x.dtype) * self.root
         probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -630,14 +634,15 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
 
         Raises:
             NotImplementedError: a result written for TP > 1 asked for as one state dict to shard
-                (its files are per rank already; :meth:`to_cpu` loads them rank by rank).
+                (its files are per rank already; :meth:`load_weights` and :meth:`to_cpu` load them
+                rank by rank).
         """
         if is_g4_int8_neuron(model_name_or_path):
             tp = config.neuron_config.tp_degree
             if tp > 1:
                 raise NotImplementedError(
                     f"{model_name_or_path} is pre-sharded for TP {tp}: each rank loads its own rank file "
-                    "(to_cpu() here); NxDI's sharder must not cut it again")
+                    "(load_weights on Neuron, to_cpu() on the CPU); NxDI's sharder must not cut it again")
             return load_g4_int8_neuron(model_name_or_path, config, rank=0)
         return super().get_state_dict(model_name_or_path, config)
 
@@ -654,9 +659,11 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         ``get_sharded_checkpoint``, whose quantized layers require the full tensors. So for a g4
         result this method takes NxDI's steps itself, in its order: ``NXD_CPU_MODE=1``, its dtype
         checks, the gloo group (``WORLD_SIZE`` from torchrun, else a world of 1), NxD's
-        ``initialize_model_parallel(..., skip_collective_init=True)``, one module built from the
-        wrappers' ``model_cls`` (bf16 cast when asked) shared by every wrapper, ``eval()``; the
-        load is the rank file's. Any other checkpoint goes through NxDI's ``to_cpu`` unchanged.
+        ``initialize_model_parallel(..., skip_collective_init=True)``, one module shared by every
+        wrapper, ``eval()``; the load is the rank file's. The module is built as NxDI builds the one
+        it traces for Neuron (``DecoderModelInstance.load_module``, ``models/model_wrapper.py:1454``:
+        floating tensors cast to ``torch_dtype``, then every parameter named ``*scale`` back to fp32,
+        then NxD's ``convert`` with the global q_config), so the CPU runs Neuron's dtypes. Any other checkpoint goes through NxDI's ``to_cpu`` unchanged.
 
         Raises:
             CheckpointError: a result written for another TP degree than ``tp_degree``, a missing
@@ -689,14 +696,107 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
                                                  pipeline_model_parallel_size=nc.pp_degree,
                                                  expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
-        module = self.models[0].model_cls(self.config)
-        if nc.torch_dtype == torch.bfloat16:
-            module.bfloat16()
+        # the module NxDI traces on Neuron: the model wrapper's DecoderModelInstance.load_module()
+        # (models/model_wrapper.py:1454-1530: cast_type casts, fp32 ``*scale`` parameters, the
+        # global q_config convert), not NxDI's CPU build (model_cls(config) then .bfloat16())
+        instance = self.models[0].get_model_instance()
+        instance.load_module()
+        module = instance.module
         sd = load_g4_int8_neuron(self.model_path, self.config, rank=torch.distributed.get_rank())
         _load_rank_state(module, sd, self.model_path)
         for wrapper in self.models:
             wrapper.model = module
         self.eval()
+
+    def load_weights(self, compiled_model_path, start_rank_id=None, local_ranks_size=None):
+        """NxDI's weight load after ``load`` (``models/application_base.py:374-415``). For a
+        ``g4convert int8-neuron`` result at any TP degree this is NxDI's Route 2 (pre-sharded
+        per-rank files handed to ``traced_model.nxd_model.initialize(weights, start_rank)`` with no
+        key conversion, ``:388-399,411-412``), the files read from the result itself
+        (``weights/tp{r}_sharded_checkpoint.safetensors``, :meth:`g4_rank_weights`), not from copies
+        in ``compiled_model_path``. NxDI's Route 1 (``save_sharded_checkpoint=False``: shard a whole
+        checkpoint at load) cannot take such a result at TP > 1 (:meth:`get_state_dict`). Any other
+        checkpoint: NxDI's own ``load_weights``.
+
+        Raises:
+            ValueError: ``load`` has not traced the model in (NxDI's own check).
+            CheckpointError: see :meth:`g4_rank_weights`.
+        """
+        if not is_g4_int8_neuron(self.model_path):
+            return super().load_weights(compiled_model_path, start_rank_id=start_rank_id,
+                                        local_ranks_size=local_ranks_size)
+        if self.traced_model is None:
+            raise ValueError("Model is not loaded")
+        nc = self.neuron_config
+        start = nc.start_rank_id if start_rank_id is None else start_rank_id
+        count = nc.local_ranks_size if local_ranks_size is None else local_ranks_size
+        weights = self.g4_rank_weights(start, count)
+        self.traced_model.nxd_model.initialize(weights, torch.tensor([start], dtype=torch.int32, device="cpu"))
+
+    def g4_rank_weights(self, start_rank_id: int, local_ranks_size: int) -> List[dict]:
+        """The per-rank weights NxD's ``NxDModel.initialize(checkpoint, start_rank)`` takes
+        (aws-neuron/neuronx-distributed ``src/neuronx_distributed/trace/spmd.py``: one dict per local
+        rank, ``start_rank_id .. start_rank_id + local_ranks_size - 1``) for this ``g4convert
+        int8-neuron`` result: what NxD's ``ModelBuilder.shard_checkpoint``
+        (``trace/model_builder.py:802-843``) hands over on Route 1, without its cut, since each rank
+        file is already that rank's cut.
+
+        Taken in ``shard_checkpoint``'s order: the module NxDI traces (the first model wrapper's
+        ``DecoderModelInstance.load_module()``, so with NxDI's ``cast_type`` casts and its global
+        q_config ``convert`` on top of this class's own int8 layers) is built on the meta device in
+        NxD's mocked process group; each rank's file is read (:func:`load_g4_int8_neuron`, its
+        header checked against g4's layout table first; tensors memory-mapped by safetensors); its
+        keys must be the module's ``state_dict()`` keys but the KV cache (``kv_mgr.*``, state NxD
+        allocates); each tensor is cast to the module parameter's dtype by NxD's
+        ``ModelBuilder.cast_weights`` (``:786-800``: fp32 norms and router to ``torch_dtype``,
+        int8 weights and fp32 scales unchanged) and must have the module's per-rank shape.
+
+        Returns: ``local_ranks_size`` dicts of name -> tensor (int8 weights, fp32 scales, the rest in
+        ``torch_dtype``; NxD's rank indices int32).
+
+        Raises:
+            CheckpointError: a result for another TP degree, a missing or malformed rank file, a
+                rank file whose keys or shapes are not the traced module's.
+            ValueError: ``NeuronConfig(quantized=True)`` is not set.
+        """
+        from neuronx_distributed.trace.mock_torchdist import mock_distributed
+        from neuronx_distributed.utils.model_utils import init_on_device
+
+        nc = self.neuron_config
+        _check_g4_int8_neuron(self.model_path, self.config)
+        if not 0 <= start_rank_id < start_rank_id + local_ranks_size <= nc.tp_degree:
+            raise ValueError(f"ranks {start_rank_id}..{start_rank_id + local_ranks_size - 1} are not ranks of TP "
+                             f"{nc.tp_degree}")
+        builder = self.get_builder()
+        weights = []
+        with mock_distributed(world_size=nc.world_size), init_on_device(torch.device("meta"),
+                                                                        force_custom_init_on_device=True):
+            torch.distributed.init_process_group(backend="xla", rank=0, world_size=nc.world_size)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
+                                                     pipeline_model_parallel_size=nc.pp_degree,
+                                                     expert_model_parallel_size=nc.ep_degree,
+                                                     skip_collective_init=True, lnc_size=nc.logical_nc_config)
+            try:
+                instance = self.models[0].get_model_instance()
+                instance.load_module()
+                module = instance.module
+                want = {k: v for k, v in module.state_dict().items() if not k.startswith("kv_mgr.")}
+                for rank in range(start_rank_id, start_rank_id + local_ranks_size):
+                    sd = load_g4_int8_neuron(self.model_path, self.config, rank=rank)
+                    if set(sd) != set(want):
+                        missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+                        raise CheckpointError(f"{self.model_path}: rank {rank} file keys are not the traced module's "
+                                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+                    builder.cast_weights(sd, module, "")
+                    for name, tensor in sd.items():
+                        if tuple(tensor.shape) != tuple(want[name].shape):
+                            raise CheckpointError(f"{self.model_path}: rank {rank} tensor {name} has shape "
+                                                  f"{list(tensor.shape)}, the traced module {list(want[name].shape)}")
+                    weights.append(sd)
+            finally:
+                parallel_state.destroy_model_parallel()
+                torch.distributed.destroy_process_group()
+        return weights
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config: Gemma4MoEInferenceConfig) -> dict:

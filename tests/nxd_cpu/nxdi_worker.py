@@ -213,11 +213,75 @@ def specs(job: dict) -> dict:
     return {"specs": found}
 
 
+def route2(job: dict) -> dict:
+    """What ``NeuronGemma4MoEForCausalLM.load_weights`` hands NxD's ``nxd_model.initialize`` on a
+    Neuron host (g4's Route 2, ``g4_rank_weights``), for each result in ``results`` (TP degree ->
+    directory) built with the settings ``g4serve --backend neuron`` compiles with
+    (``neuron_backend.nxdi_settings(on_cpu=False)``, bf16, buckets from the manifest):
+
+    - ``route2/tp{T}``: every rank's weights (``load_weights`` itself, with ``traced_model`` a recorder
+      of ``nxd_model.initialize``: the traced model is Neuron-only), and one call per single rank
+      (``start_rank_id=r, local_ranks_size=1``), as a multi-host load asks;
+    - ``route1/tp1``: NxDI's own Route 1 for the TP-1 result: ``get_builder().shard_checkpoint()``
+      (NxD ``trace/model_builder.py:802-843``: ``checkpoint_loader_fn`` -> ``get_state_dict``,
+      NxDI's ``_cast_helper``, NxD's ``preprocess_checkpoint``, ``cast_weights`` and
+      ``get_sharded_checkpoint``), which NxDI's ``load_weights`` initialises the device with;
+    - ``refused/tp{T}``: the error for a rank file with one key renamed (a copy of the result).
+    Tensors are returned as they are (dtype, shape, values)."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import shutil
+    import types
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from g4.exporters.neuron_int8 import Manifest, rank_file
+    from g4.serve.neuron_backend import build_nxdi_model, nxdi_settings
+
+    if torch.distributed.is_initialized():  # the gloo group of an earlier to_cpu() in this process
+        torch.distributed.destroy_process_group()
+    os.environ["NXD_CPU_MODE"] = "0"  # the mocked "xla" group has no gloo groups
+
+    class Recorder:  # stands in for the Neuron-only NxDModel (torch.classes.neuron.SPMDModel)
+        def initialize(self, weights, start_rank):
+            self.weights, self.start_rank = weights, start_rank
+
+    def build(path):
+        path = Path(path)
+        settings = nxdi_settings(Manifest.from_dir(path), json.loads((path / "config.json").read_text()),
+                                 on_cpu=False, dtype="bfloat16")
+        return build_nxdi_model(path, settings)
+
+    found = {}
+    for tp, path in job["results"].items():
+        model = build(path)
+        model.traced_model = types.SimpleNamespace(nxd_model=Recorder())
+        model.load_weights("unused-compiled-path")
+        rec = model.traced_model.nxd_model
+        found[f"route2/tp{tp}"] = {"weights": rec.weights, "start_rank": rec.start_rank.tolist(),
+                                   "single": [model.g4_rank_weights(r, 1)[0] for r in range(int(tp))]}
+        if int(tp) == 1:
+            found["route1/tp1"] = build(path).get_builder().shard_checkpoint()
+        bad = Path(job["scratch"]) / f"renamed-tp{tp}"
+        shutil.copytree(path, bad)
+        sd = load_file(bad / rank_file(0))
+        key = sorted(k for k in sd if k.endswith("mlp.down_proj.scale"))[0]
+        sd[key.replace("down_proj", "down_projection")] = sd.pop(key)
+        save_file(sd, bad / rank_file(0))
+        try:
+            build(bad).g4_rank_weights(0, 1)
+            found[f"refused/tp{tp}"] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts which
+            found[f"refused/tp{tp}"] = f"{type(e).__name__}: {e}"
+    return found
+
+
 def run(job: dict) -> None:
     t = time.perf_counter()
     try:
         kind = job.get("kind")
-        result = specs(job) if kind == "specs" else engine(job) if kind == "engine" else main(job)
+        result = (specs(job) if kind == "specs" else engine(job) if kind == "engine" else route2(job)
+                  if kind == "route2" else main(job))
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.perf_counter() - t

@@ -93,7 +93,10 @@ def install_nxdi(nxd_src: str, nxdi_src: str) -> None:
     - the four NKI names NxD's MoE code turns into values that end up in NxDI's config objects
       (``modules/moe/blockwise.py``: ``BlockShardStrategy``, ``ExpertAffinityScaleMode``,
       ``ActFnType``, ``SkipMode``) are real enums / a small class, not mocks (a mock inside a
-      config makes NxDI's ``to_dict`` recurse forever).
+      config makes NxDI's ``to_dict`` recurse forever);
+    - ``torch_neuronx.__version__`` is a 2.x string: NxD's ``ModelBuilder`` (which NxDI's
+      ``get_builder`` makes, for sharding and ``cast_weights`` as well as tracing) asserts it
+      (``trace/model_builder.py:461``).
     """
     if "neuronx_distributed_inference" in sys.modules:
         return
@@ -106,6 +109,7 @@ def install_nxdi(nxd_src: str, nxdi_src: str) -> None:
     import torch_neuronx.utils  # noqa: F401  (a stub)
 
     sys.modules["torch_neuronx.utils"].get_platform_target = lambda: "trn1"
+    sys.modules["torch_neuronx"].__version__ = "2.9.0"
     torch.classes.neuron = mock.MagicMock(name="torch.classes.neuron")
     import neuronxcc.nki._pre_prod_kernels as pre  # noqa: F401  (stubs)
     import neuronxcc.nki._pre_prod_kernels.blockwise_mm as bmm  # noqa: F401
