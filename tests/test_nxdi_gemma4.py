@@ -222,10 +222,13 @@ def lane(tmp_path_factory):
     jobs["specs"] = {"kind": "specs", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
                      "configs": {"embedded": str(EMBEDDED_DIR), "26B-A4B": str(base / "26b")},
                      "tps": SPEC_TPS, "result": str(base / "specs.pt")}
-    # after specs in the TP-1 process: what load_weights hands nxd_model.initialize on Neuron
+    # after specs in the TP-1 process: what load_weights hands nxd_model.initialize on Neuron, at TP 1,
+    # 2 and 4 (at 4 every KV head is replicated on two ranks; no generation runs at TP 4)
+    route2_dirs = {str(tp): str(d) for tp, d in int8_dirs.items()}
+    route2_dirs["4"] = str(convert_int8_neuron(EMBEDDED_DIR, base / "int8-tp4", tp=4, quantize_attention=False,
+                                               target="inf2.48xlarge", progress=False, seq_len=SEQ_LEN).out)
     jobs["route2"] = {"kind": "route2", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
-                      "results": {str(tp): str(d) for tp, d in int8_dirs.items()}, "scratch": str(base),
-                      "result": str(base / "route2.pt")}
+                      "results": route2_dirs, "scratch": str(base), "result": str(base / "route2.pt")}
     for name in ("chat_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
         jobs[name]["master_port"] = _free_port()
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
@@ -275,7 +278,7 @@ def lane(tmp_path_factory):
             r["ref_tokens"], r["ref_logits"] = refs[name]
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
     found["synth_full_window"] = refs["synth_full_window"]
-    found["int8_dirs"] = {tp: str(d) for tp, d in int8_dirs.items()}
+    found["route2_dirs"] = route2_dirs
     found["synth_config"], found["synth_dir"] = json.loads((synth / "config.json").read_text()), str(synth)
     found["wall_s"] = time.perf_counter() - t0
     found["overlay_s"] = t0 - t_overlay
@@ -532,9 +535,9 @@ def test_neuron_load_of_a_tp1_result_equals_nxdis_own_sharded_load(lane):
     assert {"torch.int8", "torch.float32", "torch.bfloat16", "torch.int32"} <= dtypes, dtypes
 
 
-def test_neuron_load_at_tp2_gives_each_rank_its_own_file_with_nxds_dtypes(lane):
-    """At TP 2, where NxDI's Route 1 cannot take a pre-sharded result: ``nxd_model.initialize`` gets
-    two dicts, rank r's from ``weights/tp{r}_sharded_checkpoint.safetensors`` (bit-equal after the
+def test_neuron_load_at_tp2_and_4_gives_each_rank_its_own_file_with_nxds_dtypes(lane):
+    """At TP 2 and 4, where NxDI's Route 1 cannot take a pre-sharded result: ``nxd_model.initialize``
+    gets one dict per rank (each checked inside against the traced module's per-rank shapes), rank r's from ``weights/tp{r}_sharded_checkpoint.safetensors`` (bit-equal after the
     cast), with per name the dtype NxDI's own load gives at TP 1; asking for one rank
     (``start_rank_id=r, local_ranks_size=1``, a multi-host load) gives the same dict."""
     from safetensors.torch import load_file
@@ -542,21 +545,22 @@ def test_neuron_load_at_tp2_gives_each_rank_its_own_file_with_nxds_dtypes(lane):
     from g4.exporters.neuron_int8 import rank_file
 
     r = lane["route2"]
-    got = r["route2/tp2"]
     dtypes = {k: v.dtype for k, v in r["route1/tp1"][0].items()}
-    assert len(got["weights"]) == 2 and got["start_rank"] == [0]
-    out = Path(lane["int8_dirs"][2])
-    for rank, weights in enumerate(got["weights"]):
-        assert {k: v.dtype for k, v in weights.items()} == dtypes
-        assert _same(weights, got["single"][rank]) == []
-        file = load_file(out / rank_file(rank))
-        assert _same(weights, {k: file[k].to(dtypes[k]) for k in file}) == []
-    differ = _same(*got["weights"])
-    assert "layers.0.moe.expert_mlps.mlp_op.down_proj.weight" in differ and "norm.weight" not in differ
+    for tp in (2, 4):
+        got = r[f"route2/tp{tp}"]
+        assert len(got["weights"]) == tp and got["start_rank"] == [0]
+        out = Path(lane["route2_dirs"][str(tp)])
+        for rank, weights in enumerate(got["weights"]):
+            assert {k: v.dtype for k, v in weights.items()} == dtypes
+            assert _same(weights, got["single"][rank]) == []
+            file = load_file(out / rank_file(rank))
+            assert _same(weights, {k: file[k].to(dtypes[k]) for k in file}) == []
+        differ = _same(got["weights"][0], got["weights"][1])
+        assert "layers.0.moe.expert_mlps.mlp_op.down_proj.weight" in differ and "norm.weight" not in differ
 
 
 def test_neuron_load_refuses_a_rank_file_that_is_not_the_layout(lane):
-    for tp in (1, 2):
+    for tp in (1, 2, 4):
         error = lane["route2"][f"refused/tp{tp}"]
         assert error and error.startswith("CheckpointError") and "down_projection.scale" in error, error
 
