@@ -80,6 +80,15 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+# Bytes per file write, and of a non-contiguous tensor copied per write (ShardedSafetensorsWriter.write).
+COPY_CHUNK_BYTES = 16 << 20
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of contiguous CPU tensor ``t`` (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
 def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Split tensors, in order, into shards of at most ``max_shard_bytes`` of data each.
 
@@ -155,9 +164,15 @@ class ShardedSafetensorsWriter:
         self._shard = -1
         self.total_bytes = sum(spec.nbytes for _, spec in self._order)
         self._index_metadata = dict(index_metadata or {})
+        self._staging: torch.Tensor | None = None  # reused for views (write)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (any device-independent CPU tensor) as the next planned tensor."""
+        """Append ``tensor`` (a CPU tensor of the planned dtype and shape) as the next planned tensor.
+
+        A contiguous tensor is written from its own memory; a view that is not contiguous (a
+        rank's column slice, a transpose) is copied :data:`COPY_CHUNK_BYTES` at a time (whole
+        rows of its first dimension) through one reused buffer: the same bytes as
+        ``tensor.contiguous()``, without a second copy of the tensor in RAM."""
         if self._next >= len(self._order):
             raise ExportError(f"output tensor {name} was not planned")
         shard_idx, spec = self._order[self._next]
@@ -168,8 +183,21 @@ class ShardedSafetensorsWriter:
                               f"planned {spec.dtype} {list(spec.shape)}")
         if shard_idx != self._shard:
             self._open(shard_idx)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(data.data)
+        tensor = tensor.detach()
+        if tensor.is_contiguous() or tensor.dim() == 0:
+            data = _bytes_of(tensor)
+            for b0 in range(0, len(data), COPY_CHUNK_BYTES):  # 16 MiB writes: one huge write() was 2-3x slower (bench)
+                self._fh.write(data[b0 : b0 + COPY_CHUNK_BYTES])
+        else:  # a view (a rank's slice, a transpose): copied a few rows at a time, never whole
+            row_bytes = max(tensor[0].numel() * tensor.element_size(), 1)
+            rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+            for r0 in range(0, tensor.shape[0], rows):
+                part = tensor[r0 : r0 + rows]
+                if self._staging is None or self._staging.numel() < part.numel() * part.element_size():
+                    self._staging = torch.empty(max(COPY_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
+                staged = self._staging[: part.numel() * part.element_size()].view(part.dtype).view(part.shape)
+                staged.copy_(part)
+                self._fh.write(_bytes_of(staged))
         self._next += 1
 
     def _open(self, shard_idx: int) -> None:

@@ -85,3 +85,33 @@ def test_a_write_error_in_the_writer_thread_is_raised_when_the_loop_ends(tiny_mm
     with pytest.raises(OSError, match="No space left"):
         with overlapped(ckpt, []) as (reader, out):
             out.write(BrokenWriter(), "x", torch.zeros(2))
+
+
+def test_writer_writes_views_a_chunk_at_a_time_as_their_contiguous_bytes(tmp_path, monkeypatch):
+    """``ShardedSafetensorsWriter.write`` of a non-contiguous view (a rank's column slice, a
+    transpose) copies it a few rows at a time through one buffer: with chunks far smaller than
+    each tensor (and rows that do not divide them), the file is byte for byte the file of the
+    contiguous copies."""
+    import torch
+
+    from g4.exporters import safetensors_writer as sw
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(37, 24, generator=g).to(torch.bfloat16)
+    experts = torch.randint(-128, 127, (5, 9, 14), dtype=torch.int8, generator=g)
+    views = {"cols": base[:, 8:20], "transposed": experts[:, :, 3:11].transpose(1, 2), "contiguous": base[5:30],
+             "scalar": torch.tensor(3.5)}
+    assert not views["cols"].is_contiguous() and not views["transposed"].is_contiguous()
+    specs = [sw.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in views.items()]
+    monkeypatch.setattr(sw, "COPY_CHUNK_BYTES", 100)  # several rows per chunk, many chunks per tensor
+    for name, as_given in (("views", True), ("copies", False)):
+        (tmp_path / name).mkdir()
+        w = sw.ShardedSafetensorsWriter(tmp_path / name, specs, file_name="x.safetensors")
+        for n, t in views.items():
+            w.write(n, t if as_given else t.contiguous())
+        w.close()
+    assert (tmp_path / "views" / "x.safetensors").read_bytes() == (tmp_path / "copies" / "x.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    back = load_file(tmp_path / "views" / "x.safetensors")
+    assert all(torch.equal(back[n], t) for n, t in views.items())
