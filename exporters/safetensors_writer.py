@@ -1,8 +1,9 @@
 """Streaming sharded safetensors output, planned before any data is produced.
 
 The shard layout is computed from the list of output tensors (name, dtype, shape) in
-production order, so each shard's header can be written first and tensor bytes then
-appended as they are produced: host RAM holds one tensor at a time, never a shard.
+production order, so each shard's header and every tensor's place are known first and tensor
+bytes are written at their places as they are produced (by one thread or several): host RAM
+holds the tensors being written, never a shard.
 
 File format: huggingface/safetensors ``docs/source/index.mdx`` (8-byte little-endian
 header length, JSON header with ``dtype``/``shape``/``data_offsets``, then raw
@@ -158,69 +159,139 @@ class ShardedSafetensorsWriter:
         else:
             self.shards = plan_shards(specs, max_shard_bytes)
             self.files = shard_file_names(len(self.shards))
-        self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
+        self._headers = [_header_bytes(shard) for shard in self.shards]
+        # (shard, byte offset in its file, spec) of every tensor, in plan order
+        self._order: list[tuple[int, int, TensorSpec]] = []
+        for i, shard in enumerate(self.shards):
+            offset = len(self._headers[i])
+            for spec in shard:
+                self._order.append((i, offset, spec))
+                offset += spec.nbytes
         self._next = 0
-        self._fh = None
-        self._shard = -1
-        self.total_bytes = sum(spec.nbytes for _, spec in self._order)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._written = 0
+        self._local = threading.local()  # per-thread staging buffer for views (put)
+        self.total_bytes = sum(spec.nbytes for _, _, spec in self._order)
         self._index_metadata = dict(index_metadata or {})
-        self._staging: torch.Tensor | None = None  # reused for views (write)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (a CPU tensor of the planned dtype and shape) as the next planned tensor.
+        """Write ``tensor`` (a CPU tensor of the planned dtype and shape) as the next planned
+        tensor: :meth:`claim` then :meth:`put`."""
+        self.put(self.claim(name, tensor), tensor)
 
-        A contiguous tensor is written from its own memory; a view that is not contiguous (a
-        rank's column slice, a transpose) is copied :data:`COPY_CHUNK_BYTES` at a time (whole
-        rows of its first dimension) through one reused buffer: the same bytes as
-        ``tensor.contiguous()``, without a second copy of the tensor in RAM."""
+    def claim(self, name: str, tensor: torch.Tensor) -> int:
+        """Check that ``tensor`` is the next planned tensor (name, dtype, shape) and take its
+        place in the files; returns the slot to :meth:`put` it into. Claims come in plan order
+        (one thread); puts may then come from any thread, in any order.
+
+        Raises:
+            ExportError: not planned, out of order, or another dtype/shape than planned.
+        """
         if self._next >= len(self._order):
             raise ExportError(f"output tensor {name} was not planned")
-        shard_idx, spec = self._order[self._next]
+        spec = self._order[self._next][2]
         if name != spec.name:
             raise ExportError(f"output tensor {name} written out of order; expected {spec.name}")
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ExportError(f"output tensor {name} is {tensor.dtype} {list(tensor.shape)}, "
                               f"planned {spec.dtype} {list(spec.shape)}")
-        if shard_idx != self._shard:
-            self._open(shard_idx)
+        self._next += 1
+        return self._next - 1
+
+    def put(self, slot: int, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """Write ``tensor`` at the place of ``slot`` (from :meth:`claim`); thread-safe, so several
+        threads can write different tensors, or different rows of one, at once.
+
+        Args:
+            slot: from :meth:`claim`.
+            tensor: the claimed tensor, or rows ``[first_row, first_row + len(tensor))`` of its
+                first dimension (``claimed[first_row:first_row + n]``).
+            first_row: index of ``tensor``'s first row in the claimed tensor.
+
+        A contiguous tensor is written from its own memory; a view that is not contiguous (a
+        rank's column slice, a transpose) is copied a few rows at a time through a reused
+        per-thread buffer: the same bytes as ``tensor.contiguous()``, without a second copy of
+        the tensor in RAM. Every write is at most :data:`COPY_CHUNK_BYTES`.
+
+        Raises:
+            OSError: the file cannot be created or written.
+        """
+        shard_idx, offset, _ = self._order[slot]
+        fd = self._fd(shard_idx)
         tensor = tensor.detach()
+        total = tensor.numel() * tensor.element_size()
+        if first_row:
+            offset += first_row * tensor[0].numel() * tensor.element_size()
         if tensor.is_contiguous() or tensor.dim() == 0:
             data = _bytes_of(tensor)
             for b0 in range(0, len(data), COPY_CHUNK_BYTES):  # 16 MiB writes: one huge write() was 2-3x slower (bench)
-                self._fh.write(data[b0 : b0 + COPY_CHUNK_BYTES])
+                _pwrite_all(fd, data[b0 : b0 + COPY_CHUNK_BYTES], offset + b0)
         else:  # a view (a rank's slice, a transpose): copied a few rows at a time, never whole
             row_bytes = max(tensor[0].numel() * tensor.element_size(), 1)
             rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+            staging = getattr(self._local, "staging", None)
             for r0 in range(0, tensor.shape[0], rows):
                 part = tensor[r0 : r0 + rows]
-                if self._staging is None or self._staging.numel() < part.numel() * part.element_size():
-                    self._staging = torch.empty(max(COPY_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
-                staged = self._staging[: part.numel() * part.element_size()].view(part.dtype).view(part.shape)
+                n = part.numel() * part.element_size()
+                if staging is None or staging.numel() < n:
+                    staging = self._local.staging = torch.empty(max(COPY_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
+                staged = staging[:n].view(part.dtype).view(part.shape)
                 staged.copy_(part)
-                self._fh.write(_bytes_of(staged))
-        self._next += 1
+                _pwrite_all(fd, _bytes_of(staged), offset)
+                offset += n
+        with self._lock:
+            self._written += total
 
-    def _open(self, shard_idx: int) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        self._shard = shard_idx
-        self._fh = open(self.out_dir / self.files[shard_idx], "wb")
-        self._fh.write(_header_bytes(self.shards[shard_idx]))
+    def _fd(self, shard_idx: int) -> int:
+        """The shard's file, created (header written) on first use."""
+        with self._lock:
+            fd = self._fds.get(shard_idx)
+            if fd is None:
+                fd = os.open(self.out_dir / self.files[shard_idx], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                self._fds[shard_idx] = fd
+                _pwrite_all(fd, memoryview(self._headers[shard_idx]), 0)
+            return fd
+
+    def __del__(self):  # an abandoned writer (an error before close) does not keep its files open
+        for fd in getattr(self, "_fds", {}).values():
+            with suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
-        """Finish the last shard and write the index (when there is more than one shard)."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        if self._next != len(self._order):
-            missing = self._order[self._next][1].name
-            raise ExportError(f"output incomplete: tensor {missing} and {len(self._order) - self._next - 1} more not written")
+        """Close the files and write the index (when there is more than one shard).
+
+        Raises:
+            ExportError: a planned tensor was not written.
+        """
+        try:
+            if self._next != len(self._order):
+                missing = self._order[self._next][2].name
+                raise ExportError(f"output incomplete: tensor {missing} and {len(self._order) - self._next - 1} "
+                                  "more not written")
+            if self._written != self.total_bytes:
+                raise ExportError(f"output incomplete: {self.total_bytes - self._written} bytes of claimed tensors "
+                                  "not written")
+            for i in range(len(self.shards)):  # a shard of empty tensors only gets its header too
+                self._fd(i)
+        finally:
+            with self._lock:
+                fds, self._fds = list(self._fds.values()), {}
+            for fd in fds:
+                os.close(fd)
         if len(self.files) > 1:
             index = {
                 "metadata": {"total_size": self.total_bytes, **self._index_metadata},
-                "weight_map": {spec.name: self.files[i] for i, spec in self._order},
+                "weight_map": {spec.name: self.files[i] for i, _, spec in self._order},
             }
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``data`` is at ``offset`` (a short write continues)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 # Files that mark a directory as a g4 result, which --overwrite may replace (their JSON

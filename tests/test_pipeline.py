@@ -78,7 +78,10 @@ def test_a_write_error_in_the_writer_thread_is_raised_when_the_loop_ends(tiny_mm
     from g4.convert.pipeline import overlapped
 
     class BrokenWriter:
-        def write(self, name, t):
+        def claim(self, name, t):
+            return 0
+
+        def put(self, slot, t, first_row=0):
             raise OSError(28, "No space left on device")
 
     ckpt = Checkpoint(tiny_mm)
@@ -115,3 +118,46 @@ def test_writer_writes_views_a_chunk_at_a_time_as_their_contiguous_bytes(tmp_pat
 
     back = load_file(tmp_path / "views" / "x.safetensors")
     assert all(torch.equal(back[n], t) for n, t in views.items())
+
+
+def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkeypatch):
+    """Two writing threads, tensors cut into pieces of a few rows that the threads share, two
+    files written at once: each file is byte for byte the file written sequentially; a tensor
+    queued out of plan order is refused at once, in the caller."""
+    import torch
+
+    from g4.convert import pipeline
+    from g4.convert.errors import ExportError
+    from g4.exporters import safetensors_writer as sw
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(61, 40, generator=g).to(torch.bfloat16)
+    tensors = {"a": base[:, 3:33], "b": base.t(), "c": torch.randint(-128, 127, (7, 3, 50), dtype=torch.int8,
+                                                                      generator=g), "d": torch.tensor(2.0), "e": base[:0]}
+    specs = [sw.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    monkeypatch.setattr(pipeline, "WRITE_PIECE_BYTES", 300)
+    monkeypatch.setattr(sw, "COPY_CHUNK_BYTES", 200)
+    for d in ("seq", "bg"):
+        (tmp_path / d).mkdir()
+    seq = sw.ShardedSafetensorsWriter(tmp_path / "seq", specs, max_shard_bytes=4000)
+    for n, t in tensors.items():
+        seq.write(n, t.contiguous())
+    seq.close()
+    assert len(seq.files) > 1
+    writers = [sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, max_shard_bytes=4000),
+               sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="one.safetensors")]
+    out = pipeline.BackgroundWriter(budget_bytes=1000, threads=2)
+    for n, t in tensors.items():
+        for w in writers:
+            out.write(w, n, t)
+    with pytest.raises(ExportError, match="written out of order; expected"):
+        out.write(sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="x.safetensors"), "b", tensors["b"])
+    out.close()
+    for w in writers:
+        w.close()
+    for f in seq.files + ["model.safetensors.index.json"]:
+        assert (tmp_path / "bg" / f).read_bytes() == (tmp_path / "seq" / f).read_bytes()
+    from safetensors.torch import load_file
+
+    one = load_file(tmp_path / "bg" / "one.safetensors")
+    assert all(torch.equal(one[n], t) for n, t in tensors.items())
