@@ -293,8 +293,9 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
         (quantized linears, quantized parameters, bytes of their codes and scales).
     """
     n_quant = params_quant = quant_bytes = 0
-    reads = [n for lay in layout.layers for n in lay.sources.values()]
-    # Read the next layer while this one is calibrated and quantized, write in the background.
+    reads = [n for lay in layout.layers for n in lay.sources.values()] + [t.source for t in layout.model]
+    # Read the next layer while this one is calibrated and quantized, write in the background;
+    # the kept model tensors (embeddings, towers, final norm) after the layers, the same way.
     # The reader holds at most one tensor (or READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
     with overlapped(ckpt, reads, bar=bar) as (reader, out):
@@ -325,9 +326,10 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
             del w, by_source
-    for t in layout.model:
-        writer.write(t.name, ckpt.get_finite(t.source))
-        bar.update(ckpt.tensors[t.source].nbytes)
+        bar.set_postfix_str("copying the model tensors", refresh=False)
+        for t in layout.model:
+            out.write(writer, t.name, reader.get(t.source))
+            bar.update(ckpt.tensors[t.source].nbytes)
     return n_quant, params_quant, quant_bytes
 
 
