@@ -222,11 +222,11 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 
 def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
                    quantize_attention: bool) -> int:
-    """Every rank file, one decoder layer in RAM at a time, then the model tensors (device
-    embedding shards, final norm, lm_head) and the host embedding table, all through one
-    overlapped loop: the embedding is read while the last layer is quantized, and every
-    tensor is written in the background. Returns the bytes of one rank file (all are the
-    same size)."""
+    """The host embedding table (copied from the source in the background from the start),
+    every rank file, one decoder layer in RAM at a time, then the model tensors (device
+    embedding shards, final norm, lm_head), all through one overlapped loop: the embedding is
+    read while the last layer is quantized, and every tensor is written in the background.
+    Returns the bytes of one rank file (all are the same size)."""
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
@@ -240,6 +240,9 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
     with overlapped(ckpt, reads + model_reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES),
                     bar=bar) as (reader, out):
+        # the host table is the source's bytes (unscaled: the runtime applies embed_scale): copied
+        # first, while the first layer is read and quantized
+        out.copy(host, EMBED_TENSOR, embed_info)
         for L, src_names, entries in layers:
             for e in entries:
                 if e.source is None:  # a rank index
@@ -267,7 +270,6 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
             _write_entry(writers, e, values.get(name), g, None, "", out.write)
             if name != embed_name and e.key == "lm_head":  # an untied model's own head
                 bar.update(ckpt.tensors[name].nbytes)
-        out.write(host, EMBED_TENSOR, values[embed_name])  # unscaled: the runtime applies embed_scale
         del values
     for w in (*writers, host):
         w.close()

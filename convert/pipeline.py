@@ -176,11 +176,12 @@ class BackgroundWriter:
     def _run(self) -> None:
         try:
             while (item := self._q.take()) is not None:
-                writer, slot, t, first_row = item
-                writer.put(slot, t, first_row)
-                self._q.release(t.numel() * t.element_size())
+                job, args, held, nbytes = item
+                job(*args)
+                if held:
+                    self._q.release(held)
                 if self._on_written is not None:
-                    self._on_written(t.numel() * t.element_size())
+                    self._on_written(nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to the producer
             self._q.fail(e)
 
@@ -198,7 +199,25 @@ class BackgroundWriter:
         rows = max(1, WRITE_PIECE_BYTES // row_bytes) if row_bytes else 1
         for r0 in range(0, max(len(tensor) if tensor.dim() else 1, 1), rows):  # pieces the threads share
             piece = tensor[r0 : r0 + rows] if tensor.dim() else tensor
-            self._q.put((writer, slot, piece, r0), piece.numel() * piece.element_size(), held=True)
+            n = piece.numel() * piece.element_size()
+            self._q.put((writer.put, (slot, piece, r0), n, n), n, held=True)
+
+    def copy(self, writer, name: str, source) -> None:
+        """Queue planned tensor ``name`` of ``writer`` as a copy of the stored bytes of source
+        tensor ``source`` (a ``TensorInfo``: path, offset, dtype, shape), ahead of its turn
+        (``ShardedSafetensorsWriter.claim_early``, ``copy_in``): for a tensor kept exactly as
+        stored, written while the layers are still being quantized; it takes no RAM.
+
+        Raises:
+            ExportError: ``name`` is not planned, already claimed, or planned in another dtype/shape.
+            whatever a writing thread raised before.
+        """
+        if self._q.error is not None:
+            raise self._q.error
+        slot = writer.claim_early(name, source.dtype, source.shape)
+        for b0 in range(0, max(source.nbytes, 1), WRITE_PIECE_BYTES):
+            n = min(WRITE_PIECE_BYTES, source.nbytes - b0)
+            self._q.put((writer.copy_in, (slot, source.path, source.offset, b0, n), 0, n), 0)
 
     def close(self) -> None:
         """Write everything queued, stop the threads, raise a thread's error if any."""

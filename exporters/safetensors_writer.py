@@ -168,6 +168,7 @@ class ShardedSafetensorsWriter:
                 self._order.append((i, offset, spec))
                 offset += spec.nbytes
         self._next = 0
+        self._early: set[int] = set()
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self._written = 0
@@ -188,16 +189,54 @@ class ShardedSafetensorsWriter:
         Raises:
             ExportError: not planned, out of order, or another dtype/shape than planned.
         """
+        while self._next in self._early:  # taken out of order by claim_early
+            self._next += 1
         if self._next >= len(self._order):
             raise ExportError(f"output tensor {name} was not planned")
         spec = self._order[self._next][2]
         if name != spec.name:
             raise ExportError(f"output tensor {name} written out of order; expected {spec.name}")
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ExportError(f"output tensor {name} is {tensor.dtype} {list(tensor.shape)}, "
-                              f"planned {spec.dtype} {list(spec.shape)}")
+        _check_planned(spec, tensor.dtype, tensor.shape)
         self._next += 1
         return self._next - 1
+
+    def claim_early(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        """Take the place of planned tensor ``name`` (of ``dtype`` and ``shape``) ahead of its turn,
+        e.g. to :meth:`copy_in` it from the source while earlier tensors are still being produced;
+        :meth:`claim` then passes over it. Returns its slot.
+
+        Raises:
+            ExportError: not planned, already claimed, or another dtype/shape than planned.
+        """
+        slot = next((i for i in range(self._next, len(self._order)) if self._order[i][2].name == name), None)
+        if slot is None or slot in self._early:
+            raise ExportError(f"output tensor {name} was not planned or is already claimed")
+        _check_planned(self._order[slot][2], dtype, shape)
+        self._early.add(slot)
+        return slot
+
+    def copy_in(self, slot: int, src: Path, src_offset: int, first_byte: int = 0, nbytes: int | None = None) -> None:
+        """Write bytes ``[first_byte, first_byte + nbytes)`` of the tensor of ``slot`` (default:
+        all of it) from file ``src`` at ``src_offset + first_byte``, copied by the kernel
+        (``os.copy_file_range``: no copy through this process's memory); thread-safe as
+        :meth:`put`. For a tensor kept exactly as its source stored it.
+
+        Raises:
+            OSError: a file cannot be read or written, or ``src`` ends early.
+        """
+        shard_idx, offset, spec = self._order[slot]
+        nbytes = spec.nbytes - first_byte if nbytes is None else nbytes
+        fd = self._fd(shard_idx)
+        with open(src, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                n = os.copy_file_range(f.fileno(), fd, nbytes - done, src_offset + first_byte + done,
+                                       offset + first_byte + done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{src}: ends before the tensor's data")
+                done += n
+        with self._lock:
+            self._written += nbytes
 
     def put(self, slot: int, tensor: torch.Tensor, first_row: int = 0) -> None:
         """Write ``tensor`` at the place of ``slot`` (from :meth:`claim`); thread-safe, so several
@@ -265,6 +304,8 @@ class ShardedSafetensorsWriter:
             ExportError: a planned tensor was not written.
         """
         try:
+            while self._next in self._early:
+                self._next += 1
             if self._next != len(self._order):
                 missing = self._order[self._next][2].name
                 raise ExportError(f"output incomplete: tensor {missing} and {len(self._order) - self._next - 1} "
@@ -285,6 +326,11 @@ class ShardedSafetensorsWriter:
                 "weight_map": {spec.name: self.files[i] for i, _, spec in self._order},
             }
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _check_planned(spec: TensorSpec, dtype: torch.dtype, shape) -> None:
+    if dtype != spec.dtype or tuple(shape) != spec.shape:
+        raise ExportError(f"output tensor {spec.name} is {dtype} {list(shape)}, planned {spec.dtype} {list(spec.shape)}")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

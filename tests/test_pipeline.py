@@ -144,12 +144,23 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
         seq.write(n, t.contiguous())
     seq.close()
     assert len(seq.files) > 1
+    from safetensors.torch import save_file
+
+    from g4.convert.checkpoint import read_safetensors_header
+
+    save_file({"pad": torch.zeros(3, dtype=torch.int8), "b": tensors["b"].contiguous()}, tmp_path / "src.safetensors")
+    stored = read_safetensors_header(tmp_path / "src.safetensors")["b"]
     writers = [sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, max_shard_bytes=4000),
                sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="one.safetensors")]
     out = pipeline.BackgroundWriter(budget_bytes=1000, threads=2)
+    for w in writers:  # "b" copied from the source file ahead of its turn, in pieces
+        out.copy(w, "b", stored)
+    with pytest.raises(ExportError, match="already claimed"):
+        out.copy(writers[0], "b", stored)
     for n, t in tensors.items():
         for w in writers:
-            out.write(w, n, t)
+            if n != "b":
+                out.write(w, n, t)
     with pytest.raises(ExportError, match="written out of order; expected"):
         out.write(sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="x.safetensors"), "b", tensors["b"])
     out.close()
