@@ -227,11 +227,11 @@ class ShardedSafetensorsWriter:
         shard_idx, offset, spec = self._order[slot]
         nbytes = spec.nbytes - first_byte if nbytes is None else nbytes
         fd = self._fd(shard_idx)
+        src_at, dst_at = src_offset + first_byte, offset + first_byte
         with open(src, "rb", buffering=0) as f:
             done = 0
             while done < nbytes:
-                n = os.copy_file_range(f.fileno(), fd, nbytes - done, src_offset + first_byte + done,
-                                       offset + first_byte + done)
+                n = _copy_range(f.fileno(), fd, nbytes - done, src_at + done, dst_at + done)
                 if n == 0:
                     raise OSError(errno.EIO, f"{src}: ends before the tensor's data")
                 done += n
@@ -331,6 +331,24 @@ class ShardedSafetensorsWriter:
 def _check_planned(spec: TensorSpec, dtype: torch.dtype, shape) -> None:
     if dtype != spec.dtype or tuple(shape) != spec.shape:
         raise ExportError(f"output tensor {spec.name} is {dtype} {list(shape)}, planned {spec.dtype} {list(spec.shape)}")
+
+
+_NO_COPY_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_at: int, dst_at: int) -> int:
+    """Copy up to ``nbytes`` from ``src_fd`` at ``src_at`` to ``dst_fd`` at ``dst_at``; bytes
+    copied (0 at the end of the source). ``os.copy_file_range`` where the OS and file systems
+    have it (Linux), else a read and a positioned write of at most :data:`COPY_CHUNK_BYTES`."""
+    if hasattr(os, "copy_file_range"):
+        try:
+            return os.copy_file_range(src_fd, dst_fd, nbytes, src_at, dst_at)
+        except OSError as e:
+            if e.errno not in _NO_COPY_RANGE:
+                raise
+    data = os.pread(src_fd, min(nbytes, COPY_CHUNK_BYTES), src_at)
+    _pwrite_all(dst_fd, memoryview(data), dst_at)
+    return len(data)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
