@@ -278,14 +278,11 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
 
 
 def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, layer: int | None, prefix: str,
-                 write=None) -> None:
+                 write) -> None:
     """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
-    each rank's pieces (default: ``writer.write(name, t)`` now)."""
+    each rank's pieces (views where the rule allows; ``BackgroundWriter.write``)."""
     value = int8.quantize(tensor) if e.int8 else tensor
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):
-            if write is None:
-                w.write(n, t)
-            else:
-                write(w, n, t)
+            write(w, n, t)
