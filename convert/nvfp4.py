@@ -311,7 +311,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             amax = None
             if calibrator is not None:
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
-                amax = calibrator.run_layer(lay.index, w)
+                amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
+                    f"layer {L}: calibrating, {done}/{n} samples"))
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
