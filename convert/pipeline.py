@@ -42,8 +42,8 @@ WRITE_PIECE_BYTES = 64 << 20
 
 
 class _ByteBudget:
-    """A FIFO of (key, tensor) with blocking put while more than ``budget`` bytes wait
-    (one item larger than the budget is let through alone)."""
+    """A FIFO of items with blocking put while more than ``budget`` bytes wait, or are held
+    by a taker until :meth:`release` (one item larger than the budget is let through alone)."""
 
     def __init__(self, budget: int):
         self.budget = budget
