@@ -11,27 +11,53 @@ runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
 
 The I/O floor is measured in the same run, right after the conversion: read every source
 file (16 MiB reads) and write as many bytes as the conversion wrote to a file on the same
-disk; the conversion cannot beat read + write on one disk. Printed: seconds per layer of
-both, their ratio (the issue's target is <= 1.5), and both projected to the real model's
+disk, by as many threads as the conversion writes with (``g4.convert.pipeline.WRITE_THREADS``:
+on this 2-core machine two threads wrote 5.4 GB of new data 2 to 10 times faster than one in
+alternating runs, so a one-thread floor would be no floor; ``--write-threads`` overrides it, e.g.
+to measure an older g4 against the same floor); the conversion cannot beat read + write on one
+disk. Printed: seconds per layer of both, their ratio (the issue's target is <= 1.5), and both projected to the real model's
 bytes (30 layers).
+
+Both timed phases start from the same page-cache state (:func:`settle`): every dirty page
+flushed (``os.sync``), so neither pays for writing back the other's output (the floor used
+to run while the conversion's gigabytes were still being written back, which slowed it and
+made the ratio look better than it was), and the source read once untimed, so both
+read it from the page cache (the floor used to read it warm, right after the conversion,
+while the conversion read it cold or warm depending on what ran before). Neither phase
+syncs its own output: both are timed up to the last write into the page cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 GIB = 2**30
 
 
-def io_floor_seconds(src: Path, nbytes_out: int, work: Path) -> float:
+def settle(src: Path) -> None:
+    """Bring the page cache to the state both timed phases start from: nothing dirty
+    (``os.sync``), every source file read once (warm)."""
+    os.sync()
+    buf = bytearray(16 << 20)
+    for f in sorted(src.rglob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def io_floor_seconds(src: Path, nbytes_out: int, work: Path, threads: int) -> float:
     """Seconds to read every file under ``src`` and then write ``nbytes_out`` bytes into ``work``
-    (same disk as the conversion's output), in 16 MiB pieces; the scratch file is removed."""
+    (same disk as the conversion's output), in 16 MiB pieces, written by ``threads`` threads at
+    once (positioned writes into one file, as the conversion's writer threads do); the scratch
+    file is removed."""
     chunk = 16 << 20
     buf = bytearray(chunk)
     t = time.perf_counter()
@@ -40,11 +66,21 @@ def io_floor_seconds(src: Path, nbytes_out: int, work: Path) -> float:
             while fh.readinto(buf):
                 pass
     scratch = work / "_io_floor.bin"
-    with open(scratch, "wb", buffering=0) as fh:
-        left = nbytes_out
-        while left > 0:
-            left -= fh.write(memoryview(buf)[: min(chunk, left)])
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    per = -(-nbytes_out // threads)
+
+    def write(i: int) -> None:
+        at, end = i * per, min((i + 1) * per, nbytes_out)
+        while at < end:
+            at += os.pwrite(fd, memoryview(buf)[: min(chunk, end - at)], at)
+
+    pool = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
     seconds = time.perf_counter() - t
+    os.close(fd)
     scratch.unlink()
     return seconds
 
@@ -58,6 +94,8 @@ def main() -> None:
     ap.add_argument("--weight-only", action="store_true")
     ap.add_argument("--format", choices=["nvfp4", "int8-neuron"], default="nvfp4")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--write-threads", type=int, default=None,
+                    help="threads writing the floor's bytes (default: g4.convert.pipeline.WRITE_THREADS)")
     args = ap.parse_args()
     from g4.convert.checkpoint import Checkpoint
     from g4.convert.synth import synthetic_config, synthetic_specs
@@ -80,11 +118,17 @@ def main() -> None:
                 f"{str(out)!r}, tp={args.tp}, target='inf2.xlarge', progress=False); out_bytes = r.bytes_per_rank[0]")
     cmd = [sys.executable, "-c", f"import sys; {call}; print(r.summary(), file=sys.stderr); "
            "print(r.seconds, r.bytes_in, out_bytes, r.peak_rss_bytes)"]
+    settle(src)
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     seconds, bytes_in, bytes_out, rss = (float(x) for x in res.stdout.split())
     print(res.stderr.strip().splitlines()[-1])
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    floor = io_floor_seconds(src, written, args.work)
+    settle(src)
+    if args.write_threads is None:
+        from g4.convert.pipeline import WRITE_THREADS as threads
+    else:
+        threads = args.write_threads
+    floor = io_floor_seconds(src, written, args.work, threads)
     real_in = sum(s.nbytes for s in synthetic_specs(synthetic_config("gemma-4-26B-A4B")))
     print(json.dumps({"layers": args.layers, "format": args.format, "weight_only": args.weight_only,
                       "seconds_per_layer": round(seconds / args.layers, 2),

@@ -220,13 +220,16 @@ class LayerCalibrator:
                 for t in set(self.config.layer_types)}
 
     @torch.no_grad()
-    def run_layer(self, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_layer(self, layer: int, weights: dict[str, torch.Tensor],
+                  on_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
         """Calibrate layer ``layer`` and advance the hidden states past it.
 
         Args:
             layer: decoder layer index.
             weights: ``{canonical suffix: tensor}`` of every tensor of the layer
                 (e.g. ``"self_attn.q_proj.weight"``, ``"experts.gate_up_proj"``).
+            on_batch: called after each batch of samples with ``(samples done, samples)``
+                (a progress bar's phase counter).
 
         Returns:
             ``{module suffix: float32 [] amax}`` for ``self_attn.{q,k,v,o}_proj``,
@@ -255,6 +258,8 @@ class LayerCalibrator:
                     batch, None, shared_kv_states={}, position_embeddings=position_embeddings,
                     attention_mask=mask, position_ids=position_ids,
                 ).to(self.hidden.device)
+                if on_batch is not None:
+                    on_batch(min(start + self.batch_size, self.hidden.shape[0]), self.hidden.shape[0])
         finally:
             for h in hooks:
                 h.remove()

@@ -59,12 +59,14 @@ class TensorInfo:
         dtype, shape: as stored.
         path: the shard file itself, symlinks resolved once: the file whose header was
             checked, which is hashed and from which the tensor is read.
+        offset: byte offset of the tensor's data in ``path`` (raw little-endian, contiguous).
     """
 
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     path: Path
+    offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +116,7 @@ def read_safetensors_header(path: Path, *, file: str | None = None, shown: Path 
             raise CheckpointError(f"{label}: tensor {name} has a malformed header entry ({type(e).__name__}: {e})") from e
         if dtype is None:
             raise CheckpointError(f"{label}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-        info = TensorInfo(file or path.name, dtype, shape, path)
+        info = TensorInfo(file or path.name, dtype, shape, path, 8 + n + start)
         if end - start != info.nbytes:
             raise CheckpointError(
                 f"{label}: tensor {name} spans {end - start} bytes but {info.dtype} {list(info.shape)} needs {info.nbytes}"

@@ -222,16 +222,27 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 
 def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
                    quantize_attention: bool) -> int:
-    """Every rank file, one decoder layer in RAM at a time, then the host embedding table.
+    """The host embedding table (copied from the source in the background from the start),
+    every rank file, one decoder layer in RAM at a time, then the model tensors (device
+    embedding shards, final norm, lm_head), all through one overlapped loop: the embedding is
+    read while the last layer is quantized, and every tensor is written in the background.
     Returns the bytes of one rank file (all are the same size)."""
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
+    embed_info = ckpt.tensors[embed_name]
+    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed_info.dtype, tuple(embed_info.shape))],
+                                    file_name=EMBED_FILE)
+    model_reads = list(dict.fromkeys(name for _, name in model if name is not None))  # embed_tokens once
     reads = [src_names[e.source] for _, src_names, entries in layers for e in entries if e.source is not None]
     largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
-    with overlapped(ckpt, reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES), bar=bar) as (reader, out):
+    with overlapped(ckpt, reads + model_reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES),
+                    bar=bar) as (reader, out):
+        # the host table is the source's bytes (unscaled: the runtime applies embed_scale): copied
+        # first, while the first layer is read and quantized
+        out.copy(host, EMBED_TENSOR, embed_info)
         for L, src_names, entries in layers:
             for e in entries:
                 if e.source is None:  # a rank index
@@ -250,31 +261,28 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
             bar.update(max(rest, 0))
             log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", g.tp)
-    embed = ckpt.get_finite(embed_name)
-    for e, name in model:
-        value = embed if name == embed_name else None if name is None else ckpt.get_finite(name)
-        _write_entry(writers, e, value, g, None, "")
-        if name != embed_name and e.key == "lm_head":  # an untied model's own head
-            bar.update(ckpt.tensors[name].nbytes)
-    for w in writers:
+        values: dict[str, torch.Tensor] = {}
+        for e, name in model:
+            if name is not None and name not in values:
+                bar.set_postfix_str(f"reading {name}", refresh=False)
+                values[name] = reader.get(name)
+            bar.set_postfix_str(f"quantizing {e.key}" if e.int8 else f"copying {e.key}")
+            _write_entry(writers, e, values.get(name), g, None, "", out.write)
+            if name != embed_name and e.key == "lm_head":  # an untied model's own head
+                bar.update(ckpt.tensors[name].nbytes)
+        del values
+    for w in (*writers, host):
         w.close()
-    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed.dtype, tuple(embed.shape))],
-                                    file_name=EMBED_FILE)
-    host.write(EMBED_TENSOR, embed)  # unscaled: the runtime applies embed_scale
-    host.close()
-    bar.update(ckpt.tensors[embed_name].nbytes)
+    bar.update(embed_info.nbytes)
     return writers[0].total_bytes
 
 
 def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, layer: int | None, prefix: str,
-                 write=None) -> None:
+                 write) -> None:
     """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
-    each rank's pieces (default: ``writer.write(name, t)`` now)."""
+    each rank's pieces (views where the rule allows; ``BackgroundWriter.write``)."""
     value = int8.quantize(tensor) if e.int8 else tensor
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):
-            if write is None:
-                w.write(n, t)
-            else:
-                write(w, n, t)
+            write(w, n, t)

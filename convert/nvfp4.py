@@ -1,9 +1,10 @@
 """``g4convert nvfp4``: stream a Gemma 4 MoE checkpoint into a modelopt NVFP4 checkpoint.
 
 Pipeline: validate the source (headers, index, config, name table) -> plan every output
-tensor -> per decoder layer: read its tensors, calibrate input amax through it, unfuse
-and quantize its experts and dense linears, append to the planned shards, free ->
-copy kept tensors -> write metadata -> check the result -> rename into place.
+tensor -> copy the kept model tensors' bytes to their places (in the background) -> per
+decoder layer: read its tensors, calibrate input amax through it, unfuse and quantize its
+experts and dense linears, write them at their places, free -> write metadata -> check the
+result -> rename into place.
 
 Peak host RAM is about one decoder layer in the source dtype (plus calibration
 activations), never the model. Output format: NVIDIA Model Optimizer's Hugging Face export
@@ -298,6 +299,10 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
     # The reader holds at most one tensor (or READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
     with overlapped(ckpt, reads, bar=bar) as (reader, out):
+        # The kept model tensors (embeddings, towers, final norm; checked finite before) are
+        # the source's bytes at their places in OUT: copied first, while the layers are quantized.
+        for t in layout.model:
+            out.copy(writer, t.name, ckpt.tensors[t.source])
         for lay in layout.layers:
             layer_bytes = sum(ckpt.tensors[n].nbytes for n in lay.sources.values())
             layer_params = params_in_layer(lay)
@@ -306,7 +311,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             amax = None
             if calibrator is not None:
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
-                amax = calibrator.run_layer(lay.index, w)
+                amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
+                    f"layer {L}: calibrating, {done}/{n} samples"))
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
@@ -325,9 +331,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
             del w, by_source
-    for t in layout.model:
-        writer.write(t.name, ckpt.get_finite(t.source))
-        bar.update(ckpt.tensors[t.source].nbytes)
+    bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
 
 

@@ -3,14 +3,15 @@ I/O release the GIL).
 
 - :class:`Prefetcher` reads source tensors in the order they will be asked for, in a
   background thread, at most ``budget_bytes`` ahead of the consumer;
-- :class:`BackgroundWriter` appends tensors to their ``ShardedSafetensorsWriter`` in a
-  background thread, in the order they were queued, at most ``budget_bytes`` behind;
+- :class:`BackgroundWriter` writes tensors into their ``ShardedSafetensorsWriter`` in
+  background threads, each at its planned place, at most ``budget_bytes`` behind;
 - :class:`BackgroundHashes` hashes the source files while the conversion runs (their bytes are
   then mostly in the page cache already, or soon);
 - :func:`overlapped` runs a layer loop with the first two.
 
-The reader and the writer keep the sequential order of every read and every write, so the files are the same
-bytes as a sequential run. An exception in a thread is raised again in the caller at its
+The reader keeps the order of the reads; the writer claims each tensor's place in the order
+it was queued (names, dtypes and shapes checked then), so the files are the same bytes as a
+sequential run, whichever thread writes which piece when. An exception in a thread is raised again in the caller at its
 next call, or at :meth:`close`.
 """
 
@@ -33,44 +34,58 @@ from .errors import CheckpointError
 # queued for the writer thread (BackgroundWriter), in the conversions' layer loops.
 READ_AHEAD_BYTES = 64 << 20
 WRITE_BEHIND_BYTES = 256 << 20
+# Threads writing the outputs (BackgroundWriter): two wrote new file data about 3x faster than
+# one on the 2-core machine here (bench/bench_convert.py measures its I/O floor the same way).
+WRITE_THREADS = 2
+# Rows of a larger tensor are queued in pieces of about this many bytes, so both threads write it.
+WRITE_PIECE_BYTES = 64 << 20
 
 
 class _ByteBudget:
-    """A FIFO of (key, tensor) with blocking put while more than ``budget`` bytes wait
-    (one item larger than the budget is let through alone)."""
+    """A FIFO of items with blocking put while more than ``budget`` bytes wait, or are held
+    by a taker until :meth:`release` (one item larger than the budget is let through alone)."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.items: deque = deque()
-        self.bytes = 0
+        self.bytes = 0  # queued, and held by a taker (put(held=True)) until released
         self.done = False
         self.error: BaseException | None = None
         self.cv = threading.Condition()
 
     def wait_room(self, nbytes: int) -> None:
-        """Block until ``nbytes`` more fit (or nothing waits)."""
+        """Block until ``nbytes`` more fit (or nothing waits, nor is held)."""
         with self.cv:
-            self.cv.wait_for(lambda: self.error is not None or not self.items or self.bytes + nbytes <= self.budget)
+            self.cv.wait_for(lambda: self.error is not None or self.bytes == 0 or self.bytes + nbytes <= self.budget)
 
-    def put(self, item, nbytes: int) -> None:
+    def put(self, item, nbytes: int, *, held: bool = False) -> None:
+        """Queue ``item`` of ``nbytes`` once they fit. ``held``: its bytes count until
+        :meth:`release` (the taker is still using them), not only until :meth:`take`."""
         self.wait_room(nbytes)
         with self.cv:
-            self.items.append((item, nbytes))
+            self.items.append((item, nbytes, held))
             self.bytes += nbytes
             self.cv.notify_all()
 
     def take(self):
-        """The oldest item, or None once ``done`` and empty."""
+        """The oldest item, or None once ``done`` and empty; the error of :meth:`fail` once the
+        items queued before it are taken (they were good)."""
         with self.cv:
             self.cv.wait_for(lambda: self.items or self.done or self.error is not None)
-            if self.error is not None:
-                raise self.error
             if not self.items:
+                if self.error is not None:
+                    raise self.error
                 return None
-            item, nbytes = self.items.popleft()
-            self.bytes -= nbytes
+            item, nbytes, held = self.items.popleft()
+            self.bytes -= 0 if held else nbytes
             self.cv.notify_all()
             return item
+
+    def release(self, nbytes: int) -> None:
+        """A held item's bytes are done with."""
+        with self.cv:
+            self.bytes -= nbytes
+            self.cv.notify_all()
 
     def fail(self, e: BaseException) -> None:
         with self.cv:
@@ -138,40 +153,77 @@ class Prefetcher:
 
 
 class BackgroundWriter:
-    """Appends ``(writer, name, tensor)`` in a background thread, in queue order.
+    """Writes ``(writer, name, tensor)`` in background threads: each tensor is claimed in queue
+    order by the caller (``ShardedSafetensorsWriter.claim``: name, dtype and shape checked
+    there) and written at its planned place by one of ``threads`` threads
+    (``ShardedSafetensorsWriter.put``), several tensors at once: on the 2-core machine of
+    ``bench/bench_convert.py`` one thread wrote new file data at a third of the speed of two.
 
     Args:
-        budget_bytes: bytes queued but not yet written, at most (one larger tensor alone);
+        budget_bytes: bytes queued or being written, at most (one larger tensor alone);
             the tensors are held, not copied, so the caller must not modify them afterwards.
-        on_written: called in the thread after each tensor with its bytes (e.g. a progress bar).
+        threads: writing threads.
+        on_written: called in a writing thread after each tensor with its bytes (e.g. a progress bar).
     """
 
-    def __init__(self, budget_bytes: int, on_written=None):
+    def __init__(self, budget_bytes: int, threads: int = WRITE_THREADS, on_written=None):
         self._q = _ByteBudget(budget_bytes)
         self._on_written = on_written
-        self._thread = threading.Thread(target=self._run, name="g4-write", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"g4-write-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
         try:
             while (item := self._q.take()) is not None:
-                writer, name, t = item
-                writer.write(name, t)
+                job, args, held, nbytes = item
+                job(*args)
+                if held:
+                    self._q.release(held)
                 if self._on_written is not None:
-                    self._on_written(t.numel() * t.element_size())
+                    self._on_written(nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to the producer
             self._q.fail(e)
 
     def write(self, writer, name: str, tensor: torch.Tensor) -> None:
-        """Queue ``tensor`` as the next tensor of ``writer`` (see ``ShardedSafetensorsWriter.write``)."""
+        """Queue ``tensor`` as the next tensor of ``writer`` (see ``ShardedSafetensorsWriter.write``).
+
+        Raises:
+            ExportError: ``tensor`` is not the next planned tensor of ``writer`` (from ``claim``).
+            whatever a writing thread raised before.
+        """
         if self._q.error is not None:
             raise self._q.error
-        self._q.put((writer, name, tensor), tensor.numel() * tensor.element_size())
+        slot = writer.claim(name, tensor)
+        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
+        rows = max(1, WRITE_PIECE_BYTES // row_bytes) if row_bytes else 1
+        for r0 in range(0, max(len(tensor) if tensor.dim() else 1, 1), rows):  # pieces the threads share
+            piece = tensor[r0 : r0 + rows] if tensor.dim() else tensor
+            n = piece.numel() * piece.element_size()
+            self._q.put((writer.put, (slot, piece, r0), n, n), n, held=True)
+
+    def copy(self, writer, name: str, source) -> None:
+        """Queue planned tensor ``name`` of ``writer`` as a copy of the stored bytes of source
+        tensor ``source`` (a ``TensorInfo``: path, offset, dtype, shape), ahead of its turn
+        (``ShardedSafetensorsWriter.claim_early``, ``copy_in``): for a tensor kept exactly as
+        stored, written while the layers are still being quantized; it takes no RAM.
+
+        Raises:
+            ExportError: ``name`` is not planned, already claimed, or planned in another dtype/shape.
+            whatever a writing thread raised before.
+        """
+        if self._q.error is not None:
+            raise self._q.error
+        slot = writer.claim_early(name, source.dtype, source.shape)
+        for b0 in range(0, max(source.nbytes, 1), WRITE_PIECE_BYTES):
+            n = min(WRITE_PIECE_BYTES, source.nbytes - b0)
+            self._q.put((writer.copy_in, (slot, source.path, source.offset, b0, n), 0, n), 0)
 
     def close(self) -> None:
-        """Write everything queued, stop the thread, raise the thread's error if any."""
+        """Write everything queued, stop the threads, raise a thread's error if any."""
         self._q.finish()
-        self._thread.join()
+        for t in self._threads:
+            t.join()
         if self._q.error is not None:
             raise self._q.error
 
@@ -220,7 +272,7 @@ class BackgroundHashes:
         for name, path in self._files.items():
             h = hashlib.sha256()
             try:
-                with open(path, "rb", buffering=0) as f:
+                with open(path, "rb", buffering=0) as f:  # read, not mapped: mapped pages count as RSS
                     while n := f.readinto(buf):
                         if self._stop.is_set():
                             return

@@ -523,10 +523,12 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
             (int8 ``[..., out, in]`` with fp32 ``[..., out, 1]`` scales); None for a rank index.
 
     Returns:
-        Contiguous tensors in the shapes :func:`entry_specs` gives.
+        Tensors in the shapes :func:`entry_specs` gives, views of ``value`` where the rule allows
+        (a row slice, a column slice, a transpose; ``ShardedSafetensorsWriter.write`` copies a
+        non-contiguous view a few rows at a time), so a rank's share is not copied whole.
     """
     w, s = (value.weight, value.scale) if isinstance(value, Int8Weight) else (value, None)
-    return [p.contiguous() for p in e.rule.take(w, s, g, layer, rank) if p is not None]
+    return [p for p in e.rule.take(w, s, g, layer, rank) if p is not None]
 
 
 # --------------------------------------------------------------------------- manifest

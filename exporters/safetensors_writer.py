@@ -1,8 +1,9 @@
 """Streaming sharded safetensors output, planned before any data is produced.
 
 The shard layout is computed from the list of output tensors (name, dtype, shape) in
-production order, so each shard's header can be written first and tensor bytes then
-appended as they are produced: host RAM holds one tensor at a time, never a shard.
+production order, so each shard's header and every tensor's place are known first and tensor
+bytes are written at their places as they are produced (by one thread or several): host RAM
+holds the tensors being written, never a shard.
 
 File format: huggingface/safetensors ``docs/source/index.mdx`` (8-byte little-endian
 header length, JSON header with ``dtype``/``shape``/``data_offsets``, then raw
@@ -80,6 +81,15 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+# Bytes per file write, and of a non-contiguous tensor copied per write (ShardedSafetensorsWriter.write).
+COPY_CHUNK_BYTES = 16 << 20
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of contiguous CPU tensor ``t`` (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
 def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Split tensors, in order, into shards of at most ``max_shard_bytes`` of data each.
 
@@ -149,50 +159,203 @@ class ShardedSafetensorsWriter:
         else:
             self.shards = plan_shards(specs, max_shard_bytes)
             self.files = shard_file_names(len(self.shards))
-        self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
+        self._headers = [_header_bytes(shard) for shard in self.shards]
+        # (shard, byte offset in its file, spec) of every tensor, in plan order
+        self._order: list[tuple[int, int, TensorSpec]] = []
+        for i, shard in enumerate(self.shards):
+            offset = len(self._headers[i])
+            for spec in shard:
+                self._order.append((i, offset, spec))
+                offset += spec.nbytes
         self._next = 0
-        self._fh = None
-        self._shard = -1
-        self.total_bytes = sum(spec.nbytes for _, spec in self._order)
+        self._early: set[int] = set()
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._written = 0
+        self._local = threading.local()  # per-thread staging buffer for views (put)
+        self.total_bytes = sum(spec.nbytes for _, _, spec in self._order)
         self._index_metadata = dict(index_metadata or {})
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (any device-independent CPU tensor) as the next planned tensor."""
+        """Write ``tensor`` (a CPU tensor of the planned dtype and shape) as the next planned
+        tensor: :meth:`claim` then :meth:`put`."""
+        self.put(self.claim(name, tensor), tensor)
+
+    def claim(self, name: str, tensor: torch.Tensor) -> int:
+        """Check that ``tensor`` is the next planned tensor (name, dtype, shape) and take its
+        place in the files; returns the slot to :meth:`put` it into. Claims come in plan order
+        (one thread); puts may then come from any thread, in any order.
+
+        Raises:
+            ExportError: not planned, out of order, or another dtype/shape than planned.
+        """
+        while self._next in self._early:  # taken out of order by claim_early
+            self._next += 1
         if self._next >= len(self._order):
             raise ExportError(f"output tensor {name} was not planned")
-        shard_idx, spec = self._order[self._next]
+        spec = self._order[self._next][2]
         if name != spec.name:
             raise ExportError(f"output tensor {name} written out of order; expected {spec.name}")
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ExportError(f"output tensor {name} is {tensor.dtype} {list(tensor.shape)}, "
-                              f"planned {spec.dtype} {list(spec.shape)}")
-        if shard_idx != self._shard:
-            self._open(shard_idx)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(data.data)
+        _check_planned(spec, tensor.dtype, tensor.shape)
         self._next += 1
+        return self._next - 1
 
-    def _open(self, shard_idx: int) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        self._shard = shard_idx
-        self._fh = open(self.out_dir / self.files[shard_idx], "wb")
-        self._fh.write(_header_bytes(self.shards[shard_idx]))
+    def claim_early(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        """Take the place of planned tensor ``name`` (of ``dtype`` and ``shape``) ahead of its turn,
+        e.g. to :meth:`copy_in` it from the source while earlier tensors are still being produced;
+        :meth:`claim` then passes over it. Returns its slot.
+
+        Raises:
+            ExportError: not planned, already claimed, or another dtype/shape than planned.
+        """
+        slot = next((i for i in range(self._next, len(self._order)) if self._order[i][2].name == name), None)
+        if slot is None or slot in self._early:
+            raise ExportError(f"output tensor {name} was not planned or is already claimed")
+        _check_planned(self._order[slot][2], dtype, shape)
+        self._early.add(slot)
+        return slot
+
+    def copy_in(self, slot: int, src: Path, src_offset: int, first_byte: int = 0, nbytes: int | None = None) -> None:
+        """Write bytes ``[first_byte, first_byte + nbytes)`` of the tensor of ``slot`` (default:
+        all of it) from file ``src`` at ``src_offset + first_byte``, copied by the kernel
+        (``os.copy_file_range``: no copy through this process's memory); thread-safe as
+        :meth:`put`. For a tensor kept exactly as its source stored it.
+
+        Raises:
+            OSError: a file cannot be read or written, or ``src`` ends early.
+        """
+        shard_idx, offset, spec = self._order[slot]
+        nbytes = spec.nbytes - first_byte if nbytes is None else nbytes
+        fd = self._fd(shard_idx)
+        src_at, dst_at = src_offset + first_byte, offset + first_byte
+        with open(src, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                n = _copy_range(f.fileno(), fd, nbytes - done, src_at + done, dst_at + done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{src}: ends before the tensor's data")
+                done += n
+        with self._lock:
+            self._written += nbytes
+
+    def put(self, slot: int, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """Write ``tensor`` at the place of ``slot`` (from :meth:`claim`); thread-safe, so several
+        threads can write different tensors, or different rows of one, at once.
+
+        Args:
+            slot: from :meth:`claim`.
+            tensor: the claimed tensor, or rows ``[first_row, first_row + len(tensor))`` of its
+                first dimension (``claimed[first_row:first_row + n]``).
+            first_row: index of ``tensor``'s first row in the claimed tensor.
+
+        A contiguous tensor is written from its own memory; a view that is not contiguous (a
+        rank's column slice, a transpose) is copied a few rows at a time through a reused
+        per-thread buffer: the same bytes as ``tensor.contiguous()``, without a second copy of
+        the tensor in RAM. Every write is at most :data:`COPY_CHUNK_BYTES`.
+
+        Raises:
+            OSError: the file cannot be created or written.
+        """
+        shard_idx, offset, _ = self._order[slot]
+        fd = self._fd(shard_idx)
+        tensor = tensor.detach()
+        total = tensor.numel() * tensor.element_size()
+        if first_row:
+            offset += first_row * tensor[0].numel() * tensor.element_size()
+        if tensor.is_contiguous() or tensor.dim() == 0:
+            data = _bytes_of(tensor)
+            for b0 in range(0, len(data), COPY_CHUNK_BYTES):  # 16 MiB writes: one huge write() was 2-3x slower (bench)
+                _pwrite_all(fd, data[b0 : b0 + COPY_CHUNK_BYTES], offset + b0)
+        else:  # a view (a rank's slice, a transpose): copied a few rows at a time, never whole
+            row_bytes = max(tensor[0].numel() * tensor.element_size(), 1)
+            rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+            staging = getattr(self._local, "staging", None)
+            for r0 in range(0, tensor.shape[0], rows):
+                part = tensor[r0 : r0 + rows]
+                n = part.numel() * part.element_size()
+                if staging is None or staging.numel() < n:
+                    staging = self._local.staging = torch.empty(max(COPY_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
+                staged = staging[:n].view(part.dtype).view(part.shape)
+                staged.copy_(part)
+                _pwrite_all(fd, _bytes_of(staged), offset)
+                offset += n
+        with self._lock:
+            self._written += total
+
+    def _fd(self, shard_idx: int) -> int:
+        """The shard's file, created (header written) on first use."""
+        with self._lock:
+            fd = self._fds.get(shard_idx)
+            if fd is None:
+                fd = os.open(self.out_dir / self.files[shard_idx], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                self._fds[shard_idx] = fd
+                _pwrite_all(fd, memoryview(self._headers[shard_idx]), 0)
+            return fd
+
+    def __del__(self):  # an abandoned writer (an error before close) does not keep its files open
+        for fd in getattr(self, "_fds", {}).values():
+            with suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
-        """Finish the last shard and write the index (when there is more than one shard)."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        if self._next != len(self._order):
-            missing = self._order[self._next][1].name
-            raise ExportError(f"output incomplete: tensor {missing} and {len(self._order) - self._next - 1} more not written")
+        """Close the files and write the index (when there is more than one shard).
+
+        Raises:
+            ExportError: a planned tensor was not written.
+        """
+        try:
+            while self._next in self._early:
+                self._next += 1
+            if self._next != len(self._order):
+                missing = self._order[self._next][2].name
+                raise ExportError(f"output incomplete: tensor {missing} and {len(self._order) - self._next - 1} "
+                                  "more not written")
+            if self._written != self.total_bytes:
+                raise ExportError(f"output incomplete: {self.total_bytes - self._written} bytes of claimed tensors "
+                                  "not written")
+            for i in range(len(self.shards)):  # a shard of empty tensors only gets its header too
+                self._fd(i)
+        finally:
+            with self._lock:
+                fds, self._fds = list(self._fds.values()), {}
+            for fd in fds:
+                os.close(fd)
         if len(self.files) > 1:
             index = {
                 "metadata": {"total_size": self.total_bytes, **self._index_metadata},
-                "weight_map": {spec.name: self.files[i] for i, spec in self._order},
+                "weight_map": {spec.name: self.files[i] for i, _, spec in self._order},
             }
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _check_planned(spec: TensorSpec, dtype: torch.dtype, shape) -> None:
+    if dtype != spec.dtype or tuple(shape) != spec.shape:
+        raise ExportError(f"output tensor {spec.name} is {dtype} {list(shape)}, planned {spec.dtype} {list(spec.shape)}")
+
+
+_NO_COPY_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_at: int, dst_at: int) -> int:
+    """Copy up to ``nbytes`` from ``src_fd`` at ``src_at`` to ``dst_fd`` at ``dst_at``; bytes
+    copied (0 at the end of the source). ``os.copy_file_range`` where the OS and file systems
+    have it (Linux), else a read and a positioned write of at most :data:`COPY_CHUNK_BYTES`."""
+    if hasattr(os, "copy_file_range"):
+        try:
+            return os.copy_file_range(src_fd, dst_fd, nbytes, src_at, dst_at)
+        except OSError as e:
+            if e.errno not in _NO_COPY_RANGE:
+                raise
+    data = os.pread(src_fd, min(nbytes, COPY_CHUNK_BYTES), src_at)
+    _pwrite_all(dst_fd, memoryview(data), dst_at)
+    return len(data)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``data`` is at ``offset`` (a short write continues)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 # Files that mark a directory as a g4 result, which --overwrite may replace (their JSON

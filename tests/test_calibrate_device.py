@@ -109,3 +109,34 @@ def test_cuda_conversion_input_scales_match_the_cpu_conversion(tmp_path):
     for n in a:  # weights, their scales and everything kept do not depend on the calibration device
         if not n.endswith(".input_scale"):
             assert torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)), n
+
+
+def test_calibration_reports_each_batch_for_the_progress_bar(tiny_mm, tmp_path, monkeypatch):
+    """The bar's phase counter moves within a layer's calibration: the conversion's bar shows
+    "layer L: calibrating, d/n samples" after every batch of every layer, d rising to n."""
+    from g4.convert import nvfp4
+
+    shown: list[str] = []
+
+    class Bar:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_postfix_str(self, text, refresh=True):
+            shown.append(text)
+
+        def update(self, n):
+            pass
+
+    monkeypatch.setattr(nvfp4, "progress_bar", lambda *a, **k: Bar())
+    report = nvfp4.convert_nvfp4(tiny_mm, tmp_path / "o", calib_samples=5, calib_seq_len=32, calib_batch_size=2,
+                                 progress=True)
+    for layer in range(report.layers):
+        counts = [t.split(", ")[1] for t in shown if t.startswith(f"layer {layer}: calibrating, ")]
+        assert counts == ["2/5 samples", "4/5 samples", "5/5 samples"], (layer, counts)

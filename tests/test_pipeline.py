@@ -78,10 +78,100 @@ def test_a_write_error_in_the_writer_thread_is_raised_when_the_loop_ends(tiny_mm
     from g4.convert.pipeline import overlapped
 
     class BrokenWriter:
-        def write(self, name, t):
+        def claim(self, name, t):
+            return 0
+
+        def put(self, slot, t, first_row=0):
             raise OSError(28, "No space left on device")
 
     ckpt = Checkpoint(tiny_mm)
     with pytest.raises(OSError, match="No space left"):
         with overlapped(ckpt, []) as (reader, out):
             out.write(BrokenWriter(), "x", torch.zeros(2))
+
+
+def test_writer_writes_views_a_chunk_at_a_time_as_their_contiguous_bytes(tmp_path, monkeypatch):
+    """``ShardedSafetensorsWriter.write`` of a non-contiguous view (a rank's column slice, a
+    transpose) copies it a few rows at a time through one buffer: with chunks far smaller than
+    each tensor (and rows that do not divide them), the file is byte for byte the file of the
+    contiguous copies."""
+    import torch
+
+    from g4.exporters import safetensors_writer as sw
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(37, 24, generator=g).to(torch.bfloat16)
+    experts = torch.randint(-128, 127, (5, 9, 14), dtype=torch.int8, generator=g)
+    views = {"cols": base[:, 8:20], "transposed": experts[:, :, 3:11].transpose(1, 2), "contiguous": base[5:30],
+             "scalar": torch.tensor(3.5)}
+    assert not views["cols"].is_contiguous() and not views["transposed"].is_contiguous()
+    specs = [sw.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in views.items()]
+    monkeypatch.setattr(sw, "COPY_CHUNK_BYTES", 100)  # several rows per chunk, many chunks per tensor
+    for name, as_given in (("views", True), ("copies", False)):
+        (tmp_path / name).mkdir()
+        w = sw.ShardedSafetensorsWriter(tmp_path / name, specs, file_name="x.safetensors")
+        for n, t in views.items():
+            w.write(n, t if as_given else t.contiguous())
+        w.close()
+    assert (tmp_path / "views" / "x.safetensors").read_bytes() == (tmp_path / "copies" / "x.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    back = load_file(tmp_path / "views" / "x.safetensors")
+    assert all(torch.equal(back[n], t) for n, t in views.items())
+
+
+@pytest.mark.parametrize("copy_file_range", [True, False], ids=["copy_file_range", "read-and-pwrite"])
+def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkeypatch, copy_file_range):
+    """Two writing threads, tensors cut into pieces of a few rows that the threads share, two
+    files written at once: each file is byte for byte the file written sequentially; a tensor
+    queued out of plan order is refused at once, in the caller."""
+    import torch
+
+    from g4.convert import pipeline
+    from g4.convert.errors import ExportError
+    from g4.exporters import safetensors_writer as sw
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(61, 40, generator=g).to(torch.bfloat16)
+    tensors = {"a": base[:, 3:33], "b": base.t(), "c": torch.randint(-128, 127, (7, 3, 50), dtype=torch.int8,
+                                                                      generator=g), "d": torch.tensor(2.0), "e": base[:0]}
+    specs = [sw.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    monkeypatch.setattr(pipeline, "WRITE_PIECE_BYTES", 300)
+    if not copy_file_range:  # an OS or file system without it (macOS, some network mounts)
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    monkeypatch.setattr(sw, "COPY_CHUNK_BYTES", 200)
+    for d in ("seq", "bg"):
+        (tmp_path / d).mkdir()
+    seq = sw.ShardedSafetensorsWriter(tmp_path / "seq", specs, max_shard_bytes=4000)
+    for n, t in tensors.items():
+        seq.write(n, t.contiguous())
+    seq.close()
+    assert len(seq.files) > 1
+    from safetensors.torch import save_file
+
+    from g4.convert.checkpoint import read_safetensors_header
+
+    save_file({"pad": torch.zeros(3, dtype=torch.int8), "b": tensors["b"].contiguous()}, tmp_path / "src.safetensors")
+    stored = read_safetensors_header(tmp_path / "src.safetensors")["b"]
+    writers = [sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, max_shard_bytes=4000),
+               sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="one.safetensors")]
+    out = pipeline.BackgroundWriter(budget_bytes=1000, threads=2)
+    for w in writers:  # "b" copied from the source file ahead of its turn, in pieces
+        out.copy(w, "b", stored)
+    with pytest.raises(ExportError, match="already claimed"):
+        out.copy(writers[0], "b", stored)
+    for n, t in tensors.items():
+        for w in writers:
+            if n != "b":
+                out.write(w, n, t)
+    with pytest.raises(ExportError, match="written out of order; expected"):
+        out.write(sw.ShardedSafetensorsWriter(tmp_path / "bg", specs, file_name="x.safetensors"), "b", tensors["b"])
+    out.close()
+    for w in writers:
+        w.close()
+    for f in seq.files + ["model.safetensors.index.json"]:
+        assert (tmp_path / "bg" / f).read_bytes() == (tmp_path / "seq" / f).read_bytes()
+    from safetensors.torch import load_file
+
+    one = load_file(tmp_path / "bg" / "one.safetensors")
+    assert all(torch.equal(one[n], t) for n, t in tensors.items())
