@@ -61,6 +61,19 @@ def test_hand_typed_codes_ties_to_even_and_negative_zero(mode):
     assert out.weight_scale.view(torch.uint8)[0, 0].item() == 0x7E  # fp8 448.0
 
 
+def test_every_tie_and_its_fp32_neighbours_match_modelopt(mode):
+    """The E2M1 rounding at each midpoint between magnitudes (0.25 ... 5, both signs), one fp32
+    ulp either side of it, and a dense grid over [-7, 7]: each block led by 6 (so its scale is
+    448 and the values reach the rounding nearly unchanged), against modelopt's bytes."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    ties = torch.cat([ties, -ties])
+    values = torch.cat([ties, torch.nextafter(ties, torch.tensor(9.0)), torch.nextafter(ties, torch.tensor(-9.0)),
+                        torch.linspace(-7, 7, 15 * 400)])
+    values = torch.cat([values, torch.zeros(-len(values) % 60)]).reshape(-1, 15)  # 4 blocks per row
+    w = torch.cat([torch.full((len(values), 1), 6.0), values], dim=1).reshape(-1, 64)
+    assert_bit_identical(q.quantize(w), modelopt_quantize(w))
+
+
 def test_all_zero_weight_gets_finite_positive_scales(mode):
     # modelopt would divide 0 by 0 here; we must never write a NaN or zero scale.
     out = q.quantize(torch.zeros(4, 32))
