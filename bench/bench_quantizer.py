@@ -8,6 +8,9 @@ disturbed run on a shared machine), our Melem/s,
 the speed ratio (modelopt time / ours, both timed in this run; the issue's target is
 >= 10 on 2 cores), the same ratio for our eager fallback (G4_NVFP4_EAGER=1), and whether
 every byte (packed codes, fp8 block scales, global scale) of both is identical to modelopt's.
+Then the same for ``quantize_experts`` on 8 experts of each expert shape (what a conversion
+calls: one global scale per expert, a per-row scale inside the kernel) against modelopt
+quantizing the experts one by one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ warnings.filterwarnings("ignore")
 
 SHAPES = {"expert gate_up [1408, 2816]": (1408, 2816), "expert down [2816, 704]": (2816, 704),
           "dense mlp down [2816, 2112]": (2816, 2112)}
+# quantize_experts on 8 of the 128 experts (modelopt's per-expert loop takes seconds per repeat)
+EXPERT_SHAPES = {"8 experts gate_up [8,1408,2816]": (8, 1408, 2816), "8 experts down [8,2816,704]": (8, 2816, 704)}
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -66,6 +71,20 @@ def main() -> None:
         t_ref = best_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
         print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
               f"{t_ref / t_eager:11.2f}  {identical}")
+    # what a conversion calls for a layer's experts: quantize_experts, one global scale per expert
+    # (a per-row scale inside the kernel), against modelopt quantizing expert by expert
+    for label, shape in EXPERT_SHAPES.items():
+        w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+        ours = nvfp4.quantize_experts(w)
+        refs = [NVFP4QTensor.quantize(w[e].clone(), 16) for e in range(len(w))]
+        identical = all(torch.equal(ours.weight[e], q._quantized_data)
+                        and torch.equal(ours.weight_scale[e].view(torch.uint8), s.view(torch.uint8))
+                        and torch.equal(ours.weight_scale_2[e], g.reshape(())) for e, (q, s, g) in enumerate(refs))
+        t_ours = best_seconds(lambda: nvfp4.quantize_experts(w), args.repeats)
+        t_ref = best_seconds(lambda: [NVFP4QTensor.quantize(w[e].clone(), 16) for e in range(len(w))],
+                             max(1, args.repeats // 3))
+        print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
+              f"{'':>11s}  {identical}")
 
 
 if __name__ == "__main__":

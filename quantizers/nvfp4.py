@@ -231,8 +231,9 @@ def quantize_experts(w: torch.Tensor) -> NVFP4Weight:
     if w.dim() != 3 or w.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"NVFP4 experts need [E, out, in] with in % {BLOCK_SIZE} == 0, got {tuple(w.shape)}")
     n_exp, out_features, in_features = w.shape
-    lo, hi = torch.aminmax(w.reshape(n_exp, -1), dim=1)
-    g = torch.maximum(-lo.float(), hi.float()) / NVFP4_SCALE_DENOM
+    # one whole-tensor aminmax per expert: torch's aminmax(dim=1) over [E, out*in] runs 6-7x
+    # slower on the CPU (526 vs 78 ms for a 26B-A4B gate_up layer [128, 1408, 2816], 2 threads)
+    g = torch.stack([weight_amax(w[e]) for e in range(n_exp)]) / NVFP4_SCALE_DENOM
     g = torch.where(g == 0, global_scale_from_amax(1.0), g)
     g_rows = g.repeat_interleave(out_features).unsqueeze(-1)
     packed, scales = _quantize_2d(w.reshape(n_exp * out_features, in_features), g_rows)
