@@ -210,16 +210,54 @@ class StreamedEngine(Engine):
         return (cache, past + 1), decode_step(self.model, cache, [token], past)
 
 
-def whole_model_fits(path: Path, dtype: torch.dtype) -> bool:
-    """Whether the whole model in ``path``, dequantized to ``dtype``, fits twice into this host's
-    available memory (``MemAvailable`` of ``/proc/meminfo``; True where that cannot be read).
-    Twice: loading holds the stored and the dequantized tensors side by side."""
-    from g4.convert.checkpoint import Checkpoint
-
+def available_memory_bytes(root: Path = Path("/")) -> int | None:
+    """Bytes this process can still allocate: the host's ``MemAvailable`` (``/proc/meminfo``), or
+    less where the process's memory cgroup has a limit (a container or ``systemd-run -p
+    MemoryMax=``, where ``/proc/meminfo`` still shows the whole host): the limit minus the
+    cgroup's usage plus its reclaimable page cache (``inactive_file``). cgroup v2
+    (``memory.max``, ``memory.current``) and v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``, ``total_inactive_file``). ``None`` where ``MemAvailable`` cannot
+    be read. ``root``: where ``/proc`` and ``/sys`` are (tests)."""
     try:
-        meminfo = Path("/proc/meminfo").read_text()
+        meminfo = (root / "proc/meminfo").read_text()
         available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
     except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    try:
+        groups = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return available
+    for line in groups:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":  # v2
+            base, files = root / "sys/fs/cgroup" / path.lstrip("/"), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            base = root / "sys/fs/cgroup/memory" / path.lstrip("/")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        try:
+            limit_text = (base / files[0]).read_text().strip()
+            if limit_text == "max" or int(limit_text) >= 1 << 60:
+                continue
+            used = int((base / files[1]).read_text())
+            stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines() if " " in line)
+            reclaimable = int(stat.get(files[2], 0))
+        except (OSError, ValueError):
+            continue
+        available = min(available, max(0, int(limit_text) - used + reclaimable))
+    return available
+
+
+def whole_model_fits(path: Path, dtype: torch.dtype) -> bool:
+    """Whether the whole model in ``path``, dequantized to ``dtype``, fits twice into the memory
+    this process can still allocate (:func:`available_memory_bytes`: ``MemAvailable``, or a
+    memory cgroup's room where that is less; True where neither can be read). Twice: loading
+    holds the stored and the dequantized tensors side by side."""
+    from g4.convert.checkpoint import Checkpoint
+
+    available = available_memory_bytes()
+    if available is None:
         return True
     # an NVFP4 uint8 byte holds two weights
     params = sum(info.nbytes * 2 if info.dtype == torch.uint8 else info.nbytes // info.dtype.itemsize

@@ -106,3 +106,36 @@ def test_streamed_engine_generates_what_the_whole_model_engine_generates(monkeyp
         assert list(streamed.generate(prompt, SamplingParams(max_tokens=n))) == want
     assert whole.tokenizer.decode(want) == "Shakespeare<turn|>"
     assert isinstance(load_cpu_engine(out, stream=False), HFEngine)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_available_memory_is_the_memory_cgroups_room_where_that_is_less(tmp_path, version):
+    """A 16 GiB container on a 24 GiB host: /proc/meminfo shows the host, the memory cgroup its
+    limit. Available = limit - usage + reclaimable page cache (inactive file pages), the smaller of
+    the two; no limit ("max", or v1's near-2^63) leaves MemAvailable."""
+    from g4.serve.engine import available_memory_bytes
+
+    gib = 1 << 30
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: {24 * gib // 1024} kB\nMemAvailable: {20 * gib // 1024} kB\n")
+    if version == "v2":
+        (tmp_path / "proc/self/cgroup").write_text("0::/box\n")
+        base, names = tmp_path / "sys/fs/cgroup/box", ("memory.max", "memory.current", "inactive_file")
+    else:
+        (tmp_path / "proc/self/cgroup").write_text("5:cpu,cpuacct:/\n4:memory:/box\n0::/\n")
+        base = tmp_path / "sys/fs/cgroup/memory/box"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    base.mkdir(parents=True)
+    (base / names[0]).write_text(f"{16 * gib}\n")
+    (base / names[1]).write_text(f"{10 * gib}\n")
+    (base / "memory.stat").write_text(f"anon 1\n{names[2]} {3 * gib}\n")
+    assert available_memory_bytes(tmp_path) == 9 * gib  # 16 - 10 + 3, not the host's 20
+    (base / names[1]).write_text(f"{1 * gib}\n")
+    assert available_memory_bytes(tmp_path) == 18 * gib
+    (base / names[0]).write_text(f"{32 * gib}\n")  # room above MemAvailable: the host's figure
+    assert available_memory_bytes(tmp_path) == 20 * gib
+    (base / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    (base / names[1]).write_text(f"{10 * gib}\n")
+    assert available_memory_bytes(tmp_path) == 20 * gib
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 1 kB\n")
+    assert available_memory_bytes(tmp_path) is None
