@@ -131,7 +131,7 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
 
 
 # torch.compile of _quantize_blocks (inductor, C++/OpenMP on the CPU): one fused kernel with
-# no fp32 temporaries: 500-590 Melem/s on 2 cores, 9.4-11.5x modelopt and 5x the eager row
+# no fp32 temporaries: 530-650 Melem/s on 2 cores, 9.9-12.1x modelopt and 5x the eager row
 # chunks on the 26B-A4B shapes (bench/bench_quantizer.py).
 # Static in the input dimension (a dynamic one loses the vectorization, 4x slower) and
 # dynamic in the rows, so one compile per input width (a few seconds with inductor's
