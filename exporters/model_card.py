@@ -117,13 +117,10 @@ class CardInputs:
 
 
 def _size(n: int | float | None) -> str:
-    """Bytes in decimal units (GB = 10**9 bytes), three significant decimals."""
-    if n is None:
-        return "unknown"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3f} {unit}"
-    return f"{int(n)} B"
+    """:func:`~g4.exporters.safetensors_writer.format_bytes`, or "unknown"."""
+    from g4.exporters.safetensors_writer import format_bytes
+
+    return "unknown" if n is None else format_bytes(n)
 
 
 def _n(count: int, noun: str) -> str:

@@ -43,6 +43,15 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes in the largest decimal unit it reaches (GB = 10**9 bytes, MB, kB), three
+    decimals, or whole bytes below 1 kB: ``"3.547 GB"``, ``"1.000 kB"``, ``"512 B"``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{int(n)} B"
+
+
 def parse_size(text: str | int) -> int:
     """Parse a byte size: ``"5GB"`` is 5*10**9 (decimal), ``"5GiB"`` is 5*2**30 (binary).
 
@@ -728,7 +737,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
         raise ExportError(f"{out}: {why}")
     free = shutil.disk_usage(out.parent).free
     if need_bytes > free:
-        raise ExportError(f"{out.parent}: {free / 1e9:.2f} GB free, the result needs {need_bytes / 1e9:.2f} GB")
+        raise ExportError(f"{out.parent}: {format_bytes(free)} free, the result needs {format_bytes(need_bytes)}")
     held = _lock(out) if os.path.lexists(out) else None
     if os.path.lexists(out) and held is None:
         raise ExportError(f"{out}: another g4 run is replacing it; wait for that run to finish")
