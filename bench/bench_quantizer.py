@@ -26,7 +26,8 @@ warnings.filterwarnings("ignore")
 SHAPES = {"expert gate_up [1408, 2816]": (1408, 2816), "expert down [2816, 704]": (2816, 704),
           "dense mlp down [2816, 2112]": (2816, 2112)}
 # quantize_experts on 8 of the 128 experts (modelopt's per-expert loop takes seconds per repeat)
-EXPERT_SHAPES = {"8 experts gate_up [8,1408,2816]": (8, 1408, 2816), "8 experts down [8,2816,704]": (8, 2816, 704)}
+EXPERT_SHAPES = {f"8 x {label}": (8, *shape) for label, shape in SHAPES.items()
+                 if label.startswith("expert")}
 
 
 def best_seconds(fn, repeats: int) -> float:

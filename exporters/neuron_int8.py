@@ -256,19 +256,13 @@ class _Row(Rule):
         return w[:, rank * per : (rank + 1) * per], s
 
 
-class _EmbedColumns(Rule):
+class _EmbedColumns(_Row):
     """The device embedding of NxD's ``ParallelEmbedding(shard_across_embedding=True)``
     (aws-neuron/neuronx-distributed ``src/neuronx_distributed/parallel_layers/layers.py``):
-    ``[V, H]`` -> ``[V, H/T]``, rank r the columns ``[r*H/T, (r+1)*H/T)``."""
+    ``[V, H]`` -> ``[V, H/T]``, rank r the columns ``[r*H/T, (r+1)*H/T)``: the row-parallel cut
+    of the last dim, under its own name in the manifest."""
 
     name = "embedding_columns"
-
-    def local_shape(self, shape, g, layer):
-        return (shape[0], shape[1] // g.tp)
-
-    def take(self, w, s, g, layer, rank):
-        per = w.shape[1] // g.tp
-        return w[:, rank * per : (rank + 1) * per], s
 
 
 class _RankIndex(Rule):
