@@ -28,6 +28,7 @@ from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint
 from g4.convert.errors import CheckpointError
 from g4.convert.gemma4 import fuse_gate_up, is_tied, release_config
+from g4.convert.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
 from g4.exporters.nvfp4_names import Role
 from g4.quantizers import nvfp4 as q
@@ -268,9 +269,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
 
 
 def _chat_ids(tokenizer, text: str) -> torch.Tensor:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]
-    return torch.tensor([ids])
+    return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
 
 
 def compare_logprobs(pairs) -> dict[str, float]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from g4.convert.errors import G4Error
+from g4.convert.prompt import ChatError, chat_ids
 
 # Control tokens by their text; ids come from the tokenizer (real Gemma 4: 100, 101, 106, 98).
 CHANNEL_OPEN, CHANNEL_CLOSE, TURN_END, THINK, TURN_OPEN = "<|channel>", "<channel|>", "<turn|>", "<|think|>", "<|turn>"
@@ -37,10 +37,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "a
                                       "return_dict", "return_tensors", "continue_final_message", "chat_template",
                                       "tools", "documents", "padding", "truncation", "max_length",
                                       "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-class ChatError(G4Error, ValueError):
-    """A chat request that cannot be rendered (bad template kwargs, template error, no template)."""
 
 
 @dataclass(frozen=True)
@@ -233,10 +229,10 @@ def message_text(content) -> str:
 
 
 def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Prompt ids of a chat, rendered with the checkpoint's own chat template.
-
-    ``tokenize=True`` so the template's ``{{ bos_token }}`` is the only ``<bos>`` (tokenizing the
-    rendered string would add a second one, as transformers' ``apply_chat_template`` documents). ``developer`` messages are passed as
+    """Prompt ids of a chat, rendered with the checkpoint's own chat template, in which only the
+    template's own control tokens are control tokens: message text that spells ``<turn|>``,
+    ``<|turn>system`` or ``<bos>`` is tokenized as text (:func:`g4.convert.prompt.chat_ids`), and
+    the template's ``{{ bos_token }}`` is the only ``<bos>``. ``developer`` messages are passed as
     ``system``.
 
     Args:
@@ -253,16 +249,9 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
     bad = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if bad:
         raise ChatError(f"chat_template_kwargs may not set {', '.join(bad)}")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ChatError("the checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)")
     chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": message_text(m.get("content"))}
             for m in messages]
-    try:
-        enc = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                            **kwargs)
-    except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, TypeError ...
-        raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from e
-    return [int(i) for i in enc["input_ids"]]
+    return chat_ids(tokenizer, chat, kwargs)
 
 
 def control_text_in(text: str) -> list[str]:

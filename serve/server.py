@@ -55,6 +55,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from g4.convert.prompt import completion_ids
+
 from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
 from .engine import Engine, SamplingParams
 
@@ -206,8 +208,10 @@ class ChatRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     """The body of ``POST /v1/completions`` (see :class:`GenerationRequest`).
 
-    ``prompt``: a string (tokenized with the tokenizer's special tokens, ``<bos>`` for Gemma,
-    as vLLM does), or token ids used as they are; a list of one such prompt is that prompt
+    ``prompt``: a string, the raw prompt in the model's own format (its control-token texts are
+    control tokens, as vLLM reads them; untrusted text belongs in a chat message, where it is
+    text), with exactly one ``<bos>`` whether or not it starts with one
+    (:func:`g4.convert.prompt.completion_ids`), or token ids used as they are; a list of one such prompt is that prompt
     (``n=1``: more than one prompt is refused). No chat template is applied.
     """
 
@@ -529,7 +533,7 @@ def prepare(engine: Engine, req: GenerationRequest) -> tuple[list[int], Sampling
     else:
         param = "prompt"
         if isinstance(req.prompt, str):
-            prompt_ids = [int(i) for i in engine.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]]
+            prompt_ids = completion_ids(engine.tokenizer, req.prompt)
         else:
             prompt_ids = req.prompt
             vocab = len(engine.tokenizer)

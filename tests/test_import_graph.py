@@ -3,7 +3,7 @@
     quantizers  <-  core  <-  exporters  <-  convert  <-  serve
 
 ``core`` is the set of ``convert`` modules that the exporters build on (errors, the Gemma 4
-architecture, the checkpoint reader, SRC resolution, progress bars): :data:`CORE`. A module
+architecture, the checkpoint reader, SRC resolution, progress bars, prompt tokenization): :data:`CORE`. A module
 may import only modules of its own layer or a lower one, and a core module only core
 modules of ``convert``; so there is no import cycle between packages.
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("quantizers", "convert", "exporters", "serve")
-CORE = frozenset({"convert.errors", "convert.gemma4", "convert.checkpoint", "convert.resolve", "convert.progress"})
+CORE = frozenset({"convert.errors", "convert.gemma4", "convert.checkpoint", "convert.resolve", "convert.progress",
+                  "convert.prompt"})
 LAYERS = {"quantizers": 0, "core": 1, "exporters": 2, "convert": 3, "serve": 4}
 
 
