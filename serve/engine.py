@@ -84,10 +84,15 @@ def served_file_stats(root: Path) -> dict[str, dict[str, int]]:
     return stats
 
 
-def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Choose the next id from fp32 ``logits`` ``[V]`` under ``p``."""
+# The log-probability reported for an id the sampler cannot draw (OpenAI's floor: JSON has no -inf).
+LOGPROB_FLOOR = -9999.0
+
+
+def _sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+    """Unnormalised fp32 probabilities ``[V]`` :func:`sample_next` draws from (zero outside
+    ``top_k`` and the ``top_p`` nucleus), or None for greedy decoding (``temperature`` 0)."""
     if p.temperature == 0:
-        return int(logits.argmax())
+        return None
     logits = logits.float() / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -100,7 +105,66 @@ def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # the top id always stays (a top_p below fp32's smallest value included)
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose the next id from fp32 ``logits`` ``[V]`` under ``p``."""
+    probs = _sampling_probs(logits, p)
+    if probs is None:
+        return int(logits.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Natural-log probabilities ``[V]`` fp32 of the distribution :func:`sample_next` draws the
+    next id from: softmax(logits / temperature) restricted to ``top_k`` and the ``top_p``
+    nucleus and renormalised (``-inf`` outside it), so they change with the sampling settings as
+    the draw does (the known mistake is reporting the raw distribution whatever the temperature:
+    vllm-project/vllm #9453, ollama/ollama #16196). Greedy decoding (``temperature`` 0) draws
+    from no distribution; it reports the model's own, log_softmax(logits), as OpenAI does."""
+    probs = _sampling_probs(logits, p)
+    if probs is None:
+        return torch.log_softmax(logits.float(), -1)
+    return torch.log(probs / probs.sum())
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities of one generated position (:func:`sampling_logprobs`).
+
+    ``logprob``: of the generated id; ``top``: the ``k`` most likely ids and their
+    log-probabilities, most likely first; values below :data:`LOGPROB_FLOOR` (``-inf``) are
+    reported as the floor.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, token: int, k: int) -> "TokenLogprobs":
+        top = torch.topk(logprobs, k) if k else None
+        pairs = () if top is None else tuple((int(i), max(float(v), LOGPROB_FLOOR))
+                                              for v, i in zip(top.values, top.indices))
+        return cls(max(float(logprobs[token]), LOGPROB_FLOOR), pairs)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated id, with its :class:`TokenLogprobs` when they were asked for."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The random generator of one request (None for greedy decoding): seeded by ``params.seed``,
+    else by a fresh random seed. A request with ``n`` choices draws them all from one generator,
+    so its choices differ and a seeded request repeats all of them."""
+    if params.temperature == 0:
+        return None
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    return torch.Generator().manual_seed(seed)
 
 
 class Engine:
@@ -148,21 +212,34 @@ class Engine:
         raise NotImplementedError
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+    def generate_steps(self, prompt_ids: list[int], params: SamplingParams,
+              should_stop: Callable[[], bool] = lambda: False, *, top_logprobs: int | None = None,
+              generator: torch.Generator | None = None) -> Iterator[Step]:
         """Yield generated ids one at a time until a stop id (yielded too), ``params.max_tokens``
-        ids, or ``should_stop()`` (checked before each step, e.g. a disconnected client)."""
-        generator = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else random.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
+        ids, or ``should_stop()`` (checked before each step, e.g. a disconnected client).
+
+        Args:
+            top_logprobs: None for no log-probabilities; else each :class:`Step` carries the
+                generated id's and the ``top_logprobs`` most likely ids' (0 <= k <= V).
+            generator: the request's (:func:`request_generator`); None makes one from
+                ``params``.
+        """
+        if generator is None:
+            generator = request_generator(params)
         state, logits = self.start(list(prompt_ids))
         for n in range(params.max_tokens):
             token = sample_next(logits, params, generator)
-            yield token
+            lp = None if top_logprobs is None else TokenLogprobs.of(sampling_logprobs(logits, params), token,
+                                                                     top_logprobs)
+            yield Step(token, lp)
             if token in self.stop_ids or n + 1 == params.max_tokens or should_stop():
                 return
             state, logits = self.step(state, token)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+        """The ids of :meth:`generate_steps`."""
+        return (s.token for s in self.generate_steps(prompt_ids, params, should_stop))
 
 
 class HFEngine(Engine):

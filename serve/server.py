@@ -15,9 +15,10 @@ the request checks, limits, stop handling, queue and disconnect handling below.
 
   - 400: malformed or too deeply nested JSON; out-of-range or unsupported parameters
     (``temperature`` < 0 or > 2, ``top_p`` outside (0, 1], ``max_tokens`` < 1 or beyond the
-    context, ``n`` > 1, more than one prompt); a value of the wrong JSON type (types are
+    context, ``n`` outside 1..``MAX_N``, ``top_logprobs`` outside 0..``MAX_LOGPROBS`` or without
+    ``logprobs``, more than one prompt); a value of the wrong JSON type (types are
     strict: ``"12"`` is not 12, and ``enable_thinking`` must be a boolean); features not served
-    (``logprobs``, ``tools``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
+    (``tools``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
     ``continuous_usage_stats``); ``stream_options`` without ``stream``; unknown fields; empty or
     malformed ``messages``; template errors; token ids outside the vocabulary.
   - 404: an unknown model or route. 413: a body over ``max_body_bytes`` (checked from
@@ -32,6 +33,15 @@ the request checks, limits, stop handling, queue and disconnect handling below.
   ``choices[0].message.reasoning_content``, and with vLLM's ``return_token_ids`` the generated
   ids ``token_ids`` (stop id included; streamed: each chunk's own) and ``prompt_token_ids``
   where vLLM puts them.
+* ``n`` > 1: the choices are generated one after another (the engine runs one sequence at a
+  time) from one random generator, so they differ when sampling and a seeded request repeats
+  all of them; streamed, every chunk names its choice's ``index`` and each choice ends with its
+  own ``finish_reason``; ``usage.completion_tokens`` counts the tokens of all choices.
+* Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs`` k; completions:
+  ``logprobs`` k) are those of the distribution each token was drawn from, after temperature,
+  ``top_k`` and ``top_p`` (:func:`g4.serve.engine.sampling_logprobs`; greedy: the model's
+  own), for every generated token as ``token_ids`` has them (reasoning and the stop token
+  included), in OpenAI's shapes; an id the sampler cannot draw is reported at -9999.0.
 """
 
 from __future__ import annotations
@@ -58,12 +68,14 @@ from starlette.requests import ClientDisconnect
 from g4.convert.prompt import completion_ids
 
 from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
-from .engine import Engine, SamplingParams
+from .engine import Engine, SamplingParams, request_generator
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 MAX_QUEUE = 64
 OWNED_BY = {"cpu": "g4-cpu", "neuron": "g4-neuron"}
+MAX_N = 16  # choices per request (generated one after another)
+MAX_LOGPROBS = 20  # top_logprobs (chat) / logprobs (completions) at most, as OpenAI's chat API
 
 
 class APIError(Exception):
@@ -156,9 +168,9 @@ class GenerationRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
         return v
 
     @field_validator("stop")
@@ -172,6 +184,10 @@ class GenerationRequest(BaseModel):
         """The request's limit on generated tokens (``None``: up to the context)."""
         return self.max_tokens
 
+    def top_logprobs_k(self) -> int | None:
+        """How many most likely ids each position reports (None: no log-probabilities)."""
+        return None
+
 
 class ChatRequest(GenerationRequest):
     """The body of ``POST /v1/chat/completions`` (see :class:`GenerationRequest`)."""
@@ -180,7 +196,7 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -188,7 +204,7 @@ class ChatRequest(GenerationRequest):
     response_format: dict[str, Any] | None = None
 
     NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {
-        "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+        "tools": ([],), "functions": ([],),
         "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
 
     @field_validator("chat_template_kwargs")
@@ -204,6 +220,16 @@ class ChatRequest(GenerationRequest):
         """``max_completion_tokens``, else ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationRequest):
     """The body of ``POST /v1/completions`` (see :class:`GenerationRequest`).
@@ -216,10 +242,13 @@ class CompletionRequest(GenerationRequest):
     """
 
     prompt: Any = Field(...)  # checked by _one_prompt (a union type would name its members in errors)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
-    NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {"logprobs": (), "suffix": ("",)}
+    NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {"suffix": ("",)}
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -291,6 +320,8 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     chat: bool = True
+    n: int = 1  # choices, generated one after another
+    top_logprobs: int | None = None  # None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -305,9 +336,11 @@ class _Job:
 class GenerationWorker:
     """One thread that runs queued jobs through the engine, in order, one at a time.
 
-    A job's events: ``"delta"`` (payload: the new text as a :class:`Delta` and the ids generated
-    since the previous delta), then exactly one ``"done"`` (a dict with ``finish_reason``,
-    ``token_ids``, all of them, and ``tail_ids``, those no delta carried) or ``"error"`` (an
+    A job's events, for each of its ``n`` choices in turn: ``"delta"`` (payload: the choice's
+    index, the new text as a :class:`Delta`, the ids generated since the previous delta and
+    their :class:`~g4.serve.engine.TokenLogprobs`, or Nones), then exactly one ``"done"`` (a
+    dict with ``index``, ``finish_reason``, ``token_ids`` and ``logprobs``, all of them,
+    ``tail_ids`` and ``tail_logprobs``, those no delta carried); or, instead of the rest, one ``"error"`` (an
     :class:`APIError`), unless its request
     cancelled it first (its client left; the request has ended on its own): a job whose
     generation raises gets a 500 and the worker goes on; a job whose request's event loop has
@@ -422,17 +455,27 @@ class GenerationWorker:
                 job.emit("error", _stopped_error())
 
     def _generate(self, job: _Job) -> None:
+        generator = request_generator(job.params)
+        for index in range(job.n):
+            if job.cancelled.is_set():
+                return
+            self._generate_choice(job, index, generator)
+
+    def _generate_choice(self, job: _Job, index: int, generator) -> None:
         engine = self.engine
         parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat)
         stopper = StopMatcher(job.stops)
         ids: list[int] = []
+        lps: list = []
         sent = 0  # ids[:sent] went out with a delta
-        for token in engine.generate(job.prompt_ids, job.params, job.cancelled.is_set):
-            ids.append(token)
-            d = parser.feed(token)
+        for step in engine.generate_steps(job.prompt_ids, job.params, job.cancelled.is_set, top_logprobs=job.top_logprobs,
+                                 generator=generator):
+            ids.append(step.token)
+            lps.append(step.logprobs)
+            d = parser.feed(step.token)
             out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content))
             if out:
-                job.emit("delta", (out, ids[sent:]))
+                job.emit("delta", (index, out, ids[sent:], lps[sent:]))
                 sent = len(ids)
             if stopper.hit:
                 break
@@ -442,11 +485,11 @@ class GenerationWorker:
         out = Delta(reasoning="" if stopper.hit else tail.reasoning,
                     content=stopper.feed(tail.content) + stopper.finish())
         if out:
-            job.emit("delta", (out, ids[sent:]))
+            job.emit("delta", (index, out, ids[sent:], lps[sent:]))
             sent = len(ids)
         stopped = stopper.hit or bool(ids and ids[-1] in engine.stop_ids)
-        job.emit("done", {"finish_reason": "stop" if stopped else "length", "token_ids": ids,
-                          "tail_ids": ids[sent:]})
+        job.emit("done", {"index": index, "finish_reason": "stop" if stopped else "length", "token_ids": ids,
+                          "logprobs": lps, "tail_ids": ids[sent:], "tail_logprobs": lps[sent:]})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -564,26 +607,51 @@ class _Reply:
     """The response bodies of one request: a chat completion (``chat.completion`` and its
     chunks) or a text completion (``text_completion``), as OpenAI shapes them, with vLLM's
     ``token_ids`` / ``prompt_token_ids`` when ``return_token_ids`` is set (vLLM's places: for
-    chat the prompt ids at the top level, for text completions in the choice)."""
+    chat the prompt ids at the top level, for text completions in the choice), one choice per
+    ``index`` and log-probabilities when asked (chat: ``choice.logprobs.content``; completions:
+    ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``)."""
 
-    def __init__(self, req: GenerationRequest, prompt_ids: list[int], model: str):
-        self.chat, self.prompt_ids = isinstance(req, ChatRequest), prompt_ids
+    def __init__(self, req: GenerationRequest, prompt_ids: list[int], model: str, tokenizer):
+        self.chat, self.prompt_ids, self.tokenizer = isinstance(req, ChatRequest), prompt_ids, tokenizer
         self.ids = bool(req.return_token_ids)
+        self.k = req.top_logprobs_k()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion" if self.chat else "text_completion",
                      "created": int(time.time()), "model": model}
         self.chunk_head = self.head | {"object": "chat.completion.chunk" if self.chat else "text_completion"}
         self.first = True  # no chunk sent yet
+        self.started: set[int] = set()  # choices whose opening chunk (chat: the role) went out
+        self.text_offset: dict[int, int] = {}  # completions: characters of token text so far, per choice
 
-    def usage(self, ids: list[int]) -> dict:
-        """OpenAI's ``usage`` for ``ids`` generated."""
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(ids),
-                "total_tokens": len(self.prompt_ids) + len(ids)}
+    def usage(self, generated: int) -> dict:
+        """OpenAI's ``usage`` for ``generated`` tokens (all choices)."""
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": generated,
+                "total_tokens": len(self.prompt_ids) + generated}
 
-    def _choice(self, text: Delta, finish_reason, ids: list[int], stream: bool) -> tuple[dict, dict]:
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _logprobs(self, index: int, ids: list[int], lps: list) -> dict | None:
+        if self.k is None:
+            return None
+        texts = [self._text(t) for t in ids]
+        if self.chat:
+            def entry(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"content": [entry(text, lp.logprob) | {"top_logprobs": [entry(self._text(j), v) for j, v in lp.top]}
+                                for text, lp in zip(texts, lps)], "refusal": None}
+        offsets = []
+        for text in texts:
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._text(j): v for j, v in lp.top} for lp in lps], "text_offset": offsets}
+
+    def _choice(self, index: int, text: Delta, finish_reason, ids: list[int], lps: list,
+                stream: bool) -> tuple[dict, dict]:
         """``(choice, top-level extras)``."""
-        choice: dict = {"index": 0}
+        choice: dict = {"index": index}
         top: dict = {}
         if not self.chat:
             choice["text"] = text.content
@@ -593,32 +661,49 @@ class _Reply:
         else:
             choice["message"] = {"role": "assistant", "content": text.content,
                                  "reasoning_content": text.reasoning or None}
-        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(index, ids, lps)}
         if self.ids:
             choice["token_ids"] = ids
             if not stream or self.first:
                 (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
         return choice, top
 
-    def body(self, text: Delta, done: dict) -> dict:
-        """The non-streamed response."""
-        choice, top = self._choice(text, done["finish_reason"], done["token_ids"], stream=False)
-        return self.head | top | {"choices": [choice], "usage": self.usage(done["token_ids"])}
+    def body(self, texts: dict[int, Delta], dones: dict[int, dict]) -> dict:
+        """The non-streamed response: choice ``i`` from ``texts[i]`` and its ``"done"`` payload."""
+        choices, top = [], {}
+        for i in sorted(dones):
+            choice, extra = self._choice(i, texts[i], dones[i]["finish_reason"], dones[i]["token_ids"],
+                                         dones[i]["logprobs"], stream=False)
+            choices.append(choice)
+            top |= extra
+        generated = sum(len(d["token_ids"]) for d in dones.values())
+        return self.head | top | {"choices": choices, "usage": self.usage(generated)}
 
-    def chunk(self, text: Delta, ids: list[int], finish_reason=None, role: bool = False) -> str:
-        """One SSE event with new text (``role``: the chat's opening chunk)."""
-        choice, top = self._choice(text, finish_reason, ids, stream=True)
-        if role:
-            choice["delta"] = {"role": "assistant", "content": ""}
+    def chunk(self, index: int, text: Delta, ids: list[int], lps: list, finish_reason=None) -> str:
+        """SSE events with new text of choice ``index``; a chat choice's first events are
+        preceded by its opening chunk (``delta.role``)."""
+        out = "" if not self.chat or index in self.started else self.opening(index)
+        self.started.add(index)
+        choice, top = self._choice(index, text, finish_reason, ids, lps, stream=True)
+        return out + self._event(choice, top)
+
+    def opening(self, index: int) -> str:
+        """A chat choice's opening chunk: ``{"role": "assistant", "content": ""}``."""
+        self.started.add(index)
+        choice, top = self._choice(index, Delta(), None, [], [], stream=True)
+        choice["delta"] = {"role": "assistant", "content": ""}
+        return self._event(choice, top)
+
+    def _event(self, choice: dict, top: dict) -> str:
         self.first = False
         body = self.chunk_head | top | {"choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    def usage_chunk(self, ids: list[int]) -> str:
+    def usage_chunk(self, generated: int) -> str:
         """The last event before ``[DONE]`` with ``include_usage``: no choices, the usage."""
-        return f"data: {json.dumps(self.chunk_head | {'choices': [], 'usage': self.usage(ids)})}\n\n"
+        return f"data: {json.dumps(self.chunk_head | {'choices': [], 'usage': self.usage(generated)})}\n\n"
 
 
 async def _respond(request: Request, worker: GenerationWorker, req: GenerationRequest, engine: Engine,
@@ -626,12 +711,14 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
     """Queue the request's job and answer it: JSON, or SSE ending in ``data: [DONE]``. A client
     that leaves cancels its job (queued or generating)."""
     prompt_ids, params, stops = await run_in_threadpool(prepare, engine, req)
+    n = req.n or 1
     job = _Job(prompt_ids, params, stops, asyncio.get_running_loop(), asyncio.Queue(),
-               chat=isinstance(req, ChatRequest))
+               chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k())
     worker.submit(job)
-    reply = _Reply(req, prompt_ids, model)
+    reply = _Reply(req, prompt_ids, model, engine.tokenizer)
     if not req.stream:
-        text = Delta()
+        texts = {i: Delta() for i in range(n)}
+        dones: dict[int, dict] = {}
 
         async def cancel_on_disconnect():
             # The body has been read, so the next ASGI message is http.disconnect: the client
@@ -643,26 +730,27 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
 
         watcher = asyncio.create_task(cancel_on_disconnect())
         try:
-            while True:
+            while len(dones) < n:
                 kind, payload = await job.events.get()
                 if kind == "delta":
-                    text += payload[0]
+                    texts[payload[0]] += payload[1]
                 elif kind == "error":
                     raise payload
                 elif kind == "gone":
                     raise ClientDisconnect()  # answered quietly; nobody reads it
                 else:
-                    break
+                    dones[payload["index"]] = payload
         finally:
             watcher.cancel()
             job.cancelled.set()  # no-op when finished; stops generation if the client went away
-        return reply.body(text, payload)
+        return reply.body(texts, dones)
 
     async def events():
         try:
             if reply.chat:
-                yield reply.chunk(Delta(), [], role=True)
-            while True:
+                yield reply.opening(0)
+            finished, generated = 0, 0
+            while finished < n:
                 kind, payload = await job.events.get()
                 if kind == "delta":
                     yield reply.chunk(*payload)
@@ -670,10 +758,11 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
                     yield f"data: {json.dumps(payload.body())}\n\n"
                     break
                 else:
-                    yield reply.chunk(Delta(), payload["tail_ids"], payload["finish_reason"])
-                    if reply.include_usage:
-                        yield reply.usage_chunk(payload["token_ids"])
-                    break
+                    yield reply.chunk(payload["index"], Delta(), payload["tail_ids"], payload["tail_logprobs"],
+                                      payload["finish_reason"])
+                    finished, generated = finished + 1, generated + len(payload["token_ids"])
+            if finished == n and reply.include_usage:
+                yield reply.usage_chunk(generated)
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled.set()

@@ -55,7 +55,7 @@ async def finish(job: _Job) -> tuple[str, object, str]:
     while True:
         kind, payload = await asyncio.wait_for(job.events.get(), WAIT_S)
         if kind == "delta":
-            content += payload[0].content
+            content += payload[1].content  # (index, Delta, ids, logprobs)
         else:
             return kind, payload, content
 
