@@ -83,6 +83,28 @@ def hf_cache_revision(path: str | Path) -> str | None:
     return p.name if p.parent.name == "snapshots" and hf_cache_repo_id(p) else None
 
 
+def source_identity(src: str | Path, config: dict | None = None) -> dict:
+    """What identifies a source checkpoint directory in files that can be pushed to the Hub,
+    never its local path: ``{"name", "repo_id", "revision"}``. ``name`` is ``"embedded"``, the
+    repo's name for a Hugging Face cache snapshot (not its commit) or the directory's name;
+    ``repo_id`` and ``revision`` (the snapshot's commit) are None where they cannot be known
+    (:func:`source_repo_id`, :func:`hf_cache_revision`)."""
+    src = Path(src)
+    if src.resolve() == EMBEDDED_DIR.resolve():
+        return {"name": "embedded", "repo_id": None, "revision": None}
+    return {"name": (hf_cache_repo_id(src) or src.resolve().name).split("/")[-1],
+            "repo_id": source_repo_id(src, config), "revision": hf_cache_revision(src)}
+
+
+def source_label(src: str | Path, config: dict | None = None) -> str:
+    """One string for :func:`source_identity`: ``embedded``, ``org/name@commit``, ``org/name``
+    or the directory's name (``verification.json``'s ``source``)."""
+    ident = source_identity(src, config)
+    if ident["repo_id"]:
+        return ident["repo_id"] + (f"@{ident['revision']}" if ident["revision"] else "")
+    return ident["name"]
+
+
 def source_card_data(src: str | Path) -> dict:
     """The front matter keys of ``SRC/README.md`` that a derived model keeps
     (:data:`SOURCE_CARD_KEYS`); ``{}`` when the source has no README or no front matter."""
@@ -125,7 +147,6 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
     """
     config, shards = src.config, src.shards  # the files the conversion read, as it resolved them
     tmp, src = Path(tmp), src.root
-    embedded = src.resolve() == EMBEDDED_DIR.resolve()
     text = config.get("text_config") or {}
     opts = {}
     for k, v in sorted(options.items()):
@@ -138,10 +159,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
         "format": fmt,
         "g4_version": g4_version(),
         "base_model": None,
-        "source": {
-            "name": "embedded" if embedded else (hf_cache_repo_id(src) or src.resolve().name).split("/")[-1],
-            "repo_id": None if embedded else source_repo_id(src, config),
-            "revision": None if embedded else hf_cache_revision(src),
+        "source": source_identity(src, config) | {
             "weight_files": list(shards),
             "weight_bytes": sum(path.stat().st_size for path in shards.values()),
             "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from g4.convert.checkpoint import weight_fingerprints
+from g4.convert.card import source_label as pushable_source_label
+from g4.convert.checkpoint import read_json_object, weight_fingerprints
 from g4.convert.errors import G4Error
 from g4.exporters.formats import ResultFormat, check_result, detect_format
 
@@ -476,7 +477,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     failures = _failures(overall_agreement, min_agreement, fact_rows, checks)
     report = {
         "g4_verification": 1, "format": fmt.format, "backend": chosen, "engine": engine_desc,
-        "source": source_label or str(src),
+        "source": pushable_source_label(src, read_json_object(src / "config.json")),  # never a local path: it can be pushed
         "min_agreement": min_agreement, "passed": not failures, "failures": failures,
         "overall": {"prompts": len(prompts), "token_agreement": round(overall_agreement, 6),
                     "exact_match_prompts": exact,
