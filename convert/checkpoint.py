@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError, G4Error
-from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture
+from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture, release_config
 from .resolve import SRC_FORMS
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -550,3 +550,20 @@ def weight_fingerprints(out: str | Path) -> dict[str, dict]:
     out = Path(out)
     return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(out.rglob("*.safetensors"))}
+
+
+def check_converted_from(out: str | Path, src: str | Path) -> None:
+    """The one rule of every command that compares a result OUT with its source SRC (``verify``,
+    ``eval``, ``g4serve check``): OUT's ``config.json``, its ``quantization_config`` aside, must
+    be SRC's in the release form (g4 writes OUT's config so, :func:`g4.convert.gemma4.release_config`).
+
+    Raises:
+        CheckpointError: ``<OUT>: its config.json differs from <SRC>'s (key, ...)``.
+    """
+    out_cfg = read_json_object(Path(out) / "config.json")
+    src_cfg = release_config(Checkpoint(src, source=True).config)
+    out_cfg = {k: v for k, v in out_cfg.items() if k != "quantization_config"}
+    if out_cfg != src_cfg:
+        keys = sorted(k for k in out_cfg.keys() | src_cfg.keys() if out_cfg.get(k) != src_cfg.get(k))
+        raise CheckpointError(f"{out}: its config.json differs from {src}'s ({', '.join(keys)}); was it converted "
+                              "from another checkpoint? pass --against SRC")

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from g4.convert.calibrate import experts_forward_with_input_hook
-from g4.convert.checkpoint import Checkpoint
+from g4.convert.checkpoint import Checkpoint, check_converted_from
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import fuse_gate_up, is_tied, release_config
+from g4.convert.gemma4 import fuse_gate_up, is_tied
 from g4.convert.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
 from g4.exporters.nvfp4_names import Role
@@ -258,11 +258,7 @@ def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
                               f"checked with `g4serve check {out} --against SRC`")
     if fmt.format != NVFP4:
         raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
-    out_cfg = Checkpoint(out).config
-    src_cfg = release_config(Checkpoint(src, source=True).config)  # g4 writes OUT's config in the release form
-    if {k: v for k, v in out_cfg.items() if k != "quantization_config"} != src_cfg:
-        raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it converted from another "
-                              "checkpoint? pass --against SRC")
+    check_converted_from(out, src)
     if act_quant and not fmt.w4a4:
         raise CheckpointError(f"{out}: --act-quant needs input_scale tensors, and this is a weight-only (W4A16) checkpoint")
     return fmt.w4a4 if act_quant is None else act_quant

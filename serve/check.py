@@ -495,8 +495,9 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
 
 
 def _check_pair(out: Path, src: Path) -> None:
-    """Refuse a g4 result or an unconvertible checkpoint as SRC, and an unwritable OUT."""
-    from g4.convert.checkpoint import Checkpoint
+    """Refuse a g4 result or an unconvertible checkpoint as SRC, one OUT was not converted from,
+    and an unwritable OUT."""
+    from g4.convert.checkpoint import Checkpoint, check_converted_from
     from g4.convert.errors import CheckpointError
 
     try:  # a g4 result passed as the source: say so
@@ -506,6 +507,7 @@ def _check_pair(out: Path, src: Path) -> None:
     if src_fmt is not None and src_fmt.format != "bf16":
         raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
     Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
+    check_converted_from(out, src)  # the rule verify applies too
     if not os.access(out, os.W_OK):
         raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
 

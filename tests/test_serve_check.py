@@ -438,3 +438,21 @@ def test_check_and_serve_refuse_an_int8_neuron_rank_file_that_differs_from_its_t
                              str(free_port())], capture_output=True, text=True, timeout=120)
     assert served.returncode == 2 and served.stdout == "", served.stdout
     assert_one_error_line(served.stderr, bad / RANK1, expected)
+
+
+def test_check_refuses_a_source_out_was_not_converted_from(nvfp4_copy, tmp_path):
+    """One rule for every command comparing OUT with SRC (verify's): a SRC whose config differs
+    (here `tie_word_embeddings`) is refused before anything is served, and verification.json stays."""
+    from g4.convert.embedded_model import EMBEDDED_DIR
+
+    src = tmp_path / "other"
+    shutil.copytree(EMBEDDED_DIR, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = False
+    (src / "config.json").write_text(json.dumps(cfg))
+    before = report_bytes(nvfp4_copy)
+    r = subprocess.run([sys.executable, "-m", "g4.serve.cli", "check", str(nvfp4_copy), "--against", str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert_one_error_line(r.stderr, nvfp4_copy, r"config\.json differs from .*tie_word_embeddings")
+    assert report_bytes(nvfp4_copy) == before
