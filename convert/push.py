@@ -202,12 +202,25 @@ def _server_message(e: BaseException) -> str:
     return ""
 
 
+def _no_xet_storage(e: BaseException) -> bool:
+    """Whether ``e`` is a Hub-compatible server without Xet storage answering huggingface_hub's
+    Xet token request (``/api/models/<repo>/xet-write-token/<rev>``) with 404: deterministic, not a
+    network failure (huggingface_hub reports it as a ConnectionError; huggingface/huggingface_hub
+    issue #4786)."""
+    return any("xet-" in str(x) and "-token" in str(x) and "404" in str(x) for x in _chain(e))
+
+
 def _explain(e: BaseException, what: str, repo_id: str, token: str | None, attempts: int) -> HubError:
     """One line for a failed Hub request (the token never appears in it)."""
     status = _status(e)
     server = _server_message(e)
     detail = f" ({server})" if server else ""
-    if status == 401:
+    if _no_xet_storage(e):
+        import huggingface_hub.constants as hc
+
+        msg = (f"{what}: the Hub at {hc.ENDPOINT} has no Xet storage (404 on its xet token endpoint); "
+               "set HF_HUB_DISABLE_XET=1 to upload over LFS")
+    elif status == 401:
         msg = f"{what}: the Hub rejected the token (401){detail}; check HF_TOKEN or run `hf auth login`"
     elif status == 403:
         msg = f"{what}: no write access to {repo_id} (403){detail}; use a token with write access to that namespace"
@@ -243,7 +256,8 @@ def _retrying(fn, what: str, *, attempts: int, wait_s: float, repo_id: str, toke
             raise
         except Exception as e:
             status = _status(e)
-            transient = _is_network(e) if status is None else status in (429, 500, 502, 503, 504)
+            transient = (_is_network(e) and not _no_xet_storage(e) if status is None
+                         else status in (429, 500, 502, 503, 504))
             if not transient or attempt == attempts:
                 raise _explain(e, what, repo_id, token, attempt) from None
             log.warning("%s: %s; retry %d of %d in %.0f s", what, _scrub(type(e).__name__, token), attempt,

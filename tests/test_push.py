@@ -52,10 +52,12 @@ def hub():
         yield h
 
 
-def g4push(hub, *args, token=TOKEN, home=None):
+def g4push(hub, *args, token=TOKEN, home=None, xet=False):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_HOME=str(home or hub.home),
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home or hub.home),
                HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    if not xet:
+        env["HF_HUB_DISABLE_XET"] = "1"
     if token:
         env["HF_TOKEN"] = token
     r = subprocess.run([sys.executable, "-m", "g4.convert.cli", *args], env=env, capture_output=True, text=True,
@@ -144,6 +146,18 @@ def test_interrupted_upload_leaves_main_untouched_and_rerun_resumes(hub, out):
     assert hub.lfs_uploads == 3  # only the missing shard was sent again
     assert len(repo.commits) == 2
     assert_remote_equals_local(hub, out)
+
+
+def test_a_hub_without_xet_storage_is_one_error_line_naming_the_switch_without_retries(hub, out):
+    """huggingface/huggingface_hub #4786: a Hub-compatible server without Xet answers the Xet
+    token request with 404, which huggingface_hub raises as a ConnectionError; that is not a
+    network failure to retry."""
+    r = g4push(hub, "push", str(out), REPO, xet=True)
+    assert r.returncode == 2
+    assert r.stderr.count("error: ") == 1 and "retry" not in r.stderr, r.stderr
+    assert "has no Xet storage" in r.stderr and "HF_HUB_DISABLE_XET=1" in r.stderr
+    assert set(hub.files(REPO)) == {".gitattributes"}  # nothing committed
+    assert g4push(hub, "push", str(out), REPO).returncode == 0  # with the switch set, it goes through
 
 
 def test_remote_mismatch_is_reported_nonzero(hub, out):
