@@ -15,6 +15,10 @@ Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
   0.23.0 (the environment variable is gone from 0.24.0).
 - ``--reasoning-parser gemma4`` so that the ``<|channel>thought ... <channel|>`` block goes to
   ``reasoning_content`` (vLLM ``vllm/reasoning/gemma4_reasoning_parser.py``).
+- ``--enable-auto-tool-choice --tool-call-parser gemma4`` so that the model's tool-call blocks
+  come back as OpenAI ``tool_calls`` (vLLM ``vllm/tool_parsers/gemma4_engine_tool_parser.py``,
+  registered as ``gemma4`` in ``vllm/tool_parsers/__init__.py``; the public NVFP4 recipe for
+  this model serves with these flags).
 - ``--max-model-len``, ``--kv-cache-dtype``, ``--served-model-name`` as given.
 """
 
@@ -123,7 +127,7 @@ def vllm_command(model_dir: str | Path, *, compute_capability: tuple[int, int] |
                 argv += ["--linear-backend", "marlin"]
             else:
                 env["VLLM_NVFP4_GEMM_BACKEND"] = "marlin"
-    argv += ["--reasoning-parser", "gemma4"]
+    argv += ["--reasoning-parser", "gemma4", "--enable-auto-tool-choice", "--tool-call-parser", "gemma4"]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     if max_model_len is not None:

@@ -33,6 +33,7 @@ def test_blackwell_gets_no_kernel_pins(nvfp4_dir):
     assert cmd.argv[:3] == ["vllm", "serve", str(nvfp4_dir)]
     s = _flags(cmd.argv)
     assert "--quantization modelopt" in s and "--reasoning-parser gemma4" in s
+    assert "--enable-auto-tool-choice --tool-call-parser gemma4" in s
     assert "--host 127.0.0.1 --port 8011" in s
     assert "--served-model-name g4" in s and "--max-model-len 4096" in s and "--kv-cache-dtype fp8" in s
     assert "marlin" not in s and cmd.env == {}
