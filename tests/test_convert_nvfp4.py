@@ -400,3 +400,31 @@ def test_missing_chat_template_is_warned_at_conversion(tiny_mm, tmp_path, caplog
     with caplog.at_level("WARNING"):
         convert_nvfp4(src, tmp_path / "out", weight_only=True, progress=False)
     assert "has no chat template" in caplog.text
+
+
+def test_fp8_kv_cache_checker_and_card(tiny_mm, tmp_path):
+    """The KV scales are in the output table: the result checker (headers only) accepts the export,
+    names a dropped v_scale and a metadata file that disagrees; the card and g4_conversion.json say
+    FP8; W4A16 with --kv-cache-dtype fp8 still calibrates the KV scales (no input_scale)."""
+    from g4.exporters.formats import check_result
+
+    out = tmp_path / "kv"
+    convert_nvfp4(tiny_mm, out, kv_cache_dtype="fp8", weight_only=True, **CALIB)
+    names = tiny.tensor_names(out)
+    assert not [n for n in names if n.endswith("input_scale")]
+    assert names["model.language_model.layers.1.self_attn.v_proj.v_scale"] == (torch.float32, ())
+    check_result(out)
+    assert "--kv-cache-dtype fp8" in (out / "README.md").read_text()
+    assert json.loads((out / "g4_conversion.json").read_text())["options"]["kv_cache_dtype"] == "fp8"
+    dropped = shutil.copytree(out, tmp_path / "dropped")
+    sd = load_file(dropped / "model.safetensors")
+    del sd["model.language_model.layers.1.self_attn.v_proj.v_scale"]
+    save_file(sd, dropped / "model.safetensors")
+    with pytest.raises(ExportError, match=r"layers\.1\.self_attn\.v_proj\.v_scale: missing"):
+        check_result(dropped)
+    disagree = shutil.copytree(out, tmp_path / "disagree")
+    hq = json.loads((disagree / "hf_quant_config.json").read_text())
+    hq["quantization"]["kv_cache_quant_algo"] = None
+    (disagree / "hf_quant_config.json").write_text(json.dumps(hq))
+    with pytest.raises(ExportError, match="kv_cache_quant_algo is None, expected 'FP8'"):
+        check_result(disagree)
