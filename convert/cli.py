@@ -129,7 +129,8 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     calibrates = not weight_only or kv_cache_dtype == "fp8"  # FP8 KV cache scales are calibrated too
     if not calibrates and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
-                      "--calib-batch-size / --calib-dtype / --calib-device")
+                      "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8, "
+                      "whose KV cache scales are calibrated)")
     if calibrates:
         from .calibrate import calibration_device
 
