@@ -156,7 +156,8 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     input activations, ``input_scale`` (P05), a missing tensor, a wrong dtype or shape: one error
     line each; the FP8 KV cache scales iff ``kv_cache_scheme`` / ``kv_cache_quant_algo`` say so
     (both files agreeing). Then the values: every scale finite and > 0 (P04), KV cache scales
-    too; one ``weight_scale_2`` per expert gate/up pair and per dense q/k/v and gate/up group, one ``input_scale`` per dense group
+    too; one ``weight_scale_2`` per expert gate/up pair and per dense q/k/v and gate/up group,
+    one ``input_scale`` per dense group
     (vLLM keeps one per merged layer: vllm-project/vllm
     ``vllm/model_executor/layers/quantization/modelopt.py``). Then the exclusion list (P07): no
     quantized module is excluded, every kept linear weight (and tower tensor) is, every pattern

@@ -325,10 +325,11 @@ class Nvfp4Layout:
     Built from the model's :class:`~g4.convert.gemma4.Architecture`, the language-model
     ``prefix``, the quantized ``parts``, ``act_quant`` (W4A4: an ``input_scale`` per
     linear) and ``kv_cache`` (FP8 KV cache: a float32 ``[]`` ``k_scale`` and ``v_scale`` per
-    decoder layer, :data:`KV_SCALE_MODULES`), with the source's tensor dtypes and towers: :meth:`from_source` at conversion,
-    :meth:`from_output` for a finished OUT. ``tensors`` in production order, ``by_name`` the
-    lookup, ``layers`` the per-layer view the writer walks, ``model`` the kept tensors
-    outside the layers (embedding, final norm, towers, an untied lm_head), written last.
+    decoder layer, :data:`KV_SCALE_MODULES`), with the source's tensor dtypes and towers:
+    :meth:`from_source` at conversion, :meth:`from_output` for a finished OUT. ``tensors`` in
+    production order, ``by_name`` the lookup, ``layers`` the per-layer view the writer walks,
+    ``model`` the kept tensors outside the layers (embedding, final norm, towers, an untied
+    lm_head), written last.
     """
 
     arch: Architecture

@@ -487,8 +487,9 @@ def load_probe(vllm_info, plugin, work, nvfp4_dir, exports) -> dict:
     for name in ("mm", "text", "26b", *(f"fault-{k}" for k in FAULTS)):
         jobs[name] = {"checkpoint": exports[name], "backend": "MARLIN", "dump": work / f"dump-{name}.safetensors"}
     jobs["mm-causal-lm"] = {"checkpoint": exports["mm"], "backend": "MARLIN", "architecture": "Gemma4ForCausalLM"}
-    for name in ("mm-kv", "fault-kv-names"):
-        jobs[name] = {"checkpoint": exports[name], "backend": "MARLIN", "kv_cache_dtype": "fp8"}
+    # mm-kv with vLLM's default kv_cache_dtype "auto" (resolved from its kv_cache_scheme), the fault with "fp8"
+    jobs["mm-kv"] = {"checkpoint": exports["mm-kv"], "backend": "MARLIN"}
+    jobs["fault-kv-names"] = {"checkpoint": exports["fault-kv-names"], "backend": "MARLIN", "kv_cache_dtype": "fp8"}
     jobs_file, report = work / "probe-jobs.json", work / "probe-report.json"
     jobs_file.write_text(json.dumps(list(jobs.values()), default=str))
     t0 = time.monotonic()
@@ -1095,13 +1096,15 @@ def _kv_scale_errors(run: dict, export: Path) -> list[str]:
 
 
 def test_fp8_kv_cache_scales_reach_vllm_attention(load_probe, exports):
-    """--kv-cache-dtype fp8 through vLLM's own loader with ``kv_cache_dtype="fp8"``: every
-    checkpoint tensor where it belongs (the k/v scales in ``attn.k_scale`` / ``attn.v_scale``
+    """--kv-cache-dtype fp8 through vLLM's own loader: vLLM's default ``kv_cache_dtype="auto"``
+    resolves to ``fp8_e4m3`` from the export's ``kv_cache_scheme`` (and stays auto for an export without
+    one); every checkpoint tensor where it belongs (the k/v scales in ``attn.k_scale`` / ``attn.v_scale``
     through vLLM's cache-scale mapper, v_proj.v_scale of the k_eq_v layer 1 included, which has
     no v_proj module), and after vLLM's ``process_weights_after_loading`` each attention layer's
     ``_k_scale`` / ``_v_scale`` is its own layer's calibrated scale (not 1.0, not K's for V).
     The planted fault (layer 0's two names exchanged) loads without a word and is caught."""
     run = load_probe["runs"]["mm-kv"]
+    assert run["cache_dtype"] == "fp8_e4m3" and load_probe["runs"]["mm"]["cache_dtype"] == "auto", run["cache_dtype"]
     assert not _loader_errors(run, exports["mm-kv"]), _loader_errors(run, exports["mm-kv"])
     assert len(run["kv_cache_scales"]) == 2 and not _kv_scale_errors(run, exports["mm-kv"]), run["kv_cache_scales"]
     k0, v0 = run["kv_cache_scales"][next(p for p in run["kv_cache_scales"] if ".layers.0." in p)]

@@ -53,8 +53,10 @@ attention's ``attn.k_scale`` / ``attn.v_scale`` = ``self_attn.k_proj.k_scale`` /
 The report (JSON) holds, per run: ``ok``/``error`` (vLLM's exception, e.g. an unmapped name),
 the model class, the MoE method and linear kernel classes, expert parameter names/dtypes/shapes,
 the checkpoint tensors read and the ones the mapper dropped, ``mismatched`` and ``unchecked``
-parameters and buffers, the value of every ``layer_scalar`` buffer, with ``kv_cache_dtype`` the ``_k_scale`` / ``_v_scale``
-every attention layer holds after vLLM's ``process_weights_after_loading``, and the expert trace
+parameters and buffers, the value of every ``layer_scalar`` buffer, the KV cache dtype vLLM resolved
+(``cache_dtype``: ``kv_cache_dtype`` as given, or what vLLM's ``auto`` reads from the checkpoint's
+``kv_cache_scheme``), for an fp8 one the ``_k_scale`` / ``_v_scale`` every attention layer holds after
+vLLM's ``process_weights_after_loading``, and the expert trace
 ``[checkpoint name, parameter, shard id, expert id, success]``. With ``dump``, the loaded
 expert parameters (``w13_*``, ``w2_*`` of every layer, fp8 as uint8) are saved to that
 safetensors file, so the test can check where each source expert and half landed.
@@ -335,6 +337,7 @@ def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, lin
                           quantization="modelopt", dtype="bfloat16", max_model_len=256, enforce_eager=True,
                           model_loader_extra_config={"enable_weights_track": True})
         vllm_config = args.create_engine_config()
+        report["cache_dtype"] = vllm_config.cache_config.cache_dtype  # "auto" resolved from the checkpoint
         with set_current_vllm_config(vllm_config):
             init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
@@ -380,7 +383,7 @@ def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, lin
                 check_values(model, ckpt_dir, vllm_config.model_config.hf_text_config.num_experts, read, report)
                 if dump:
                     dump_experts(model, dump)
-                if kv_cache_dtype:  # after the value checks: processing deletes k_scale / v_scale
+                if report["cache_dtype"].startswith("fp8"):  # after the value checks: processing deletes k_scale / v_scale
                     report["kv_cache_scales"] = kv_cache_scales(model)
                 if linear_io:  # after the value checks: processing repacks the weights
                     report["linear_io"] = {"path": linear_io, "modules": run_linears(model, linear_io)}
