@@ -13,10 +13,15 @@ experts of a layer per projection kind, over the tokens routed to them (gate/up 
 and over ``act(gate) * up`` of every routed (token, expert) pair (down input). Because
 the scale is shared, experts that no calibration token reached still get a finite,
 positive ``input_scale`` (case P04).
+
+With ``kv_cache=True`` (``g4convert nvfp4 --kv-cache-dtype fp8``) each attention also records
+``max|k|`` and ``max|v|`` of the key and value states exactly where modelopt's
+``k_bmm_quantizer`` / ``v_bmm_quantizer`` see them (:func:`record_kv_amax`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from g4.exporters.nvfp4_names import DENSE_GROUPS
+from g4.exporters.nvfp4_names import DENSE_GROUPS, KV_AMAX_KEYS, Role
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error
@@ -144,6 +149,62 @@ def experts_forward_with_input_hook(experts: nn.Module, on_input: Callable[[str,
     return forward
 
 
+_KV_RECORDING = "g4_kv_amax"  # the attention implementation name record_kv_amax registers
+
+
+def _kv_recording_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    module.g4_on_kv(key, value)
+    return module.g4_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+class _KvRecording:
+    """What :func:`record_kv_amax` returns: ``remove()`` puts the attention's own config back."""
+
+    def __init__(self, attention: nn.Module, config):
+        self.attention, self.config = attention, config
+
+    def remove(self) -> None:
+        self.attention.config = self.config
+        for name in ("g4_on_kv", "g4_attention"):
+            self.attention.__dict__.pop(name, None)
+
+
+def record_kv_amax(attention: nn.Module, stats: dict[str, torch.Tensor]) -> _KvRecording:
+    """Record ``max|k|`` and ``max|v|`` of a ``Gemma4TextAttention`` into ``stats`` (keys
+    :data:`g4.exporters.nvfp4_names.KV_AMAX_KEYS`: ``"self_attn.k_bmm"``, ``"self_attn.v_bmm"``;
+    float32 ``[]``, the max over every call).
+
+    Measured where modelopt 0.47 measures them: its ``_QuantAttention``
+    (NVIDIA/Model-Optimizer ``modelopt/torch/quantization/plugins/huggingface.py``) wraps the
+    attention function transformers' attention calls, so the amaxes are of the states passed to
+    it: keys ``RoPE(k_norm(k_proj(x)))``, values ``v_norm(v_proj(x))`` (transformers 5.24
+    ``models/gemma4/modeling_gemma4.py``, ``Gemma4TextAttention.forward``), ``[B, kv_heads, S,
+    head_dim]`` in the compute dtype, every position of the sample (the sliding window is a mask,
+    not a cut). On a k_eq_v full-attention layer (``attention_k_eq_v``, no v_proj) the values are
+    ``v_norm(k_proj(x))``: K's projection without k_norm's scale and without RoPE, so V has an
+    amax of its own (written as ``v_proj.v_scale``, as modelopt names it).
+
+    This attention gets a copy of its config naming a registered attention function that records
+    and then calls the configured one (``sdpa``); nothing global changes behaviour.
+
+    Returns:
+        an object whose ``remove()`` undoes it.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
+
+    if _KV_RECORDING not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(_KV_RECORDING, _kv_recording_attention)
+    original = attention.config
+    attention.g4_attention = ALL_ATTENTION_FUNCTIONS.get_interface(original._attn_implementation,
+                                                                   eager_attention_forward)
+    attention.g4_on_kv = lambda k, v: (_record_max(stats, KV_AMAX_KEYS[Role.K_SCALE], k),
+                                       _record_max(stats, KV_AMAX_KEYS[Role.V_SCALE], v))
+    attention.config = copy.copy(original)
+    attention.config._attn_implementation = _KV_RECORDING
+    return _KvRecording(attention, original)
+
+
 class LayerCalibrator:
     """Runs calibration samples through the decoder layers one at a time.
 
@@ -163,6 +224,8 @@ class LayerCalibrator:
         device: where the layer forward runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``; see
             :func:`calibration_device`). The hidden states stay in host RAM and go to the
             device one batch at a time; the layer's weights go once per layer.
+        kv_cache: also record each attention's key and value amax (:func:`record_kv_amax`),
+            for the FP8 KV cache scales.
 
     Attributes:
         seconds: wall seconds spent in :meth:`run_layer` so far (forwards and transfers);
@@ -173,7 +236,8 @@ class LayerCalibrator:
     """
 
     def __init__(self, ckpt: Checkpoint, input_ids: torch.Tensor, *, batch_size: int = 8,
-                 compute_dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+                 compute_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 kv_cache: bool = False):
         from transformers import AutoConfig
 
         try:
@@ -187,6 +251,7 @@ class LayerCalibrator:
             raise G4Error(f"--calib-seq-len {input_ids.shape[1]} exceeds the model's max_position_embeddings {max_pos}")
         self.ckpt = ckpt
         self.batch_size = batch_size
+        self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.dtype = compute_dtype or ckpt.tensors[ckpt.prefix + "embed_tokens.weight"].dtype
         self.hidden = self._embed(input_ids).to(self.dtype)
@@ -233,7 +298,8 @@ class LayerCalibrator:
 
         Returns:
             ``{module suffix: float32 [] amax}`` for ``self_attn.{q,k,v,o}_proj``,
-            ``mlp.{gate,up,down}_proj``, ``experts.gate_up_proj``, ``experts.down_proj``.
+            ``mlp.{gate,up,down}_proj``, ``experts.gate_up_proj``, ``experts.down_proj``; with
+            ``kv_cache`` also ``self_attn.k_bmm`` and ``self_attn.v_bmm`` (:func:`record_kv_amax`).
         """
         from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
 
@@ -248,6 +314,8 @@ class LayerCalibrator:
         for name, sub in module.named_modules():
             if isinstance(sub, nn.Linear) and name in _DENSE_MODULES:
                 hooks.append(sub.register_forward_pre_hook(lambda m, args, key=name: _record_max(stats, key, args[0])))
+        if self.kv_cache:
+            hooks.append(record_kv_amax(module.self_attn, stats))
         module.experts.forward = experts_forward_with_input_hook(
             module.experts, lambda kind, x: _record_max(stats, kind, x))
         position_embeddings, mask, position_ids = self._position[self.config.layer_types[layer]]

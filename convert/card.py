@@ -320,7 +320,7 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
 def _nvfp4_facts(out: Path, layout=None) -> dict:
     """What the NVFP4 files hold, classified by the output table (``exporters/nvfp4_names.py``;
     ``layout``: the converter's, default rebuilt from OUT), and the serve commands for OUT."""
-    from g4.exporters.modelopt_nvfp4 import declares_input_activations, output_layout
+    from g4.exporters.modelopt_nvfp4 import declares_input_activations, declares_kv_cache, output_layout
     from g4.exporters.nvfp4_names import Role
     from g4.exporters.vllm_command import vllm_command
 
@@ -352,10 +352,12 @@ def _nvfp4_facts(out: Path, layout=None) -> dict:
         k["bytes"] += t.nbytes
     config = json.loads((out / "config.json").read_text())
     qc = config.get("quantization_config") or {}
-    commands = [(label, vllm_command(out, compute_capability=cc, vllm_version=version))
+    kv = "fp8" if declares_kv_cache(config) else None  # calibrated KV cache scales: serve them
+    commands = [(label, vllm_command(out, compute_capability=cc, vllm_version=version, kv_cache_dtype=kv))
                 for label, cc, version in VLLM_TARGETS]
     return {"quant": quant, "kept": kept, "params": params, "qbytes": qbytes,
-            "w4a4": declares_input_activations(config), "ignore": qc.get("ignore", []),
+            "w4a4": declares_input_activations(config), "kv_cache": declares_kv_cache(config),
+            "ignore": qc.get("ignore", []),
             "producer": qc.get("producer") or {}, "weight_files": weight_files,
             "weights_out": sum((out / f).stat().st_size for f in weight_files),
             "model_dir": str(out), "commands": commands}

@@ -104,6 +104,9 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
                    "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
 @click.option("--calib-device", default="auto", show_default=True,
               help="Where calibration runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="fp8: also calibrate and write modelopt's FP8 KV cache scales (k_scale / v_scale per layer, "
+                   "kv_cache_quant_algo FP8) for `vllm serve --kv-cache-dtype fp8`; auto: none.")
 @click.option("--max-shard-size", type=SHARD_SIZE, default="5GB", show_default=True,
               help="Largest shard: GB = 10**9 bytes, GiB = 2**30; at least 1MB (smaller shards only multiply "
                    "files). A tensor larger than this gets a shard of its own, as in transformers.")
@@ -112,7 +115,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.pass_context
 @exit_on_user_error
 def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          calib_dtype, calib_device, max_shard_size, overwrite, push_to_hub, private, base_model):
+          calib_dtype, calib_device, kv_cache_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
     """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
     to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
 
@@ -123,10 +126,12 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     from .nvfp4 import convert_nvfp4
 
     calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
-    if weight_only and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
+    calibrates = not weight_only or kv_cache_dtype == "fp8"  # FP8 KV cache scales are calibrated too
+    if not calibrates and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
-                      "--calib-batch-size / --calib-dtype / --calib-device")
-    if not weight_only:
+                      "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8, "
+                      "whose KV cache scales are calibrated)")
+    if calibrates:
         from .calibrate import calibration_device
 
         calibration_device(calib_device)  # a bad device is an error before SRC is fetched
@@ -135,7 +140,7 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
-                           max_shard_size=max_shard_size,
+                           kv_cache_dtype=kv_cache_dtype, max_shard_size=max_shard_size,
                            overwrite=overwrite, progress=ctx.obj["progress"])
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)

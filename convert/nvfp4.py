@@ -28,6 +28,7 @@ from g4.exporters import modelopt_nvfp4 as meta
 from g4.exporters.nvfp4_names import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
+    KV_AMAX_KEYS,
     PRESETS,
     LayerLayout,
     Linear,
@@ -106,7 +107,7 @@ def _check_in_features(name: str, in_features: int) -> None:
                               f"the NVFP4 block size {q.BLOCK_SIZE}; use a preset that leaves it bf16")
 
 
-def source_layout(ckpt: Checkpoint, parts: frozenset[Part], *, act_quant: bool) -> Nvfp4Layout:
+def source_layout(ckpt: Checkpoint, parts: frozenset[Part], *, act_quant: bool, kv_cache: bool = False) -> Nvfp4Layout:
     """Map every source tensor, check each layer's structure and expand the output table, before
     anything is written.
 
@@ -119,7 +120,8 @@ def source_layout(ckpt: Checkpoint, parts: frozenset[Part], *, act_quant: bool) 
     layout = Nvfp4Layout.build(
         ckpt.arch, prefix=ckpt.prefix, parts=parts, act_quant=act_quant,
         layer_sources=[ls.tensors for ls in smap.layers], model_sources=smap.model_keep, lm_head=smap.lm_head,
-        dtypes={n: i.dtype for n, i in ckpt.tensors.items()}, shapes={n: i.shape for n, i in ckpt.tensors.items()})
+        dtypes={n: i.dtype for n, i in ckpt.tensors.items()}, shapes={n: i.shape for n, i in ckpt.tensors.items()},
+        kv_cache=kv_cache)
     for lin in layout.linears:
         _check_in_features(lin.source, lin.in_features)
     return layout
@@ -154,7 +156,9 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
     """Output tensors of one layer (``w``: source name -> tensor), in the table's order."""
     for t in lay.kept:
         yield t.name, w[t.source]
-    layer_max = torch.stack(list(amax.values())).amax() if amax else torch.tensor(1.0)
+    kv_amax = {k: v for k, v in (amax or {}).items() if k in KV_AMAX_KEYS.values()}
+    input_amax = [v for k, v in (amax or {}).items() if k not in kv_amax]
+    layer_max = torch.stack(input_amax).amax() if input_amax else torch.tensor(1.0)
     if not layer_max > 0:
         layer_max = torch.tensor(1.0)
     for group in lay.groups:
@@ -166,6 +170,7 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
             qw = q.quantize(x, weight_scale_2=shared_g)
             yield from _named(lin, (qw.weight, qw.weight_scale, qw.weight_scale_2, shared_in))
     if not lay.experts:
+        yield from _kv_scales(lay, kv_amax)
         return
     gate, _, down = lay.experts[0]
     in_gu = _input_scale(amax, (gate.key,), layer_max, lay.index) if amax is not None else None
@@ -179,6 +184,22 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
         yield from _named(gate, (gate_w, gate_s, qgu.weight_scale_2[e].clone(), in_gu))
         yield from _named(up, (up_w, up_s, qgu.weight_scale_2[e].clone(), in_gu))
         yield from _named(down, (qdn.weight[e], qdn.weight_scale[e], qdn.weight_scale_2[e].clone(), in_dn))
+    yield from _kv_scales(lay, kv_amax)
+
+
+def _kv_scales(lay: LayerLayout, kv_amax: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's FP8 KV cache scales (``amax / 448``, :func:`g4.quantizers.nvfp4.kv_cache_scale_from_amax`).
+
+    Raises:
+        ExportError: an amax that is not finite and > 0 (no calibration token reached the
+            attention, or a dead projection): vLLM would divide by it.
+    """
+    for t in lay.kv_scales:
+        a = kv_amax.get(KV_AMAX_KEYS[t.role])
+        if a is None or not (torch.isfinite(a) and a > 0):
+            raise ExportError(f"layer {lay.index}: calibration gave {t.role.value} amax "
+                              f"{None if a is None else a.item()} for {t.name}; it must be finite and > 0")
+        yield t.name, q.kv_cache_scale_from_amax(a)
 
 
 def _named(lin: Linear, values: tuple) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,6 +222,7 @@ def convert_nvfp4(
     calib_batch_size: int = 8,
     calib_dtype: str = "float32",
     calib_device: str = "auto",
+    kv_cache_dtype: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: bool = True,
@@ -223,6 +245,14 @@ def convert_nvfp4(
             run) or ``"bfloat16"`` (the bf16 model bit for bit, as modelopt calibrates it).
         calib_device: ``"auto"`` (a CUDA device where torch sees one, else the CPU),
             ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (:func:`g4.convert.calibrate.calibration_device`).
+        kv_cache_dtype: ``"auto"`` (no KV cache scales: vLLM keeps the KV cache in the model
+            dtype, or uses 1.0 with ``--kv-cache-dtype fp8``) or ``"fp8"``: modelopt's FP8 KV
+            cache export, a calibrated float32 ``[]`` ``k_scale`` / ``v_scale`` (amax / 448 of
+            the keys / values as the attention function sees them,
+            :func:`g4.convert.calibrate.record_kv_amax`) per decoder layer under
+            ``…self_attn.k_proj.k_scale`` / ``…self_attn.v_proj.v_scale`` (k_eq_v layers too,
+            which have no v_proj), and ``kv_cache_quant_algo: "FP8"`` in both metadata files.
+            Needs calibration, so also with ``weight_only``.
         max_shard_size: shard data limit, e.g. ``"5GB"`` (10**9) or ``"4GiB"`` (2**30).
         overwrite: replace an existing ``out`` (only once the new one is complete).
         progress: show a tqdm bar in source bytes.
@@ -239,18 +269,22 @@ def convert_nvfp4(
         raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if calib_dtype not in _CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
+    if kv_cache_dtype not in meta.KV_CACHE_DTYPES:
+        raise ExportError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(meta.KV_CACHE_DTYPES)}")
+    kv_cache = kv_cache_dtype == "fp8"
     parts = PRESETS[preset]
-    device = None if weight_only else calibration_device(calib_device)
+    calibrate = not weight_only or kv_cache
+    device = calibration_device(calib_device) if calibrate else None
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
-    layout = source_layout(ckpt, parts, act_quant=not weight_only)
+    layout = source_layout(ckpt, parts, act_quant=not weight_only, kv_cache=kv_cache)
     specs = output_specs(layout)
 
     _log_tensor_kinds(ckpt, layout)
     calibrator, calib_tokens = None, 0
-    if not weight_only:
+    if calibrate:
         calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-                                               _CALIB_DTYPES[calib_dtype], device)
+                                               _CALIB_DTYPES[calib_dtype], device, kv_cache=kv_cache)
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     for t in layout.model:  # fail before the long layer loop, not after it
@@ -264,25 +298,30 @@ def convert_nvfp4(
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
-        meta.write_metadata(tmp, ckpt.config, excludes=layout.exclude_modules(), weight_only=weight_only)
+        meta.write_metadata(tmp, ckpt.config, excludes=layout.exclude_modules(), weight_only=weight_only,
+                            kv_cache=kv_cache)
         meta.check_export(tmp, label=Path(out), layout=layout)
         write_model_card(tmp, "nvfp4", src=ckpt, out_name=Path(out).name, options=dict(  # README.md (hub helper)
             preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
-            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size), layout=layout)
+            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, kv_cache_dtype=kv_cache_dtype,
+            max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
-    return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant, params_quant, quant_bytes,
+    kv_scales = sum(len(lay.kv_scales) for lay in layout.layers)
+    return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant - kv_scales, params_quant, quant_bytes,
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens,
                          calibrator.seconds if calibrator else 0.0, len(layout.layers))
 
 
 def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
-                compute_dtype: torch.dtype, device: torch.device) -> tuple[LayerCalibrator, int]:
+                compute_dtype: torch.dtype, device: torch.device, *, kv_cache: bool = False
+                ) -> tuple[LayerCalibrator, int]:
     """The per-layer calibrator over the calibration text, and its number of tokens."""
     tokenizer = _load_tokenizer(ckpt.root)
     ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
                                seq_len=seq_len)
-    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype, device=device)
+    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype, device=device,
+                                 kv_cache=kv_cache)
     return calibrator, ids.numel()
 
 
@@ -319,7 +358,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             for name, t in _produce_layer(lay, by_source, amax):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
-                if role != Role.KEPT:
+                if layout.by_name[name].linear is not None:  # not kept, not a KV cache scale
                     quant_bytes += t.numel() * t.dtype.itemsize
                 if role == Role.WEIGHT:  # move the bar by the source share of each quantized linear
                     n_quant += 1

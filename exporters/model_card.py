@@ -177,11 +177,13 @@ def _how_made(facts: dict, out_name: str) -> str:
         argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default")]
         if o.get("weight_only"):
             argv.append("--weight-only")
-        else:
+        if not o.get("weight_only") or o.get("kv_cache_dtype", "auto") != "auto":  # calibrated
             if o.get("calib_data"):
                 argv += ["--calib-data", o["calib_data"]["name"]]
             argv += ["--calib-samples", str(o.get("calib_samples")), "--calib-seq-len", str(o.get("calib_seq_len")),
                      "--calib-dtype", str(o.get("calib_dtype"))]
+        if o.get("kv_cache_dtype", "auto") != "auto":
+            argv += ["--kv-cache-dtype", str(o["kv_cache_dtype"])]
         argv += ["--max-shard-size", str(o.get("max_shard_size"))]
     else:
         argv = ["g4convert", "int8-neuron", src_arg, out_name, "--tp", str(o.get("tp"))]
@@ -212,7 +214,8 @@ def _nvfp4_body(facts: dict, model_ref: str, nv: dict) -> dict:
     return {"qrows": qrows, "krows": krows, "bpw": bpw, "weights_out": weights_out, "commands": commands,
             "weight_files": nv["weight_files"],
             "act": "W4A4: weights and linear inputs in NVFP4, with calibrated input scales" if nv["w4a4"]
-            else "W4A16: NVFP4 weights, bf16 activations (no calibration)", "ignore": nv["ignore"]}
+            else "W4A16: NVFP4 weights, bf16 activations (no calibration)", "ignore": nv["ignore"],
+            "kv_cache": nv.get("kv_cache", False)}
 
 
 def _int8_body(i8: dict) -> dict:
@@ -287,7 +290,13 @@ Every quantized linear stores `weight` (uint8, two E2M1 codes per byte), `weight
 (float8_e4m3fn, one per 16 weights), `weight_scale_2` (float32 global scale){% if nv.act.startswith("W4A4") %}
 and `input_scale` (float32){% endif %}; MoE experts are stored as per-expert `gate_proj` /
 `up_proj` / `down_proj` linears.
-
+{% if nv.kv_cache %}
+KV cache: FP8 (E4M3), with a calibrated float32 `k_scale` / `v_scale` per decoder layer
+(amax / 448 of the keys and values, modelopt's `kv_cache_quant_algo: FP8`); serve with
+`--kv-cache-dtype fp8`.
+{% else %}
+KV cache: no KV cache scales (bf16 KV cache; `--kv-cache-dtype fp8` would use 1.0).
+{% endif %}
 ## What was quantized
 
 {{ quant_table }}

@@ -10,6 +10,11 @@ Model-Optimizer ``modelopt/torch/export/unified_export_hf.py`` and
 - ``config.json["quantization_config"]`` (read first by vLLM): ``quant_method: modelopt``,
   ``quant_algo: NVFP4``, ``ignore`` (same list), ``config_groups`` with 4-bit float
   weights and, for W4A4, input activations, group size 16.
+- FP8 KV cache (``--kv-cache-dtype fp8``): ``kv_cache_quant_algo: "FP8"`` in
+  ``hf_quant_config.json`` and ``kv_cache_scheme: {"dynamic": false, "num_bits": 8, "type":
+  "float"}`` in ``quantization_config`` (modelopt ``convert_hf_config.py``; vLLM reads either as
+  FP8), with a float32 ``[]`` ``k_scale`` / ``v_scale`` per decoder layer
+  (:data:`g4.exporters.nvfp4_names.KV_SCALE_MODULES`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
 MODELOPT_COMPAT_VERSION = "0.47.0"
+# g4convert nvfp4 --kv-cache-dtype: "auto" writes no KV cache scales, "fp8" modelopt's FP8 KV export.
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_QUANT_ALGO = "FP8"  # hf_quant_config.json quantization.kv_cache_quant_algo
+KV_CACHE_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}  # config.json quantization_config
 CONVERTER = {"name": "g4", "version": "0.1.0"}
 
 
@@ -33,32 +42,38 @@ def _quant_args() -> dict:
     return {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
 
 
-def quantization_config(excludes: list[str], *, weight_only: bool) -> dict:
-    """``config.json["quantization_config"]`` for NVFP4 (W4A16 omits ``input_activations``)."""
+def quantization_config(excludes: list[str], *, weight_only: bool, kv_cache: bool = False) -> dict:
+    """``config.json["quantization_config"]`` for NVFP4 (W4A16 omits ``input_activations``;
+    ``kv_cache``: FP8 KV cache, ``kv_cache_scheme``)."""
     group = {"weights": _quant_args(), "targets": ["Linear"]}
     if not weight_only:
         group["input_activations"] = _quant_args()
+    kv = {"kv_cache_scheme": dict(KV_CACHE_SCHEME)} if kv_cache else {}
     return {
         "config_groups": {"group_0": group},
         "ignore": list(excludes),
         "quant_algo": "NVFP4",
+        **kv,
         "producer": {"name": "modelopt", "version": MODELOPT_COMPAT_VERSION},
         "converter": dict(CONVERTER),
         "quant_method": "modelopt",
     }
 
 
-def hf_quant_config(excludes: list[str]) -> dict:
-    """Legacy ``hf_quant_config.json`` contents."""
+def hf_quant_config(excludes: list[str], *, kv_cache: bool = False) -> dict:
+    """Legacy ``hf_quant_config.json`` contents (``kv_cache_quant_algo`` ``"FP8"`` with ``kv_cache``,
+    else null)."""
     return {
         "producer": {"name": "modelopt", "version": MODELOPT_COMPAT_VERSION},
         "converter": dict(CONVERTER),
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": BLOCK_SIZE,
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": KV_CACHE_QUANT_ALGO if kv_cache else None,
+                         "group_size": BLOCK_SIZE,
                          "exclude_modules": list(excludes)},
     }
 
 
-def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weight_only: bool) -> None:
+def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weight_only: bool,
+                   kv_cache: bool = False) -> None:
     """Write ``config.json`` (the source's in the release form, with ``quantization_config``
     added; never re-serialised through transformers, which would drop release keys such as
     ``global_head_dim``) and ``hf_quant_config.json``.
@@ -70,9 +85,10 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
     from g4.convert.gemma4 import release_config
 
     config = release_config(src_config)
-    config["quantization_config"] = quantization_config(excludes, weight_only=weight_only)
+    config["quantization_config"] = quantization_config(excludes, weight_only=weight_only, kv_cache=kv_cache)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excludes), indent=2) + "\n")
+    (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excludes, kv_cache=kv_cache), indent=2)
+                                                  + "\n")
 
 
 def declares_input_activations(config: dict) -> bool:
@@ -80,6 +96,12 @@ def declares_input_activations(config: dict) -> bool:
     linear inputs, so every quantized linear carries an ``input_scale``."""
     qc = config.get("quantization_config") or {}
     return any("input_activations" in g for g in (qc.get("config_groups") or {}).values())
+
+
+def declares_kv_cache(config: dict) -> bool:
+    """FP8 KV cache: ``config.json``'s ``quantization_config`` has modelopt's ``kv_cache_scheme``
+    (:data:`KV_CACHE_SCHEME`), so every decoder layer carries a ``k_scale`` and ``v_scale``."""
+    return (config.get("quantization_config") or {}).get("kv_cache_scheme") == KV_CACHE_SCHEME
 
 
 def output_layout(ckpt: Checkpoint) -> Nvfp4Layout:
@@ -111,7 +133,8 @@ def output_layout(ckpt: Checkpoint) -> Nvfp4Layout:
               for n in shapes}
     return Nvfp4Layout.build(arch, prefix=prefix, parts=frozenset(parts), act_quant=declares_input_activations(ckpt.config),
                              layer_sources=layer_sources, model_sources=sorted([prefix + r for r in MODEL_KEEP] + towers),
-                             lm_head=None if arch.tied else "lm_head.weight", dtypes=dtypes, shapes=shapes)
+                             lm_head=None if arch.tied else "lm_head.weight", dtypes=dtypes, shapes=shapes,
+                             kv_cache=declares_kv_cache(ckpt.config))
 
 
 def _excluded(module: str, patterns: list[str]) -> bool:
@@ -131,8 +154,10 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     list (fused 3-D experts, ``.moe.`` or compressed-tensors names: P01, P03), a quantized module
     without exactly ``weight`` / ``weight_scale`` / ``weight_scale_2`` and, iff the config declares
     input activations, ``input_scale`` (P05), a missing tensor, a wrong dtype or shape: one error
-    line each. Then the values: every scale finite and > 0 (P04); one ``weight_scale_2`` per
-    expert gate/up pair and per dense q/k/v and gate/up group, one ``input_scale`` per dense group
+    line each; the FP8 KV cache scales iff ``kv_cache_scheme`` / ``kv_cache_quant_algo`` say so
+    (both files agreeing). Then the values: every scale finite and > 0 (P04), KV cache scales
+    too; one ``weight_scale_2`` per expert gate/up pair and per dense q/k/v and gate/up group,
+    one ``input_scale`` per dense group
     (vLLM keeps one per merged layer: vllm-project/vllm
     ``vllm/model_executor/layers/quantization/modelopt.py``). Then the exclusion list (P07): no
     quantized module is excluded, every kept linear weight (and tower tensor) is, every pattern
@@ -166,14 +191,23 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     excludes = qc.get("ignore", [])
     if excludes != hq.get("exclude_modules"):
         raise ExportError(f"{label}: config.json ignore and hf_quant_config.json exclude_modules differ")
-    for key, want in (("quant_algo", "NVFP4"), ("group_size", BLOCK_SIZE)):
+    kv_cache = declares_kv_cache(config)
+    for key, want in (("quant_algo", "NVFP4"), ("group_size", BLOCK_SIZE),
+                      ("kv_cache_quant_algo", KV_CACHE_QUANT_ALGO if kv_cache else None)):
         if hq.get(key) != want:
-            raise ExportError(f"{label}: hf_quant_config.json {key} is {hq.get(key)!r}, expected {want!r}")
+            raise ExportError(f"{label}: hf_quant_config.json {key} is {hq.get(key)!r}, expected {want!r}"
+                              + (" (config.json's kv_cache_scheme says so)" if key == "kv_cache_quant_algo" else ""))
+    if qc.get("kv_cache_scheme") not in (None, KV_CACHE_SCHEME):
+        raise ExportError(f"{label}: config.json kv_cache_scheme is {qc.get('kv_cache_scheme')!r}, expected "
+                          f"{KV_CACHE_SCHEME!r} (FP8) or none")
     w4a4 = declares_input_activations(config)
     ckpt = Checkpoint(out_dir)  # the same header/index validation as any source
     layout = layout or output_layout(ckpt)
     if layout.act_quant != w4a4:
         raise ExportError(f"{label}: config.json declares {_w4(w4a4)}, the tensors were written {_w4(layout.act_quant)}")
+    if layout.kv_cache != kv_cache:
+        raise ExportError(f"{label}: config.json declares {'an FP8' if kv_cache else 'no'} KV cache, the tensors "
+                          f"were written {'with' if layout.kv_cache else 'without'} k_scale/v_scale")
     header = ckpt.tensors
 
     def where(name: str) -> Path:
@@ -227,6 +261,11 @@ def _check_values(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
         bs = ckpt.get(lin.name(Role.WEIGHT_SCALE)).float()
         if not (torch.isfinite(bs).all() and (bs > 0).all()):
             raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
+    for lay in layout.layers:  # FP8 KV cache scales: vLLM divides by them
+        for t in lay.kv_scales:
+            v = ckpt.get(t.name)
+            if not (torch.isfinite(v) and v > 0):
+                raise ExportError(f"tensor {t.name}: {v.item()} is not finite and > 0")
     _check_shared(layout, scalars)
 
 

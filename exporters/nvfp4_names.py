@@ -196,10 +196,26 @@ class Role(str, Enum):
     WEIGHT_SCALE = "weight_scale"  # float8_e4m3fn [out, in/16]: one scale per 16-input block
     WEIGHT_SCALE_2 = "weight_scale_2"  # float32 []: the global (per-tensor) scale
     INPUT_SCALE = "input_scale"  # float32 []: static activation scale (W4A4 only)
+    K_SCALE = "k_scale"  # float32 []: FP8 KV cache scale of the keys, amax / 448 (--kv-cache-dtype fp8)
+    V_SCALE = "v_scale"  # float32 []: FP8 KV cache scale of the values, amax / 448
     KEPT = "kept"  # stored as in the source
 
 
 QUANT_ROLES = (Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2, Role.INPUT_SCALE)
+KV_ROLES = (Role.K_SCALE, Role.V_SCALE)
+
+# FP8 KV cache (``--kv-cache-dtype fp8``): modelopt 0.47 names the calibrated amax of an
+# attention's k / v bmm quantizer ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``
+# (NVIDIA/Model-Optimizer ``modelopt/torch/export/quant_utils.py``, ``_KV_CACHE_REPLACEMENTS``),
+# also on k_eq_v full-attention layers, which have no v_proj module: there V is v_norm of K's
+# projection and gets its own scale under the v_proj name all the same. vLLM maps both to
+# ``<attn>.attn.{k,v}_scale`` (vllm-project/vllm ``vllm/model_executor/layers/quantization/
+# base_config.py``, ``get_cache_scale_mapper``); a layer without v_scale would get max(k, v) =
+# k_scale for V (``kv_cache.py``, ``BaseKVCacheMethod.process_weights_after_loading``).
+KV_SCALE_MODULES = {Role.K_SCALE: "self_attn.k_proj", Role.V_SCALE: "self_attn.v_proj"}
+# Where the calibrator records each amax (g4.convert.calibrate.record_kv_amax), by role.
+KV_AMAX_KEYS = {Role.K_SCALE: "self_attn.k_bmm", Role.V_SCALE: "self_attn.v_bmm"}
+KV_CACHE_KIND = "KV cache scales"
 
 
 @dataclass(frozen=True)
@@ -286,7 +302,8 @@ class OutputTensor:
 class LayerLayout:
     """The outputs of one decoder layer in production order: ``kept`` tensors, then the dense
     ``groups`` (each quantized with one shared ``weight_scale_2``), then per expert its
-    ``(gate_proj, up_proj, down_proj)``. ``sources``: canonical suffix -> source tensor name."""
+    ``(gate_proj, up_proj, down_proj)``, then (FP8 KV cache only) its ``kv_scales``
+    (``k_scale``, ``v_scale``). ``sources``: canonical suffix -> source tensor name."""
 
     index: int
     prefix: str
@@ -294,6 +311,7 @@ class LayerLayout:
     kept: tuple[OutputTensor, ...]
     groups: tuple[tuple[Linear, ...], ...]
     experts: tuple[tuple[Linear, Linear, Linear], ...]
+    kv_scales: tuple[OutputTensor, ...] = ()
 
     @property
     def linears(self) -> list[Linear]:
@@ -305,11 +323,13 @@ class Nvfp4Layout:
     """Every tensor of an NVFP4 output, listed once, in the order the converter writes it.
 
     Built from the model's :class:`~g4.convert.gemma4.Architecture`, the language-model
-    ``prefix``, the quantized ``parts`` and ``act_quant`` (W4A4: an ``input_scale`` per
-    linear), with the source's tensor dtypes and towers: :meth:`from_source` at conversion,
-    :meth:`from_output` for a finished OUT. ``tensors`` in production order, ``by_name`` the
-    lookup, ``layers`` the per-layer view the writer walks, ``model`` the kept tensors
-    outside the layers (embedding, final norm, towers, an untied lm_head), written last.
+    ``prefix``, the quantized ``parts``, ``act_quant`` (W4A4: an ``input_scale`` per
+    linear) and ``kv_cache`` (FP8 KV cache: a float32 ``[]`` ``k_scale`` and ``v_scale`` per
+    decoder layer, :data:`KV_SCALE_MODULES`), with the source's tensor dtypes and towers:
+    :meth:`from_source` at conversion, :meth:`from_output` for a finished OUT. ``tensors`` in
+    production order, ``by_name`` the lookup, ``layers`` the per-layer view the writer walks,
+    ``model`` the kept tensors outside the layers (embedding, final norm, towers, an untied
+    lm_head), written last.
     """
 
     arch: Architecture
@@ -319,6 +339,7 @@ class Nvfp4Layout:
     towers: tuple[str, ...]  # tower prefixes present (TOWER_PREFIXES order)
     layers: tuple[LayerLayout, ...]
     model: tuple[OutputTensor, ...]
+    kv_cache: bool = False
     tensors: tuple[OutputTensor, ...] = field(init=False)
     by_name: dict[str, OutputTensor] = field(init=False)
 
@@ -330,6 +351,7 @@ class Nvfp4Layout:
                 dtypes = lin.shapes()
                 order += [OutputTensor(lin.name(r), *dtypes[r], r, lin.kind, lin.source, lin.module, lin.layer, lin)
                           for r in lin.roles]
+            order += lay.kv_scales
         order += self.model
         by_name = {t.name: t for t in order}
         if len(by_name) != len(order):
@@ -349,7 +371,8 @@ class Nvfp4Layout:
     @classmethod
     def build(cls, arch: Architecture, *, prefix: str, parts: frozenset[Part], act_quant: bool,
               layer_sources: list[dict[str, str]], model_sources: list[str], lm_head: str | None,
-              dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]]) -> "Nvfp4Layout":
+              dtypes: dict[str, torch.dtype], shapes: dict[str, tuple[int, ...]],
+              kv_cache: bool = False) -> "Nvfp4Layout":
         """The table of one output.
 
         Args:
@@ -362,6 +385,7 @@ class Nvfp4Layout:
                 under their source names.
             lm_head: an untied ``lm_head.weight``'s source name, or None.
             dtypes / shapes: of the kept tensors, by source name (as stored in the source).
+            kv_cache: FP8 KV cache scales (``k_scale``, ``v_scale``) for every decoder layer.
         """
         layers = []
         for L, src in enumerate(layer_sources):
@@ -396,7 +420,10 @@ class Nvfp4Layout:
                     for proj, fused, out_f, in_f in (("gate_proj", EXPERT_GATE_UP, inter, hidden),
                                                      ("up_proj", EXPERT_GATE_UP, inter, hidden),
                                                      ("down_proj", EXPERT_DOWN, hidden, inter))))
-            layers.append(LayerLayout(L, lp, dict(src), tuple(keep), tuple(groups), tuple(experts)))
+            kv = tuple(OutputTensor(f"{lp}{KV_SCALE_MODULES[r]}.{r.value}", torch.float32, (), r, KV_CACHE_KIND,
+                                    src["self_attn.k_proj.weight"], lp + KV_SCALE_MODULES[r], L)
+                       for r in KV_ROLES) if kv_cache else ()
+            layers.append(LayerLayout(L, lp, dict(src), tuple(keep), tuple(groups), tuple(experts), kv))
         lm = {prefix + rel: key for rel, key in MODEL_KEEP.items()}
         towers = tuple(t for t in TOWER_PREFIXES if any(tower_of(n) == t for n in model_sources))
         model = []
@@ -410,4 +437,5 @@ class Nvfp4Layout:
         if lm_head is not None:
             model.append(OutputTensor("lm_head.weight", dtypes[lm_head], shapes[lm_head], Role.KEPT,
                                       MODEL_MODULE_KINDS["lm_head"], lm_head, "lm_head", excludable=True))
-        return cls(arch, prefix, frozenset(parts) | {Part.EXPERTS}, act_quant, towers, tuple(layers), tuple(model))
+        return cls(arch, prefix, frozenset(parts) | {Part.EXPERTS}, act_quant, towers, tuple(layers), tuple(model),
+                   kv_cache)

@@ -19,7 +19,9 @@ Flags, from vLLM 0.19.0-0.33.0 read release by release (vllm-project/vllm
   come back as OpenAI ``tool_calls`` (vLLM ``vllm/tool_parsers/gemma4_engine_tool_parser.py``,
   registered as ``gemma4`` in ``vllm/tool_parsers/__init__.py``; the public NVFP4 recipe for
   this model serves with these flags).
-- ``--max-model-len``, ``--kv-cache-dtype``, ``--served-model-name`` as given.
+- ``--max-model-len``, ``--kv-cache-dtype``, ``--served-model-name`` as given. An fp8
+  ``--kv-cache-dtype`` on a result without KV cache scales gets :func:`kv_cache_warning`:
+  vLLM then uses 1.0 for every k/v scale without a word (vllm-project/vllm issue #54623).
 """
 
 from __future__ import annotations
@@ -40,6 +42,27 @@ NATIVE_FP4_CAPABILITY = (10, 0)
 LATEST_KNOWN_VLLM = "0.33.0"
 """The newest vLLM whose flags were checked (the releases listed above); used when no version is given."""
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_warning(model_dir: str | Path, kv_cache_dtype: str | None) -> str | None:
+    """One warning line when ``kv_cache_dtype`` is an FP8 KV cache (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``) and ``model_dir`` has no calibrated KV cache scales (no ``kv_cache_scheme`` in
+    its ``config.json``'s ``quantization_config``: a result of ``g4convert nvfp4`` without
+    ``--kv-cache-dtype fp8``, or a bf16 checkpoint); None otherwise.
+
+    Raises:
+        CheckpointError: unreadable ``config.json``.
+    """
+    from g4.convert.checkpoint import read_json_object
+    from g4.exporters.modelopt_nvfp4 import declares_kv_cache
+
+    if not (kv_cache_dtype or "").startswith("fp8"):
+        return None
+    if declares_kv_cache(read_json_object(Path(model_dir) / "config.json")):
+        return None
+    return (f"warning: {model_dir} has no KV cache scales (k_scale/v_scale), so vLLM's --kv-cache-dtype "
+            f"{kv_cache_dtype} uses 1.0 for every layer; calibrate them with `g4convert nvfp4 SRC OUT "
+            "--kv-cache-dtype fp8`")
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

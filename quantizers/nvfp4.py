@@ -81,6 +81,22 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     return amax / NVFP4_SCALE_DENOM
 
 
+def kv_cache_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """FP8 (E4M3) KV cache scale ``amax / 448`` as a float32 0-d tensor: ``k_scale`` from the
+    amax of the keys, ``v_scale`` from that of the values, as modelopt 0.47's HF export
+    computes it (NVIDIA/Model-Optimizer ``modelopt/torch/export/unified_export_hf.py``,
+    ``kv_cache_max_bound = 448``, and ``quant_utils.py`` ``postprocess_state_dict``:
+    ``_amax.float() / 448``, no clamp). vLLM stores ``k / k_scale`` in the E4M3 cache.
+
+    Args:
+        amax: non-negative max of ``|k|`` (or ``|v|``); any dtype, 0-d/1-element tensor or float.
+
+    Returns:
+        float32 tensor of shape ``[]``.
+    """
+    return torch.as_tensor(amax).reshape(()).float() / E4M3_MAX
+
+
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
     """``max(|w|)`` as a float32 0-d tensor (exact: the max of bf16 values is a bf16 value).
 

