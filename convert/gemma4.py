@@ -422,6 +422,20 @@ def _positive(tc: dict, key: str) -> int:
     return value
 
 
+HIDDEN_ACTIVATION = "gelu_pytorch_tanh"  # Gemma4TextConfig's default and every release's value
+
+
+def _check_activation(tc: dict) -> None:
+    """``hidden_activation`` (dense MLP and experts) must be one transformers computes
+    (``transformers.activations.ACT2CLS``), or every command that runs the model fails later."""
+    from transformers.activations import ACT2CLS
+
+    act = tc.get("hidden_activation", HIDDEN_ACTIVATION)
+    if not isinstance(act, str) or act not in ACT2CLS:
+        raise G4Error(f"text config: hidden_activation {act!r} is not an activation transformers computes "
+                      f"(Gemma 4 uses {HIDDEN_ACTIVATION!r})")
+
+
 def read_architecture(config: dict) -> Architecture:
     """The one reader and validator of a Gemma 4 MoE config, in the release or the
     ``per_layer_config`` form; ``config`` is multimodal (with ``text_config``) or a text config
@@ -429,8 +443,8 @@ def read_architecture(config: dict) -> Architecture:
 
     Raises:
         G4Error: not a Gemma 4 MoE config, a missing or non-positive size, a malformed
-            ``layer_types`` / ``per_layer_config``, or a layout g4 does not model (per-layer
-            embeddings, KV-shared layers).
+            ``layer_types`` / ``per_layer_config``, an activation transformers does not compute,
+            or a layout g4 does not model (per-layer embeddings, KV-shared layers).
     """
     if not isinstance(config, dict):
         raise G4Error(f"config must be a JSON object, got {type(config).__name__}")
@@ -449,6 +463,7 @@ def read_architecture(config: dict) -> Architecture:
         _positive(tc, key)
     if tc["top_k_experts"] > tc["num_experts"]:
         raise G4Error(f"text config: top_k_experts {tc['top_k_experts']} is more than num_experts {tc['num_experts']}")
+    _check_activation(tc)
     _check_tie(config)
     return Architecture(
         model_type=model_type, hidden=tc["hidden_size"], heads=tc["num_attention_heads"],
