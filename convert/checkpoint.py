@@ -192,12 +192,20 @@ def read_index(root: str | Path) -> tuple[dict[str, str] | None, dict[str, Path]
     Raises:
         CheckpointError: unreadable index, a shard name that is not a non-empty string, is
             absolute or has a ``..`` component (naming the index and the shard), a missing
-            shard, or no safetensors weights at all.
+            shard, a ``model.safetensors`` beside an index of other shards (which one is the
+            model is ambiguous), or no safetensors weights at all.
     """
     root = Path(root)
     index_path = root / INDEX_NAME
     if index_path.is_file():
         weight_map = _read_weight_map(index_path)
+        others = sorted(set(weight_map.values()) - {SINGLE_NAME})
+        if (root / SINGLE_NAME).is_file() and others:
+            # transformers and vLLM load model.safetensors when it exists; g4 would read the index
+            raise CheckpointError(f"{root}: has both {SINGLE_NAME} and {INDEX_NAME} naming other shards "
+                                  f"({others[0]}{', ...' if len(others) > 1 else ''}); transformers loads "
+                                  f"{SINGLE_NAME}, so the two may hold different weights: remove the one that "
+                                  "is not the model")
         return weight_map, {file: _shard_path(root, index_path, file) for file in sorted(set(weight_map.values()))}
     if (root / SINGLE_NAME).is_file():
         return None, {SINGLE_NAME: (root / SINGLE_NAME).resolve(strict=True)}

@@ -127,3 +127,18 @@ def test_parse_size_units():
 def test_plan_shards_exact():
     specs = [TensorSpec(f"t{i}", torch.uint8, (n,)) for i, n in enumerate([4, 4, 9, 1, 1])]
     assert [[s.name for s in sh] for sh in plan_shards(specs, 8)] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+def test_a_single_file_beside_an_index_of_other_shards_is_refused(sharded, tiny_mm, tmp_path):
+    """transformers loads model.safetensors when it exists; reading the index instead could
+    convert other weights than the ones users load (fresh-user finding). An index whose one
+    shard is model.safetensors itself is consistent and accepted."""
+    shutil.copy(tiny_mm / "model.safetensors", sharded / "model.safetensors")
+    with pytest.raises(CheckpointError, match="has both model.safetensors and model.safetensors.index.json"):
+        Checkpoint(sharded)
+    one = tmp_path / "one-shard-index"
+    shutil.copytree(tiny_mm, one, dirs_exist_ok=True)
+    names = list(Checkpoint(one).tensors)
+    (one / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    assert set(Checkpoint(one).tensors) == set(names)
