@@ -18,7 +18,7 @@ the request checks, limits, stop handling, queue and disconnect handling below.
     context, ``n`` outside 1..``MAX_N``, ``top_logprobs`` outside 0..``MAX_LOGPROBS`` or without
     ``logprobs``, more than one prompt); a value of the wrong JSON type (types are
     strict: ``"12"`` is not 12, and ``enable_thinking`` must be a boolean); features not served
-    (``tools``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
+    (the legacy ``functions``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
     ``continuous_usage_stats``); ``stream_options`` without ``stream``; unknown fields; empty or
     malformed ``messages``; template errors; token ids outside the vocabulary.
   - 404: an unknown model or route. 413: a body over ``max_body_bytes`` (checked from
@@ -67,7 +67,7 @@ from starlette.requests import ClientDisconnect
 
 from g4.convert.prompt import completion_ids
 
-from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
+from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt, tool_prefill_ids
 from .engine import Engine, SamplingParams, request_generator
 
 log = logging.getLogger(__name__)
@@ -91,14 +91,23 @@ class APIError(Exception):
 
 
 class ChatMessage(BaseModel):
+    """One message; an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` are
+    checked by :func:`g4.serve.chat.render_prompt`."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
         return self
 
 
@@ -203,9 +212,31 @@ class ChatRequest(GenerationRequest):
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    # the legacy functions / function_call API is not served (tools / tool_choice are)
     NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {
-        "tools": ([],), "functions": ([],),
-        "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
+        "functions": ([],), "function_call": ("none", "auto")}
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        choice, names = self.tool_choice, [t.get("function", {}).get("name") for t in self.tools or []
+                                           if isinstance(t.get("function"), dict)]
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise ValueError("tool_choice must be none, auto, required or a named function")
+            if choice == "required" and not self.tools:
+                raise ValueError("tool_choice required needs tools")
+        elif choice is not None:
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+            if fn["name"] not in names:
+                raise ValueError(f"tool_choice names {fn['name']!r}, which is not one of the tools")
+        return self
+
+    def parse_tool_calls(self) -> bool:
+        """Whether the reply's tool-call blocks become ``tool_calls``: tools are declared and
+        ``tool_choice`` is not ``none`` (with ``none`` any call markup is content, as text)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -322,6 +353,7 @@ class _Job:
     chat: bool = True
     n: int = 1  # choices, generated one after another
     top_logprobs: int | None = None  # None: no log-probabilities
+    tools: bool = False  # tool-call blocks become tool_calls (ChatRequest.parse_tool_calls)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -463,7 +495,8 @@ class GenerationWorker:
 
     def _generate_choice(self, job: _Job, index: int, generator) -> None:
         engine = self.engine
-        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat)
+        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat, tools=job.tools)
+        called = False
         stopper = StopMatcher(job.stops)
         ids: list[int] = []
         lps: list = []
@@ -473,7 +506,8 @@ class GenerationWorker:
             ids.append(step.token)
             lps.append(step.logprobs)
             d = parser.feed(step.token)
-            out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content))
+            out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content), tool_calls=d.tool_calls)
+            called = called or bool(d.tool_calls)
             if out:
                 job.emit("delta", (index, out, ids[sent:], lps[sent:]))
                 sent = len(ids)
@@ -488,7 +522,8 @@ class GenerationWorker:
             job.emit("delta", (index, out, ids[sent:], lps[sent:]))
             sent = len(ids)
         stopped = stopper.hit or bool(ids and ids[-1] in engine.stop_ids)
-        job.emit("done", {"index": index, "finish_reason": "stop" if stopped else "length", "token_ids": ids,
+        finish = ("tool_calls" if called else "stop") if stopped else "length"
+        job.emit("done", {"index": index, "finish_reason": finish, "token_ids": ids,
                           "logprobs": lps, "tail_ids": ids[sent:], "tail_logprobs": lps[sent:]})
 
 
@@ -570,7 +605,10 @@ def prepare(engine: Engine, req: GenerationRequest) -> tuple[list[int], Sampling
         param = "messages"
         try:
             prompt_ids = render_prompt(engine.tokenizer, [m.model_dump() for m in req.messages],
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, req.tools)
+            if req.tools:
+                prompt_ids += tool_prefill_ids(engine.tokenizer, ControlIds.from_tokenizer(engine.tokenizer),
+                                               req.tool_choice)
         except ChatError as e:
             raise APIError(400, str(e), param=param) from e
     else:
@@ -658,9 +696,14 @@ class _Reply:
         elif stream:
             choice["delta"] = {k: v for k, v in (("reasoning_content", text.reasoning), ("content", text.content))
                                if v}
+            if text.tool_calls:  # each call whole, in one delta: index, id, type, name, arguments
+                choice["delta"]["tool_calls"] = [{"index": c.index} | c.openai() for c in text.tool_calls]
         else:
             choice["message"] = {"role": "assistant", "content": text.content,
                                  "reasoning_content": text.reasoning or None}
+            if text.tool_calls:
+                choice["message"] |= {"content": text.content or None,
+                                      "tool_calls": [c.openai() for c in text.tool_calls]}
         choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(index, ids, lps)}
         if self.ids:
             choice["token_ids"] = ids
@@ -713,7 +756,8 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
     prompt_ids, params, stops = await run_in_threadpool(prepare, engine, req)
     n = req.n or 1
     job = _Job(prompt_ids, params, stops, asyncio.get_running_loop(), asyncio.Queue(),
-               chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k())
+               chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k(),
+               tools=isinstance(req, ChatRequest) and req.parse_tool_calls())
     worker.submit(job)
     reply = _Reply(req, prompt_ids, model, engine.tokenizer)
     if not req.stream:
