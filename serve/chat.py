@@ -460,9 +460,13 @@ def _tool_calls(calls, where: str) -> list[dict]:
     return out
 
 
-def _tools(tools) -> list[dict]:
+def openai_tools(tools) -> list[dict]:
     """OpenAI function ``tools`` as the template reads them (``{"type": "function", "function":
-    {"name", "description", "parameters"}}``)."""
+    {"name", "description", "parameters"}}``).
+
+    Raises:
+        ChatError: a tool that is not a function tool with a name (and a schema object).
+    """
     out = []
     for k, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -521,7 +525,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
             entry |= {"tool_call_id": tid, "name": calls[tid]}
         chat.append(entry)
     if tools:
-        kwargs["tools"] = _tools(tools)
+        kwargs["tools"] = openai_tools(tools)
     return chat_ids(tokenizer, chat, kwargs)
 
 

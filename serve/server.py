@@ -67,7 +67,7 @@ from starlette.requests import ClientDisconnect
 
 from g4.convert.prompt import completion_ids
 
-from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt, tool_prefill_ids
+from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, openai_tools, render_prompt, tool_prefill_ids
 from .engine import Engine, SamplingParams, request_generator
 
 log = logging.getLogger(__name__)
@@ -216,22 +216,29 @@ class ChatRequest(GenerationRequest):
     NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {
         "functions": ([],), "function_call": ("none", "auto")}
 
-    @model_validator(mode="after")
-    def _tool_choice(self):
-        choice, names = self.tool_choice, [t.get("function", {}).get("name") for t in self.tools or []
-                                           if isinstance(t.get("function"), dict)]
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, v):
+        if v:
+            openai_tools(v)  # ChatError (a ValueError): a 400 naming tools
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info):
+        tools = info.data.get("tools") or []
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
                 raise ValueError("tool_choice must be none, auto, required or a named function")
-            if choice == "required" and not self.tools:
+            if choice == "required" and not tools:
                 raise ValueError("tool_choice required needs tools")
         elif choice is not None:
             fn = choice.get("function")
             if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
-            if fn["name"] not in names:
+            if fn["name"] not in [t["function"]["name"] for t in tools]:
                 raise ValueError(f"tool_choice names {fn['name']!r}, which is not one of the tools")
-        return self
+        return choice
 
     def parse_tool_calls(self) -> bool:
         """Whether the reply's tool-call blocks become ``tool_calls``: tools are declared and
