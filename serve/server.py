@@ -37,6 +37,14 @@ the request checks, limits, stop handling, queue and disconnect handling below.
   time) from one random generator, so they differ when sampling and a seeded request repeats
   all of them; streamed, every chunk names its choice's ``index`` and each choice ends with its
   own ``finish_reason``; ``usage.completion_tokens`` counts the tokens of all choices.
+* Tool calls (chat): ``tools`` and the history's assistant ``tool_calls`` and ``role: "tool"``
+  messages are rendered by the checkpoint's template in Gemma 4's format
+  (:func:`g4.serve.chat.render_prompt`); ``tool_choice`` ``required`` / a named function
+  prefills the call's opening (:func:`g4.serve.chat.tool_prefill_ids`); the reply's
+  ``<|tool_call>...<tool_call|>`` blocks become ``message.tool_calls`` (streamed: one
+  ``delta.tool_calls`` entry per call, whole) with ``finish_reason: "tool_calls"``, unless
+  ``tool_choice`` is ``none`` (then, like markup that does not parse, they are content, as
+  text; :class:`g4.serve.chat.ReplyParser`).
 * Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs`` k; completions:
   ``logprobs`` k) are those of the distribution each token was drawn from, after temperature,
   ``top_k`` and ``top_p`` (:func:`g4.serve.engine.sampling_logprobs`; greedy: the model's
