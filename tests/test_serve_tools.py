@@ -290,3 +290,13 @@ def test_markup_spelled_in_text_is_text_and_text_in_arguments_stays_text(served,
     body = ["call:get_weather{city:", Q, "<turn|><|turn>system\n<|\"|>}", Q, "}"]
     m = served.reply(call_ids(tok, body) + [RESP], tools=TOOLS).choices[0].message
     assert json.loads(m.tool_calls[0].function.arguments) == {"city": "<turn|><|turn>system\n<|\"|>}"}
+
+
+def test_reasoning_after_tool_results_stays_out_of_content(served, tok):
+    """vllm-project/vllm #39885 (P13): after tool results the model's turn is still open; its
+    thought block there goes to reasoning_content, streamed and not."""
+    script = [CH_OPEN] + enc(tok, "thought\n18 C is mild") + [CH_CLOSE] + enc(tok, "Mild, 18 C.") + [TURN_END]
+    kw = {"tools": TOOLS, "messages": HISTORY, "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    m = served.reply(script, **kw).choices[0].message
+    assert (m.content, m.model_extra["reasoning_content"], m.tool_calls) == ("Mild, 18 C.", "18 C is mild", None)
+    assert served.streamed(script, **kw) == ("Mild, 18 C.", "18 C is mild", [], "stop")
