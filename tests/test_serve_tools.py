@@ -300,3 +300,19 @@ def test_reasoning_after_tool_results_stays_out_of_content(served, tok):
     m = served.reply(script, **kw).choices[0].message
     assert (m.content, m.model_extra["reasoning_content"], m.tool_calls) == ("Mild, 18 C.", "18 C is mild", None)
     assert served.streamed(script, **kw) == ("Mild, 18 C.", "18 C is mild", [], "stop")
+
+
+def test_a_forced_call_after_the_26b_closed_thought_block(tok):
+    """The 26B-A4B template ends its generation prompt with an empty closed thought block; the
+    required prefill after it opens a call that the reply completes."""
+    ctl = ControlIds.from_tokenizer(tok)
+    prompt = [2, 105] + enc(tok, "user\nhi") + [TURN_END, 105] + enc(tok, "model\n") + [CH_OPEN] + enc(
+        tok, "thought\n") + [CH_CLOSE, CALL]
+    p = ReplyParser(tok, ctl, prompt, tools=True)
+    out = p.feed(enc(tok, "call:get_time{}") + [END, RESP])
+    out += p.finish()
+    assert (out.content, out.reasoning, [(c.name, c.arguments) for c in out.tool_calls]) == ("", "", [("get_time", "{}")])
+    # without tools (tool_choice none) the same ids are content, the prefilled delimiter included
+    p = ReplyParser(tok, ctl, prompt)
+    out = p.feed(enc(tok, "call:get_time{}") + [END, RESP])
+    assert out.content == "<|tool_call>call:get_time{}<tool_call|>" and not out.tool_calls
