@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import click
 
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
-from .errors import G4Error, exit_on_user_error, raise_terminated
+from .errors import G4Error, exit_on_user_error, install_signal_handlers
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
@@ -79,7 +78,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
-    signal.signal(signal.SIGTERM, raise_terminated)  # clean up partial outputs on kill as on Ctrl-C (exit 143)
+    install_signal_handlers()  # clean up partial outputs on kill as on Ctrl-C (exit 143); signals recorded
     if quiet:  # read by transformers / huggingface_hub when they are first imported
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -7,6 +7,7 @@ user error.
 """
 
 import functools
+import os
 import signal
 import sys
 
@@ -39,27 +40,105 @@ class Terminated(KeyboardInterrupt):
     that cleans up after Ctrl-C cleans up after it too."""
 
 
+# Signals taken by the handlers below, in order, and the outputs placed (renamed into place) so
+# far: an exception a library swallows (a broad ``except`` in torch.compile, say) does not lose
+# the signal, and the exit message says whether OUT was already complete.
+_received: list[int] = []
+_placed: list[str] = []
+
+
 def raise_terminated(signum, frame):
-    """Signal handler for SIGTERM (``signal.signal(signal.SIGTERM, raise_terminated)``).
+    """Signal handler for SIGTERM (``signal.signal(signal.SIGTERM, raise_terminated)``); the
+    signal is recorded (:func:`signal_received`).
 
     Raises:
         Terminated: always, in the main thread.
     """
+    _received.append(signal.SIGTERM)
     raise Terminated
+
+
+def raise_interrupted(signum, frame):
+    """Signal handler for SIGINT: Python's own (KeyboardInterrupt), with the signal recorded.
+
+    Raises:
+        KeyboardInterrupt: always, in the main thread.
+    """
+    _received.append(signal.SIGINT)
+    raise KeyboardInterrupt
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGINT raise (:class:`Terminated`, KeyboardInterrupt) and are recorded
+    (what was recorded by an earlier command in this process is forgotten)."""
+    _received.clear()
+    _placed.clear()
+    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGINT, raise_interrupted)
+
+
+def guard_start_up() -> None:
+    """For a console script, before its heavy imports (torch, transformers: seconds): until
+    the command installs its own handlers, SIGINT or SIGTERM ends the process at once with one
+    line and exit status 130 / 143, without a traceback (nothing has been written yet)."""
+    def stop(signum, frame):
+        what = "terminated" if signum == signal.SIGTERM else "interrupted"
+        os.write(2, f"{what} while starting; nothing was written\n".encode())
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def signal_received() -> int | None:
+    """The last SIGINT / SIGTERM the handlers took, or None."""
+    return _received[-1] if _received else None
+
+
+def raise_if_signalled() -> None:
+    """Raise again the signal's exception when a signal was taken (whether or not its
+    exception reached anyone): call before an irreversible step such as placing OUT.
+
+    Raises:
+        Terminated, KeyboardInterrupt: after SIGTERM, SIGINT.
+    """
+    sig = signal_received()
+    if sig == signal.SIGTERM:
+        raise Terminated
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
+def note_output_placed(out) -> None:
+    """Record that ``out`` is complete and in place (for the message of a later signal)."""
+    _placed.append(str(out))
+
+
+def _signal_exit(sig: int) -> None:
+    import click
+
+    what = "terminated" if sig == signal.SIGTERM else "interrupted"
+    if _placed:
+        click.echo(f"{what} after {', '.join(_placed)} was complete; it is kept", err=True)
+    else:
+        click.echo(f"{what}; nothing was written to OUT", err=True)
+    sys.exit(128 + sig)
 
 
 def exit_on_user_error(fn):
     """Decorator for CLI commands: a :class:`G4Error` prints ``error: <message>`` (one line)
     on stderr and exits with status 2; Ctrl-C exits with 130 and SIGTERM (with
-    :func:`raise_terminated` installed) with 143, 128 + the signal number as shells report
-    it (outputs are only ever renamed into place when complete, so nothing partial is left)."""
+    :func:`install_signal_handlers`) with 143, 128 + the signal number as shells report
+    it (outputs are only ever renamed into place when complete, so nothing partial is left),
+    also when something on the way swallowed the signal's exception, and also when the signal
+    came after OUT was placed (the message then says OUT is complete and kept)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         import click
 
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except G4Error as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -68,9 +147,9 @@ def exit_on_user_error(fn):
             click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt as e:
-            sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-            click.echo(f"{'terminated' if sig == signal.SIGTERM else 'interrupted'}; nothing was written to OUT",
-                       err=True)
-            sys.exit(128 + sig)
+            _signal_exit(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+        if (sig := signal_received()) is not None:  # its exception was swallowed on the way
+            _signal_exit(sig)
+        return result
 
     return wrapper

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
-from g4.convert.errors import ExportError, OptionError
+from g4.convert.errors import ExportError, OptionError, note_output_placed, raise_if_signalled, signal_received
 
 log = logging.getLogger(__name__)
 
@@ -558,17 +558,29 @@ def _lock(path: Path, *, owner: int | None = None) -> int | None:
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while directories are swapped (they arrive right after), so a
-    signal never lands between two renames and leaves OUT missing."""
-    if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread only
-        yield
+def _signals_held() -> Iterator[list[int]]:
+    """Hold Ctrl-C and SIGTERM while directories are swapped, so a signal never lands between two
+    renames and leaves OUT missing: the Python-level handlers are swapped for one that only
+    records (a thread's signal mask is not enough: the C handler may run in any thread, and
+    Python then runs the handler in the main thread regardless of its mask). Yields the list of
+    signals that arrived; at the end the first one goes to the handler that was installed
+    before (raising its KeyboardInterrupt), as if it had arrived just then."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield []
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    arrived: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield arrived
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if arrived:
+            handler = before[arrived[0]]
+            if callable(handler):
+                handler(arrived[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(arrived[0])
 
 
 def _new_partial(out: Path) -> tuple[Path, int]:
@@ -752,12 +764,19 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            with _signals_held():
-                try:
-                    problem = _place(tmp, out, held)
-                except OSError as e:
-                    problem = f"cannot be replaced ({e.strerror or e})"
-                kept = _keep_beside(tmp, out) if problem else None
+            with _signals_held() as arrived:
+                if arrived or signal_received() is not None:  # raised (again) as the block ends
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    problem = kept = None
+                else:
+                    try:
+                        problem = _place(tmp, out, held)
+                    except OSError as e:
+                        problem = f"cannot be replaced ({e.strerror or e})"
+                    kept = _keep_beside(tmp, out) if problem else None
+                    if not problem:
+                        note_output_placed(out)
+            raise_if_signalled()  # a signal whose exception something swallowed: OUT was not placed
         finally:
             os.close(tmp_lock)
     finally:

@@ -60,6 +60,9 @@ def main() -> None:
       g4serve gemma4-tiny-nvfp4                          # http://127.0.0.1:8000/v1
       g4serve check gemma4-tiny-nvfp4 --against embedded # writes gemma4-tiny-nvfp4/verification.json
     """
+    # the start-up guard (g4.serve.entry) is done: Ctrl-C is a KeyboardInterrupt again, SIGTERM the default
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _setup_logging(verbose: bool) -> None:

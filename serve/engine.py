@@ -214,7 +214,7 @@ class Engine:
     @torch.no_grad()
     def generate_steps(self, prompt_ids: list[int], params: SamplingParams,
               should_stop: Callable[[], bool] = lambda: False, *, top_logprobs: int | None = None,
-              generator: torch.Generator | None = None) -> Iterator[Step]:
+              generator: torch.Generator | None = None, constraint=None) -> Iterator[Step]:
         """Yield generated ids one at a time until a stop id (yielded too), ``params.max_tokens``
         ids, or ``should_stop()`` (checked before each step, e.g. a disconnected client).
 
@@ -223,12 +223,18 @@ class Engine:
                 generated id's and the ``top_logprobs`` most likely ids' (0 <= k <= V).
             generator: the request's (:func:`request_generator`); None makes one from
                 ``params``.
+            constraint: a grammar (:class:`g4.serve.grammar.JsonConstraint`: ``mask(logits)``
+                before each draw, ``advance(token)`` after it), or None.
         """
         if generator is None:
             generator = request_generator(params)
         state, logits = self.start(list(prompt_ids))
         for n in range(params.max_tokens):
+            if constraint is not None:
+                logits = constraint.mask(logits)
             token = sample_next(logits, params, generator)
+            if constraint is not None:
+                constraint.advance(token)
             lp = None if top_logprobs is None else TokenLogprobs.of(sampling_logprobs(logits, params), token,
                                                                      top_logprobs)
             yield Step(token, lp)

@@ -18,7 +18,8 @@ the request checks, limits, stop handling, queue and disconnect handling below.
     context, ``n`` outside 1..``MAX_N``, ``top_logprobs`` outside 0..``MAX_LOGPROBS`` or without
     ``logprobs``, more than one prompt); a value of the wrong JSON type (types are
     strict: ``"12"`` is not 12, and ``enable_thinking`` must be a boolean); features not served
-    (the legacy ``functions``, ``echo``, ``suffix``, a ``response_format`` other than text, vLLM's
+    (the legacy ``functions``, ``echo``, ``suffix``, a ``response_format`` other than text, JSON object or
+    JSON schema (or a schema llguidance cannot compile), vLLM's
     ``continuous_usage_stats``); ``stream_options`` without ``stream``; unknown fields; empty or
     malformed ``messages``; template errors; token ids outside the vocabulary.
   - 404: an unknown model or route. 413: a body over ``max_body_bytes`` (checked from
@@ -77,6 +78,7 @@ from g4.convert.prompt import completion_ids
 
 from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, openai_tools, render_prompt, tool_prefill_ids
 from .engine import Engine, SamplingParams, request_generator
+from .grammar import GrammarError, JsonConstraint, json_grammar
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
@@ -322,7 +324,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
 def unsupported(req: GenerationRequest) -> APIError | None:
     """A 400 for a request feature this server cannot honour (rather than ignoring it): a
     field of the request's ``NO_OP`` set to anything else, ``stream_options`` without
-    streaming, a ``response_format`` other than text, or a field this server does not know
+    streaming, or a field this server does not know
     (vLLM's ``bad_words``, ``guided_json``, OpenAI's ``reasoning_effort`` ...) and that is not in
     :data:`IGNORED_FIELDS`."""
     unknown = sorted(set(req.model_extra or {}) - IGNORED_FIELDS)
@@ -334,10 +336,6 @@ def unsupported(req: GenerationRequest) -> APIError | None:
             return APIError(400, f"{name} is not supported by this server", param=name)
     if req.stream_options is not None and not req.stream:
         return APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    response_format = getattr(req, "response_format", None)
-    if response_format and response_format.get("type", "text") != "text":
-        return APIError(400, f"response_format {response_format.get('type')!r} is not supported; only 'text'",
-                        param="response_format")
     return None
 
 
@@ -369,6 +367,8 @@ class _Job:
     n: int = 1  # choices, generated one after another
     top_logprobs: int | None = None  # None: no log-probabilities
     tools: bool = False  # tool-call blocks become tool_calls (ChatRequest.parse_tool_calls)
+    grammar: str | None = None  # response_format's (g4.serve.grammar.json_grammar), or None
+    thinking: bool = False  # chat_template_kwargs enable_thinking: the reply may open the reasoning channel
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -512,12 +512,15 @@ class GenerationWorker:
         engine = self.engine
         parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat, tools=job.tools)
         called = False
+        constraint = None if job.grammar is None else JsonConstraint(
+            engine.tokenizer, job.grammar, engine.stop_ids, start_active=parser.state == "content",
+            channel_open=self.control.channel_open if job.thinking else None, channel_close=self.control.channel_close)
         stopper = StopMatcher(job.stops)
         ids: list[int] = []
         lps: list = []
         sent = 0  # ids[:sent] went out with a delta
         for step in engine.generate_steps(job.prompt_ids, job.params, job.cancelled.is_set, top_logprobs=job.top_logprobs,
-                                 generator=generator):
+                                          generator=generator, constraint=constraint):
             ids.append(step.token)
             lps.append(step.logprobs)
             d = parser.feed(step.token)
@@ -770,8 +773,13 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
     that leaves cancels its job (queued or generating)."""
     prompt_ids, params, stops = await run_in_threadpool(prepare, engine, req)
     n = req.n or 1
+    try:
+        grammar = json_grammar(req.response_format) if getattr(req, "response_format", None) else None
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format") from e
     job = _Job(prompt_ids, params, stops, asyncio.get_running_loop(), asyncio.Queue(),
-               chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k(),
+               chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k(), grammar=grammar,
+               thinking=bool(getattr(req, "chat_template_kwargs", None) and req.chat_template_kwargs.get("enable_thinking")),
                tools=isinstance(req, ChatRequest) and req.parse_tool_calls())
     worker.submit(job)
     reply = _Reply(req, prompt_ids, model, engine.tokenizer)
