@@ -250,6 +250,14 @@ class ChatRequest(GenerationRequest):
                 raise ValueError(f"tool_choice names {fn['name']!r}, which is not one of the tools")
         return choice
 
+    @field_validator("response_format")
+    @classmethod
+    def _not_with_a_forced_call(cls, v, info):
+        forced = info.data.get("tool_choice") not in (None, "none", "auto")
+        if forced and v and v.get("type", "text") != "text":
+            raise ValueError("a JSON response_format cannot be combined with a forced tool call (tool_choice)")
+        return v
+
     def parse_tool_calls(self) -> bool:
         """Whether the reply's tool-call blocks become ``tool_calls``: tools are declared and
         ``tool_choice`` is not ``none`` (with ``none`` any call markup is content, as text)."""

@@ -179,6 +179,7 @@ def test_tool_choice_required_and_named_prefill_the_call(served, tok):
     {"tools": TOOLS, "tool_choice": "sometimes"},
     {"tools": [{"type": "retrieval"}]},
     {"functions": [{"name": "f"}]},
+    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
     {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "x"}]},  # no call before it
     {"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_time", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "x"}]},
