@@ -85,14 +85,15 @@ def text_ids(tokenizer, text: str) -> list[int]:
 
 def _escape(value, enc: _TextEncoder, originals: list[str]):
     """``value`` with every special-token text in its strings replaced by a placeholder (dict
-    keys are the request's structure, not text, and are kept)."""
+    keys too: a tool's parameter names and a call's argument keys are written into the prompt)."""
     if isinstance(value, str):
         def sub(m: re.Match) -> str:
             originals.append(m.group(0))
             return f"{_OPEN}{len(originals) - 1}{_CLOSE}"
         return enc.escape.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _escape(v, enc, originals) for k, v in value.items()}
+        return {(_escape(k, enc, originals) if isinstance(k, str) else k): _escape(v, enc, originals)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_escape(v, enc, originals) for v in value]
     return value

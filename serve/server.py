@@ -18,7 +18,7 @@ the request checks, limits, stop handling, queue and disconnect handling below.
     context, ``n`` outside 1..``MAX_N``, ``top_logprobs`` outside 0..``MAX_LOGPROBS`` or without
     ``logprobs``, more than one prompt); a value of the wrong JSON type (types are
     strict: ``"12"`` is not 12, and ``enable_thinking`` must be a boolean); features not served
-    (``tools``, ``echo``, ``suffix``, a ``response_format`` other than text, JSON object or
+    (the legacy ``functions``, ``echo``, ``suffix``, a ``response_format`` other than text, JSON object or
     JSON schema (or a schema llguidance cannot compile), vLLM's
     ``continuous_usage_stats``); ``stream_options`` without ``stream``; unknown fields; empty or
     malformed ``messages``; template errors; token ids outside the vocabulary.
@@ -38,6 +38,14 @@ the request checks, limits, stop handling, queue and disconnect handling below.
   time) from one random generator, so they differ when sampling and a seeded request repeats
   all of them; streamed, every chunk names its choice's ``index`` and each choice ends with its
   own ``finish_reason``; ``usage.completion_tokens`` counts the tokens of all choices.
+* Tool calls (chat): ``tools`` and the history's assistant ``tool_calls`` and ``role: "tool"``
+  messages are rendered by the checkpoint's template in Gemma 4's format
+  (:func:`g4.serve.chat.render_prompt`); ``tool_choice`` ``required`` / a named function
+  prefills the call's opening (:func:`g4.serve.chat.tool_prefill_ids`); the reply's
+  ``<|tool_call>...<tool_call|>`` blocks become ``message.tool_calls`` (streamed: one
+  ``delta.tool_calls`` entry per call, whole) with ``finish_reason: "tool_calls"``, unless
+  ``tool_choice`` is ``none`` (then, like markup that does not parse, they are content, as
+  text; :class:`g4.serve.chat.ReplyParser`).
 * Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs`` k; completions:
   ``logprobs`` k) are those of the distribution each token was drawn from, after temperature,
   ``top_k`` and ``top_p`` (:func:`g4.serve.engine.sampling_logprobs`; greedy: the model's
@@ -68,7 +76,7 @@ from starlette.requests import ClientDisconnect
 
 from g4.convert.prompt import completion_ids
 
-from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, render_prompt
+from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, openai_tools, render_prompt, tool_prefill_ids
 from .engine import Engine, SamplingParams, request_generator
 from .grammar import GrammarError, JsonConstraint, json_grammar
 
@@ -93,14 +101,23 @@ class APIError(Exception):
 
 
 class ChatMessage(BaseModel):
+    """One message; an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` are
+    checked by :func:`g4.serve.chat.render_prompt`."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
         return self
 
 
@@ -205,9 +222,46 @@ class ChatRequest(GenerationRequest):
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    # the legacy functions / function_call API is not served (tools / tool_choice are)
     NO_OP: ClassVar[dict[str, tuple]] = GenerationRequest.NO_OP | {
-        "tools": ([],), "functions": ([],),
-        "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
+        "functions": ([],), "function_call": ("none", "auto")}
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, v):
+        if v:
+            openai_tools(v)  # ChatError (a ValueError): a 400 naming tools
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info):
+        tools = info.data.get("tools") or []
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise ValueError("tool_choice must be none, auto, required or a named function")
+            if choice == "required" and not tools:
+                raise ValueError("tool_choice required needs tools")
+        elif choice is not None:
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+            if fn["name"] not in [t["function"]["name"] for t in tools]:
+                raise ValueError(f"tool_choice names {fn['name']!r}, which is not one of the tools")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _not_with_a_forced_call(cls, v, info):
+        forced = info.data.get("tool_choice") not in (None, "none", "auto")
+        if forced and v and v.get("type", "text") != "text":
+            raise ValueError("a JSON response_format cannot be combined with a forced tool call (tool_choice)")
+        return v
+
+    def parse_tool_calls(self) -> bool:
+        """Whether the reply's tool-call blocks become ``tool_calls``: tools are declared and
+        ``tool_choice`` is not ``none`` (with ``none`` any call markup is content, as text)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -320,6 +374,7 @@ class _Job:
     chat: bool = True
     n: int = 1  # choices, generated one after another
     top_logprobs: int | None = None  # None: no log-probabilities
+    tools: bool = False  # tool-call blocks become tool_calls (ChatRequest.parse_tool_calls)
     grammar: str | None = None  # response_format's (g4.serve.grammar.json_grammar), or None
     thinking: bool = False  # chat_template_kwargs enable_thinking: the reply may open the reasoning channel
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -463,7 +518,8 @@ class GenerationWorker:
 
     def _generate_choice(self, job: _Job, index: int, generator) -> None:
         engine = self.engine
-        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat)
+        parser = ReplyParser(engine.tokenizer, self.control, job.prompt_ids, channels=job.chat, tools=job.tools)
+        called = False
         constraint = None if job.grammar is None else JsonConstraint(
             engine.tokenizer, job.grammar, engine.stop_ids, start_active=parser.state == "content",
             channel_open=self.control.channel_open if job.thinking else None, channel_close=self.control.channel_close)
@@ -476,7 +532,8 @@ class GenerationWorker:
             ids.append(step.token)
             lps.append(step.logprobs)
             d = parser.feed(step.token)
-            out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content))
+            out = Delta(reasoning=d.reasoning, content=stopper.feed(d.content), tool_calls=d.tool_calls)
+            called = called or bool(d.tool_calls)
             if out:
                 job.emit("delta", (index, out, ids[sent:], lps[sent:]))
                 sent = len(ids)
@@ -491,7 +548,8 @@ class GenerationWorker:
             job.emit("delta", (index, out, ids[sent:], lps[sent:]))
             sent = len(ids)
         stopped = stopper.hit or bool(ids and ids[-1] in engine.stop_ids)
-        job.emit("done", {"index": index, "finish_reason": "stop" if stopped else "length", "token_ids": ids,
+        finish = ("tool_calls" if called else "stop") if stopped else "length"
+        job.emit("done", {"index": index, "finish_reason": finish, "token_ids": ids,
                           "logprobs": lps, "tail_ids": ids[sent:], "tail_logprobs": lps[sent:]})
 
 
@@ -573,7 +631,10 @@ def prepare(engine: Engine, req: GenerationRequest) -> tuple[list[int], Sampling
         param = "messages"
         try:
             prompt_ids = render_prompt(engine.tokenizer, [m.model_dump() for m in req.messages],
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, req.tools)
+            if req.tools:
+                prompt_ids += tool_prefill_ids(engine.tokenizer, ControlIds.from_tokenizer(engine.tokenizer),
+                                               req.tool_choice)
         except ChatError as e:
             raise APIError(400, str(e), param=param) from e
     else:
@@ -661,9 +722,14 @@ class _Reply:
         elif stream:
             choice["delta"] = {k: v for k, v in (("reasoning_content", text.reasoning), ("content", text.content))
                                if v}
+            if text.tool_calls:  # each call whole, in one delta: index, id, type, name, arguments
+                choice["delta"]["tool_calls"] = [{"index": c.index} | c.openai() for c in text.tool_calls]
         else:
             choice["message"] = {"role": "assistant", "content": text.content,
                                  "reasoning_content": text.reasoning or None}
+            if text.tool_calls:
+                choice["message"] |= {"content": text.content or None,
+                                      "tool_calls": [c.openai() for c in text.tool_calls]}
         choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(index, ids, lps)}
         if self.ids:
             choice["token_ids"] = ids
@@ -721,7 +787,8 @@ async def _respond(request: Request, worker: GenerationWorker, req: GenerationRe
         raise APIError(400, str(e), param="response_format") from e
     job = _Job(prompt_ids, params, stops, asyncio.get_running_loop(), asyncio.Queue(),
                chat=isinstance(req, ChatRequest), n=n, top_logprobs=req.top_logprobs_k(), grammar=grammar,
-               thinking=bool(getattr(req, "chat_template_kwargs", None) and req.chat_template_kwargs.get("enable_thinking")))
+               thinking=bool(getattr(req, "chat_template_kwargs", None) and req.chat_template_kwargs.get("enable_thinking")),
+               tools=isinstance(req, ChatRequest) and req.parse_tool_calls())
     worker.submit(job)
     reply = _Reply(req, prompt_ids, model, engine.tokenizer)
     if not req.stream:

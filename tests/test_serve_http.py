@@ -156,7 +156,7 @@ BAD_REQUESTS = [
     # features this server does not have are refused, not ignored
     ({"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ({"messages": FRANCE, "logprobs": "yes"}, 400, "logprobs", None),
-    ({"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ({"messages": FRANCE, "tools": [{"type": "retrieval"}]}, 400, "tools", None),  # function tools only
     ({"messages": FRANCE, "response_format": {"type": "grammar"}}, 400, "response_format", None),
     ({"messages": FRANCE, "logit_bias": {"520": -100}}, 400, "logit_bias", None),
     ({"messages": FRANCE, "presence_penalty": 0.5}, 400, "presence_penalty", None),
