@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from g4.exporters.neuron_int8 import (
     EMBED_FILE,
     EMBED_TENSOR,
+    KEPT_DTYPE,
     WEIGHTS_DIR,
     Entry,
     Geometry,
@@ -118,7 +120,7 @@ def _specs(ckpt: Checkpoint, e: Entry, name: str | None, prefix: str, g: Geometr
     if name is None:  # a rank index: no source tensor
         return entry_specs(e, prefix, (), torch.int32, g, layer)
     info = ckpt.tensors[name]
-    return entry_specs(e, prefix, info.shape, info.dtype, g, layer)
+    return entry_specs(e, prefix, info.shape, KEPT_DTYPE, g, layer)  # kept tensors in the layout's dtype
 
 
 def convert_int8_neuron(
@@ -167,7 +169,8 @@ def convert_int8_neuron(
     specs = rank_specs(ckpt, g, layers, model)
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
 
-    need = tp * sum(spec.nbytes for spec in specs) + ckpt.tensors[embed_name].nbytes
+    host_bytes = math.prod(ckpt.tensors[embed_name].shape) * KEPT_DTYPE.itemsize
+    need = tp * sum(spec.nbytes for spec in specs) + host_bytes
     hashes = BackgroundHashes(ckpt.shards)  # the manifest's source hashes, while the weights are written
     try:
         with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
@@ -175,14 +178,14 @@ def convert_int8_neuron(
                 per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
             ckpt.close()
             Manifest.build(
-                g, embed_dtype=ckpt.tensors[embed_name].dtype, quantize_attention=quantize_attention,
+                g, embed_dtype=KEPT_DTYPE, quantize_attention=quantize_attention,
                 not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
                 source={"files": hashes.result(), "prefix": ckpt.prefix},
                 memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
             _finish(tmp, ckpt, out, tp, quantize_attention, target, force)
     finally:
         hashes.close()
-    return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, ckpt.tensors[embed_name].nbytes,
+    return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, host_bytes,
                       time.perf_counter() - t0, peak_rss_bytes())
 
 
@@ -231,7 +234,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
     embed_info = ckpt.tensors[embed_name]
-    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, embed_info.dtype, tuple(embed_info.shape))],
+    host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, KEPT_DTYPE, tuple(embed_info.shape))],
                                     file_name=EMBED_FILE)
     model_reads = list(dict.fromkeys(name for _, name in model if name is not None))  # embed_tokens once
     reads = [src_names[e.source] for _, src_names, entries in layers for e in entries if e.source is not None]
@@ -241,8 +244,10 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     with overlapped(ckpt, reads + model_reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES),
                     bar=bar) as (reader, out):
         # the host table is the source's bytes (unscaled: the runtime applies embed_scale): copied
-        # first, while the first layer is read and quantized
-        out.copy(host, EMBED_TENSOR, embed_info)
+        # first, while the first layer is read and quantized; a source in another dtype than the
+        # layout's is cast with the model tensors below
+        if embed_info.dtype == KEPT_DTYPE:
+            out.copy(host, EMBED_TENSOR, embed_info)
         for L, src_names, entries in layers:
             for e in entries:
                 if e.source is None:  # a rank index
@@ -268,6 +273,8 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
                 values[name] = reader.get(name)
             bar.set_postfix_str(f"quantizing {e.key}" if e.int8 else f"copying {e.key}")
             _write_entry(writers, e, values.get(name), g, None, "", out.write)
+        if embed_info.dtype != KEPT_DTYPE:
+            out.write(host, EMBED_TENSOR, values[embed_name].to(KEPT_DTYPE))
             if name != embed_name and e.key == "lm_head":  # an untied model's own head
                 bar.update(ckpt.tensors[name].nbytes)
         del values
@@ -281,7 +288,7 @@ def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, la
                  write) -> None:
     """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
     each rank's pieces (views where the rule allows; ``BackgroundWriter.write``)."""
-    value = int8.quantize(tensor) if e.int8 else tensor
+    value = int8.quantize(tensor) if e.int8 else tensor if tensor is None else tensor.to(KEPT_DTYPE)
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):

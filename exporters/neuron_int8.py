@@ -81,6 +81,10 @@ LAYOUT_NAME = "g4-int8-neuron/2"  # /2: keys are the NxDI class's state_dict() n
 WEIGHTS_DIR = "weights"
 EMBED_FILE = "embed_tokens.safetensors"
 EMBED_TENSOR = "embed_tokens.weight"
+# dtype of every tensor the layout keeps unquantized and of the host embedding table, whatever the
+# source's (BF16, F16 or F32): g4serve compiles g4's NxDI class with torch_dtype=bfloat16, the
+# runtime's rank-file check and embed_scale = bf16(sqrt(hidden_size)) assume it.
+KEPT_DTYPE = torch.bfloat16
 MANIFEST = "manifest.json"
 # Tokens (prompt plus reply) an int8-neuron result is served with when neither the conversion
 # (``g4convert int8-neuron --seq-len``) nor an older manifest says otherwise: the length the
@@ -575,7 +579,8 @@ class Manifest:
             max_length=max_length, context_encoding_buckets=neuron_buckets(max_length),
             token_generation_buckets=neuron_buckets(max_length),
             tp_degree=tp, rank_files=[rank_file(r) for r in range(tp)],
-            host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": "bfloat16", "scaled": False},
+            host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": str(KEPT_DTYPE).removeprefix("torch."),
+                            "scaled": False},
             embed_scale=embed_scale(g.hidden, embed_dtype),
             quantization={"type": "per_channel_symmetric", "dtype": "int8", "scale_dtype": "float32",
                           "scale": "absmax/127 per output channel, floored at float32 eps",

@@ -261,3 +261,28 @@ def test_plan_weights_are_the_rank_file_sizes(outputs):
                 header = struct.unpack("<Q", f.read(8))[0]
             assert path.stat().st_size - 8 - header == planned, (tp, r)
         assert json.loads((out / "manifest.json").read_text())["memory_plan"]["weights_per_rank"] == planned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_f32_or_f16_source_gives_the_bf16_layout_g4serve_loads(tmp_path, dtype):
+    """Fresh-user finding: an F32 source gave an fp32 embed_scale and an F16 one fp16 kept tensors,
+    both refused by g4serve, check and push after an exit 0. Kept tensors and the host table are
+    in the layout's dtype (KEPT_DTYPE) whatever the source's: an F32 upcast of the bf16 embedded
+    model converts to the same bytes as the model itself."""
+    import hashlib
+
+    from g4.exporters.neuron_int8 import KEPT_DTYPE, check_rank_files
+
+    def weights(out):
+        return {f.relative_to(out).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(out.rglob("*.safetensors"))}
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    save_file({k: v.to(dtype) for k, v in sd.items()}, src / "model.safetensors", metadata={"format": "pt"})
+    convert_int8_neuron(src, tmp_path / "out", tp=2, progress=False)
+    manifest, _, _ = check_rank_files(tmp_path / "out")  # what the server start and push check
+    assert manifest.embed_scale == 11.3125 and KEPT_DTYPE == torch.bfloat16
+    if dtype == torch.float32:
+        convert_int8_neuron(EMBEDDED_DIR, tmp_path / "ref", tp=2, progress=False)
+        assert weights(tmp_path / "out") == weights(tmp_path / "ref")
