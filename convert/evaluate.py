@@ -59,6 +59,7 @@ DEFAULT_TEXT_FILE = Path(__file__).parent / "data" / "eval_text.jsonl"
 DEFAULT_CTX = 512  # llama.cpp perplexity's default -c
 DEFAULT_MAX_TOKENS = 4096  # 8 chunks of 512: 2040 scored tokens
 MAX_TOKENS_PER_FORWARD = 4096  # chunks run through a layer together, at most this many tokens
+HEAD_ROWS = 32  # scored positions per head step: two [32, V] fp32 blocks (64 MiB for V = 262144)
 KLD_PERCENTILES = {"p90": 0.90, "p99": 0.99, "p999": 0.999}
 
 
@@ -254,7 +255,8 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     time, over the scored positions only (the second half of each chunk, module docstring).
 
     Memory: both sides' hidden states ``[n, ctx, H]`` in the compute dtype, one layer, and in
-    the head phase both ``[V, H]`` heads and two ``[ctx/2, V]`` fp32 log-prob blocks.
+    the head phase the ``[V, H]`` heads (one when both sides' are equal, as for a tied NVFP4
+    result, whose embedding stays bf16) and ``[HEAD_ROWS, V]`` fp32 log-prob blocks.
 
     Args:
         on_step: called after each layer of each side and after the heads (a progress bar).
@@ -281,15 +283,21 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
             if on_step:
                 on_step()
     t1 = time.perf_counter()
-    head_src, head_res = src.head(), res.head()
+    w_src, w_res = src.head_weights(), res.head_weights()
+    if w_src[1].shape == w_res[1].shape and w_src[1].dtype == w_res[1].dtype and torch.equal(w_src[1], w_res[1]):
+        w_res = (w_res[0], w_src[1])  # one [V, H] head in RAM, not two copies of the same bytes
+    head_src, head_res = src._head(*w_src), res._head(*w_res)
+    del w_src, w_res
     parts = []
-    targets = chunks[:, first + 1 :]
     for bi, b in enumerate(batches):
         for j in range(b.stop - b.start):
             c = b.start + j
-            lp = torch.log_softmax(head_src(hidden[src][bi][j : j + 1, first : ctx - 1]).float()[0], -1)
-            lq = torch.log_softmax(head_res(hidden[res][bi][j : j + 1, first : ctx - 1]).float()[0], -1)
-            parts.append(token_stats(lp, lq, targets[c]))
+            for r in range(first, ctx - 1, HEAD_ROWS):
+                rows = slice(r, min(r + HEAD_ROWS, ctx - 1))
+                lp = torch.log_softmax(head_src(hidden[src][bi][j : j + 1, rows]).float()[0], -1)
+                lq = torch.log_softmax(head_res(hidden[res][bi][j : j + 1, rows]).float()[0], -1)
+                parts.append(token_stats(lp, lq, chunks[c, rows.start + 1 : rows.stop + 1]))
+                del lp, lq
     if on_step:
         on_step()
     if timings is not None:

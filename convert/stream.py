@@ -122,7 +122,12 @@ class StreamedModel:
     def head(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The final norm + lm_head + softcap, loaded now: ``[..., H] -> [..., V]`` logits in
         the compute dtype (as ``Gemma4ForCausalLM.forward``)."""
-        return self._head(self.ckpt.get(self.ckpt.prefix + "norm.weight"), self.ckpt.get(self.head_name))
+        return self._head(*self.head_weights())
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(final norm weight [H], head weight [V, H])`` as the checkpoint stores them (the
+        embedding when tied), for :meth:`_head`."""
+        return self.ckpt.get(self.ckpt.prefix + "norm.weight"), self.ckpt.get(self.head_name)
 
     def _head(self, norm_weight: torch.Tensor, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
@@ -255,14 +260,14 @@ class Int8NeuronStream(StreamedModel):
         scaled = picked * torch.tensor(self.manifest.embed_scale).to(picked.dtype)
         return scaled.to(self.dtype).unsqueeze(0).to(self.device)
 
-    def head(self):
+    def head_weights(self):
         from g4.exporters.neuron_int8 import model_entries
 
         entries = [e for e in model_entries(tied=self.geom.arch.tied) if e.key in ("norm", "lm_head")]
         got = self._gathered(entries, "", None)
         norm = next(e for e in entries if e.key == "norm")
         lm = next(e for e in entries if e.key == "lm_head")
-        return self._head(got.pop(norm.source), got.pop(lm.source))
+        return got.pop(norm.source), got.pop(lm.source)
 
 
 @dataclass
