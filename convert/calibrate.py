@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CALIB_FILE = Path(__file__).parent / "data" / "calibration.jsonl"
 
 
-def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]:
+def read_calibration_texts(path: str | Path | None, tokenizer=None, *, what: str = "calibration",
+                           default: Path = DEFAULT_CALIB_FILE) -> list[str]:
     """Read calibration documents.
 
     Args:
@@ -52,6 +53,9 @@ def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]
             rendered through the tokenizer's chat template) or any other file as plain
             text (documents separated by blank lines). ``None`` uses the packaged default.
         tokenizer: needed only for ``"messages"`` records.
+        what: the kind of text named in error messages (``g4convert eval`` reads its held-out
+            text with ``"evaluation"``).
+        default: the file read when ``path`` is None.
 
     Returns:
         Non-empty list of documents.
@@ -59,11 +63,11 @@ def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]
     Raises:
         G4Error: unreadable file, bad JSON line, or no text.
     """
-    path = Path(path) if path is not None else DEFAULT_CALIB_FILE
+    path = Path(path) if path is not None else default
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise G4Error(f"{path}: cannot read calibration data: {e}") from e
+        raise G4Error(f"{path}: cannot read {what} data: {e}") from e
     docs: list[str] = []
     if path.suffix == ".jsonl":
         for lineno, line in enumerate(raw.splitlines(), 1):
@@ -87,7 +91,7 @@ def read_calibration_texts(path: str | Path | None, tokenizer=None) -> list[str]
     else:
         docs = [d.strip() for d in raw.split("\n\n") if d.strip()]
     if not docs:
-        raise G4Error(f"{path}: no calibration text")
+        raise G4Error(f"{path}: no {what} text")
     return docs
 
 

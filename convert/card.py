@@ -12,7 +12,8 @@ Everything else comes from OUT itself:
   scales, what stayed bf16, bits per quantized weight), ``config.json`` (``quantization_config``);
 - int8-neuron: ``manifest.json`` (TP degree, what was quantized, memory plan) and the rank
   files' headers;
-- ``verification.json`` when present (schema of ``g4serve check``: ``g4_verification: 1``).
+- ``verification.json`` when present (schema of ``g4serve check``: ``g4_verification: 1``);
+- ``eval.json`` when present (``g4convert eval``: ``g4_eval: 1``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from g4.exporters.model_card import (
     CARD_FILE,
+    EVAL_FILE,
+    EVAL_VERSION,
     FACTS_FILE,
     FACTS_VERSION,
     INDEX_NAME,
@@ -400,13 +403,27 @@ def _verification(out: Path) -> dict | None:
     return data
 
 
-def _stale_reason(out: Path, files) -> str | None:
-    """Why a verification is not about OUT's current weights (None when it is): the
-    ``files`` fingerprints ``g4serve check`` recorded, compared by size, then sha256."""
+def _evaluation(out: Path) -> dict | None:
+    path = out / EVAL_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CardError(f"{path}: unreadable ({e})") from e
+    if not isinstance(data, dict) or data.get("g4_eval") != EVAL_VERSION:
+        raise CardError(f"{path}: not a g4_eval version {EVAL_VERSION} file")
+    data["stale"] = _stale_reason(out, data.get("files"), what=EVAL_FILE)
+    return data
+
+
+def _stale_reason(out: Path, files, *, what: str = VERIFICATION_FILE) -> str | None:
+    """Why a verification (or evaluation, ``what``) is not about OUT's current weights (None when
+    it is): the ``files`` fingerprints it recorded, compared by size, then sha256."""
     from g4.convert.checkpoint import weight_fingerprints
 
     if not isinstance(files, dict) or not files:
-        return "verification.json does not record which weights it checked"
+        return f"{what} does not record which weights it checked"
     now = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}
     if set(now) != set(files) or any(now[k] != (files[k] or {}).get("bytes") for k in now):
         return "the weight files changed since the check"
@@ -428,7 +445,7 @@ def card_inputs(out: str | Path, *, repo_id: str | None = None, name: str | None
         layout: an NVFP4 result's output table when the caller holds it (not rebuilt).
 
     Raises:
-        CardError: OUT has no or unreadable facts, headers or verification file; a repo id
+        CardError: OUT has no or unreadable facts, headers, verification or evaluation file; a repo id
             or ``base_model`` that is not a Hub repo id.
     """
     out = Path(out)
@@ -439,7 +456,7 @@ def card_inputs(out: str | Path, *, repo_id: str | None = None, name: str | None
         check_repo_id(repo_id)
     nvfp4 = _nvfp4_facts(out, layout) if facts["format"] == NVFP4 else None
     return CardInputs(facts=facts, name=name or out.name, files=repo_files(out), verification=_verification(out),
-                      repo_id=repo_id, nvfp4=nvfp4, int8=None if nvfp4 is not None else _int8_facts(out))
+                      evaluation=_evaluation(out), repo_id=repo_id, nvfp4=nvfp4, int8=None if nvfp4 is not None else _int8_facts(out))
 
 
 def card_text(out: str | Path, **kw) -> str:

@@ -3,6 +3,7 @@ public function; errors the user can act on print one line and exit with status 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -215,6 +216,42 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)
     if failures:
         sys.exit(1)
+
+
+@main.command("eval")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
+@click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Held-out text: .txt (documents separated by blank lines) or .jsonl with 'text' or 'messages'. "
+                   "Default: the packaged eval_text.jsonl (never used for calibration).")
+@click.option("--max-tokens", type=COUNT, default=4096, show_default=True, help="Tokens of the text evaluated at most.")
+@click.option("--ctx", "ctx_len", type=click.IntRange(min=4), default=512, show_default=True,
+              help="Chunk length in tokens (llama.cpp's -c); the second half of each chunk is scored.")
+@act_quant_option
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="Compute dtype of both models.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report (eval.json) as JSON.")
+@click.pass_context
+@exit_on_user_error
+def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, device, as_json):
+    """Evaluate OUT against SRC on held-out text with llama.cpp's perplexity --kl-divergence
+    statistics: PPL of both and their ratio, KLD(SRC || OUT) mean / median / 90% / 99% / 99.9% /
+    max, same top token, RMS of dp. Both models run one decoder layer at a time (a model larger
+    than RAM evaluates in about one layer of memory). OUT: an NVFP4 (W4A4 emulated as vLLM on
+    Blackwell computes it, or W4A16), int8-neuron or bf16 checkpoint with SRC's config.
+    Writes OUT/eval.json; the model card shows it.
+    """
+    import torch
+
+    from .evaluate import eval_device, evaluate, summary
+
+    src_dir = resolve_source(src)
+    eval_device(device)  # a bad device before any model is read
+    report = evaluate(out, src_dir, text=text, max_tokens=max_tokens, ctx=ctx_len, act_quant=act_quant,
+                      dtype=getattr(torch, dtype), device=device, progress=click_ctx.obj["progress"])
+    click.echo(json.dumps(report, indent=2) if as_json else summary(report) + f"\nwrote {out / 'eval.json'}")
 
 
 @main.command()

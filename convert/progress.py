@@ -16,8 +16,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 
 @contextmanager
-def progress_bar(total: int, desc: str, *, enabled: bool = True) -> Iterator[tqdm]:
-    """A tqdm bar counting ``total`` bytes, closed on exit (also on errors); while it is open,
-    log records reach the console through ``tqdm.write``, above the bar."""
-    with logging_redirect_tqdm(), tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not enabled) as bar:
+def progress_bar(total: int, desc: str, *, enabled: bool = True, unit: str = "B") -> Iterator[tqdm]:
+    """A tqdm bar counting ``total`` bytes (or ``unit``s, e.g. ``"layer"``), closed on exit (also on
+    errors); while it is open, log records reach the console through ``tqdm.write``, above the bar."""
+    with logging_redirect_tqdm(), tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc,
+                                       disable=not enabled) as bar:
         yield bar

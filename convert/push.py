@@ -37,7 +37,7 @@ from pathlib import Path
 import click
 
 from g4.exporters.formats import check_result
-from g4.exporters.model_card import CARD_FILE, FACTS_FILE, INDEX_NAME, check_repo_id
+from g4.exporters.model_card import CARD_FILE, EVAL_FILE, FACTS_FILE, INDEX_NAME, VERIFICATION_FILE, check_repo_id
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
@@ -493,8 +493,9 @@ def compare_remote(remote: dict, files: list[LocalFile]) -> list[str]:
 
 
 # Files an earlier push of the same conversion may hold in another version: the card is
-# re-rendered per push, verification.json is added by `g4serve check` after conversion.
-_UPDATABLE = frozenset({CARD_FILE, "verification.json"})
+# re-rendered per push, verification.json and eval.json are added by `g4serve check` and
+# `g4convert eval` after conversion.
+_UPDATABLE = frozenset({CARD_FILE, VERIFICATION_FILE, EVAL_FILE})
 
 
 def _plan_existing(remote: dict, files: list[LocalFile], repo_id: str, revision: str, allow_existing: bool) -> list[str]:

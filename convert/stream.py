@@ -50,27 +50,39 @@ class StreamedModel:
     Args:
         ckpt: the opened checkpoint.
         dtype: compute dtype (weights are cast to it as a layer is loaded).
+        device: where layers and the head run (``"cpu"``, ``"cuda"``); :meth:`embed` returns
+            hidden states there. Weights are read on the host and moved one layer at a time.
 
     Raises:
         CheckpointError: transformers cannot build a Gemma 4 config from ``config.json``.
     """
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype):
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        self._setup(ckpt.root, dtype, device)
+        self.ckpt = ckpt
+        self.num_layers = ckpt.num_layers
+        self.embed_name = ckpt.prefix + "embed_tokens.weight"
+        self.head_name = self.embed_name if ckpt.arch.tied else "lm_head.weight"
+
+    def _setup(self, root: Path, dtype: torch.dtype, device: str | torch.device) -> None:
+        """The transformers text config of ``root/config.json``, compute dtype, device and RoPE."""
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(ckpt.root, experts_implementation="eager")
+            config = AutoConfig.from_pretrained(root, experts_implementation="eager")
         except Exception as e:  # transformers raises many types for bad configs
-            raise CheckpointError(f"{ckpt.root / 'config.json'}: transformers cannot build a config: {e}") from e
+            raise CheckpointError(f"{root / 'config.json'}: transformers cannot build a config: {e}") from e
+        self.root = Path(root)
         self.config = config.get_text_config()
         self.config._attn_implementation = "sdpa"
         self.config._experts_implementation = "eager"
-        self.ckpt = ckpt
         self.dtype = dtype
-        self.num_layers = ckpt.num_layers
+        self.device = torch.device(device)
         self.rope = _Rope(self.config)
-        self.embed_name = ckpt.prefix + "embed_tokens.weight"
-        self.head_name = self.embed_name if ckpt.arch.tied else "lm_head.weight"
+
+    def close(self) -> None:
+        """Unmap the files read so far (their pages would otherwise stay in this process's RSS)."""
+        self.ckpt.close()
 
     def layer_tensors(self, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``({state-dict key inside the layer: tensor}, {module inside the layer: input_scale})``."""
@@ -81,9 +93,9 @@ class StreamedModel:
         as ``Gemma4TextScaledWordEmbedding`` of a model in that dtype (the scale cast to it:
         ``bf16(sqrt(2816)) = 53.0`` in bf16)."""
         rows = self.ckpt.get_rows(self.embed_name, ids).to(self.dtype)
-        self.ckpt.close()
+        self.close()
         scale = torch.tensor(embed_scale(self.config.hidden_size, self.dtype), dtype=self.dtype)
-        return (rows * scale).unsqueeze(0)
+        return (rows * scale).unsqueeze(0).to(self.device)
 
     def layer(self, layer: int) -> nn.Module:
         """Decoder layer ``layer`` with its weights (compute dtype), eval mode.
@@ -94,28 +106,37 @@ class StreamedModel:
         from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
 
         tensors, input_scales = self.layer_tensors(layer)
-        self.ckpt.close()  # unmap the shards: their pages read so far would otherwise stay in this process's RSS
+        self.close()  # unmap the shards: their pages read so far would otherwise stay in this process's RSS
         with torch.device("meta"):
             module = Gemma4TextDecoderLayer(self.config, layer)
         try:
             module.load_state_dict({k: v.to(self.dtype) for k, v in tensors.items()}, strict=True, assign=True)
         except RuntimeError as e:
-            raise CheckpointError(f"{self.ckpt.root}: layer {layer}'s tensors do not fit transformers' "
+            raise CheckpointError(f"{self.root}: layer {layer}'s tensors do not fit transformers' "
                                   f"Gemma4TextDecoderLayer: {str(e).splitlines()[-1].strip()}") from e
-        module.eval()
+        module.to(self.device).eval()
         if input_scales:
-            _install_activation_quant(module, input_scales)
+            _install_activation_quant(module, {k: v.to(self.device) for k, v in input_scales.items()})
         return module
 
     def head(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The final norm + lm_head + softcap, loaded now: ``[..., H] -> [..., V]`` logits in
         the compute dtype (as ``Gemma4ForCausalLM.forward``)."""
+        return self._head(*self.head_weights())
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(final norm weight [H], head weight [V, H])`` as the checkpoint stores them (the
+        embedding when tied), for :meth:`_head`."""
+        return self.ckpt.get(self.ckpt.prefix + "norm.weight"), self.ckpt.get(self.head_name)
+
+    def _head(self, norm_weight: torch.Tensor, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
         norm = Gemma4RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm.load_state_dict({"weight": self.ckpt.get(self.ckpt.prefix + "norm.weight").to(self.dtype)}, assign=True)
-        weight = self.ckpt.get(self.head_name).to(self.dtype)
-        self.ckpt.close()
+        norm.load_state_dict({"weight": norm_weight.to(self.dtype)}, assign=True)
+        norm.to(self.device)
+        weight = weight.to(self.device, self.dtype)
+        self.close()
         cap = self.config.final_logit_softcapping
 
         def logits(hidden: torch.Tensor) -> torch.Tensor:
@@ -129,9 +150,9 @@ class SourceStream(StreamedModel):
     """A bf16/fp16/fp32 source checkpoint (``Checkpoint(source=True)`` checks), tensors named by
     the converters' name table (:func:`g4.convert.sources.checked_sources`)."""
 
-    def __init__(self, src: str | Path, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, src: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
         ckpt = Checkpoint(src, source=True)
-        super().__init__(ckpt, dtype)
+        super().__init__(ckpt, dtype, device)
         self._layers = [ls.tensors for ls in checked_sources(ckpt).layers]
 
     def layer_tensors(self, layer: int):
@@ -143,8 +164,9 @@ class Nvfp4Stream(StreamedModel):
     :func:`g4.convert.reference.load_nvfp4_as_hf`; ``act_quant``: W4A4 activation fake-quant
     against each quantized module's ``input_scale`` (as ``load_converted_model``)."""
 
-    def __init__(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, *, act_quant: bool = False):
-        super().__init__(Checkpoint(out), dtype)
+    def __init__(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, *, act_quant: bool = False,
+                 device: str | torch.device = "cpu"):
+        super().__init__(Checkpoint(out), dtype, device)
         self.act_quant = act_quant
 
     def layer_tensors(self, layer: int):
@@ -153,6 +175,99 @@ class Nvfp4Stream(StreamedModel):
         strip = len(prefix)
         scales = {k[strip:]: v for k, v in input_scales.items()} if self.act_quant else {}
         return {k[strip:]: v for k, v in sd.items()}, scales
+
+
+class Int8NeuronStream(StreamedModel):
+    """A ``g4convert int8-neuron`` result, one decoder layer at a time: each layer's tensors read
+    from every TP rank file (only that layer's), dequantized per rank
+    (:func:`g4.exporters.neuron_int8.dequantized_local`) and put back together in the Hugging
+    Face layout by the layout table's own rules (:func:`g4.exporters.neuron_int8.unshard`), so
+    no name or split is written twice. The embedding is the host table's rows times the
+    manifest's ``embed_scale`` rounded to the table dtype, and the head the vocabulary-sharded
+    int8 lm_head, as ``g4.serve.neuron_emulator`` (which loads every rank whole, in fp32)
+    computes them; the unsharded forward differs from the emulator's per-rank partial sums
+    only by summation order.
+
+    Memory: one layer of every rank (int8) and its dequantized whole in ``dtype``; the head
+    phase the ``[V, H]`` lm_head.
+
+    Raises:
+        CheckpointError: the result differs from the layout table
+            (:func:`g4.exporters.neuron_int8.check_rank_files`, headers only) or a rank file
+            cannot be read.
+    """
+
+    def __init__(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+        from g4.exporters.neuron_int8 import check_rank_files, geometry
+
+        manifest, config, self._paths = check_rank_files(out)
+        self._setup(Path(out), dtype, device)
+        self.manifest = manifest
+        self.geom = geometry(config, manifest.tp_degree)
+        self.num_layers = self.geom.num_layers
+        self._open: list = []
+
+    def close(self) -> None:
+        self._open.clear()  # safe_open handles unmap when dropped
+
+    def _read(self, names_of: Callable[[str], bool]) -> list[dict[str, torch.Tensor]]:
+        """Per rank, the tensors of its file whose names ``names_of`` accepts."""
+        from safetensors import SafetensorError, safe_open
+
+        ranks = []
+        try:
+            for path in self._paths:
+                f = safe_open(path, framework="pt")
+                self._open.append(f)
+                ranks.append({k: f.get_tensor(k) for k in f.keys() if names_of(k)})
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{path}: unreadable rank file ({type(e).__name__}: {e})") from e
+        return ranks
+
+    def _gathered(self, entries, prefix: str, layer: int | None) -> dict[str, torch.Tensor]:
+        from g4.exporters.neuron_int8 import dequantized_local, is_rank_index, unshard
+
+        entries = [e for e in entries if not is_rank_index(e)]
+        wanted = {n for e in entries for n in e.names(prefix)}
+        ranks = self._read(wanted.__contains__)
+        out = {}
+        for e in entries:
+            try:
+                parts = [dequantized_local(e, sd, prefix, self.dtype) for sd in ranks]
+            except KeyError as err:
+                raise CheckpointError(f"{self.root}: a rank file has no tensor {err.args[0]}") from err
+            out[e.source] = unshard(e, parts, self.geom, layer)
+            for sd in ranks:  # drop the rank-local copies as soon as the whole is built
+                for n in e.names(prefix):
+                    sd.pop(n, None)
+        return out
+
+    def layer_tensors(self, layer: int):
+        from g4.exporters.neuron_int8 import layer_entries, layer_prefix
+
+        g = self.geom
+        entries = layer_entries(has_v=g.has_v[layer], quantize_attention=self.manifest.quantize_attention)
+        return self._gathered(entries, layer_prefix(layer), layer), {}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        table = self.manifest.host_embedding
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        with safe_open(self.root / table["file"], framework="pt") as f:
+            rows = f.get_slice(table["tensor"])
+            picked = torch.cat([rows[i : i + 1] for i in unique.tolist()])[inverse]
+        scaled = picked * torch.tensor(self.manifest.embed_scale).to(picked.dtype)
+        return scaled.to(self.dtype).unsqueeze(0).to(self.device)
+
+    def head_weights(self):
+        from g4.exporters.neuron_int8 import model_entries
+
+        entries = [e for e in model_entries(tied=self.geom.arch.tied) if e.key in ("norm", "lm_head")]
+        got = self._gathered(entries, "", None)
+        norm = next(e for e in entries if e.key == "norm")
+        lm = next(e for e in entries if e.key == "lm_head")
+        return got.pop(norm.source), got.pop(lm.source)
 
 
 @dataclass
@@ -172,13 +287,20 @@ class _Rope:
         self.rotary = Gemma4TextRotaryEmbedding(config)
 
     def positions(self, hidden: torch.Tensor, past: int, cache=None) -> _Positions:
+        """Computed on the host (the rotary module lives there), returned on ``hidden``'s device."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        on = hidden.device
+        probe = hidden if on.type == "cpu" else torch.zeros(hidden.shape, dtype=hidden.dtype)
         position_ids = (torch.arange(hidden.shape[1]) + past).unsqueeze(0)
-        kw = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache,
+        kw = {"config": self.config, "inputs_embeds": probe, "attention_mask": None, "cache": cache,
               "position_ids": position_ids}
         masks = {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
-        rope = {t: self.rotary(hidden, position_ids, t) for t in set(self.config.layer_types)}
+        rope = {t: self.rotary(probe, position_ids, t) for t in set(self.config.layer_types)}
+        if on.type != "cpu":
+            masks = {t: m if m is None else m.to(on) for t, m in masks.items()}
+            rope = {t: tuple(x.to(on) for x in cs) for t, cs in rope.items()}
+            position_ids = position_ids.to(on)
         return _Positions(position_ids, rope, masks)
 
 

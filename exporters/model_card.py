@@ -1,7 +1,7 @@
 """The model card (``README.md``) of a g4 result: a pure rendering of its inputs.
 
 :func:`render_card` turns a :class:`CardInputs` (the conversion facts, the NVFP4 or
-int8-neuron contents, ``verification.json``, the file list with sizes, the repo id) into
+int8-neuron contents, ``verification.json``, ``eval.json``, the file list with sizes, the repo id) into
 the card text; it reads no file. ``g4.convert.card`` gathers those inputs from OUT (and, at
 conversion time, from the source) and writes the card, so ``g4convert push`` can re-render it
 later, e.g. after ``g4serve check`` added ``verification.json``.
@@ -32,6 +32,8 @@ from g4.convert.errors import G4Error
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
 VERIFICATION_FILE = "verification.json"
+EVAL_FILE = "eval.json"  # g4convert eval (g4.convert.evaluate)
+EVAL_VERSION = 1
 FACTS_VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
 NVFP4, INT8_NEURON = "nvfp4", "int8-neuron"
@@ -93,6 +95,8 @@ class CardInputs:
         files: ``(path relative to OUT, size in bytes)`` of every repo file but ``README.md``, sorted.
         verification: ``verification.json`` (``g4serve check``, ``g4_verification: 1``) with
             ``"stale"`` added (why it is not about OUT's current weights, or None); None when absent.
+        evaluation: ``eval.json`` (``g4convert eval``, ``g4_eval: 1``) with ``"stale"`` added, as
+            for ``verification``; None when absent.
         repo_id: the Hub repo the card is for (the serve commands then name it), or None.
         nvfp4: for an NVFP4 result: ``quant`` ({kind: {"linears", "layers" (set), "experts"
             (set)}}), ``kept`` ({kind: {"tensors", "dtypes" (set of safetensors dtypes), "bytes"}}),
@@ -109,6 +113,7 @@ class CardInputs:
     files: list[tuple[str, int]]
     verification: dict | None = None
     repo_id: str | None = None
+    evaluation: dict | None = None
     nvfp4: dict | None = None
     int8: dict | None = None
 
@@ -276,6 +281,36 @@ def _verification_body(v: dict | None) -> dict | None:
             "more": max(len(v.get("prompts") or []) - _MAX_PROMPT_ROWS, 0)}
 
 
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _eval_body(e: dict | None) -> dict | None:
+    """The card's table of ``eval.json`` (llama.cpp's statistics, ± one standard error)."""
+    if e is None:
+        return None
+    u, k = e.get("uncertainty") or {}, e.get("kld") or {}
+    against = e.get("against") or {}
+    src = against.get("repo_id") and f"{against['repo_id']}@{str(against.get('revision'))[:12]}" or against.get("name")
+    text = e.get("text") or {}
+    rows = [["PPL(source)", f"{_num(e.get('ppl_src'), '.4f')} ± {_num(u.get('ppl_src'), '.4f')}"],
+            ["PPL(this checkpoint)", f"{_num(e.get('ppl_out'), '.4f')} ± {_num(u.get('ppl_out'), '.4f')}"],
+            ["PPL ratio", f"{_num(e.get('ppl_ratio'), '.6f')} ± {_num(u.get('ppl_ratio'), '.6f')}"],
+            ["mean KLD (nats)", f"{_num(k.get('mean'), '.6f')} ± {_num(u.get('kld_mean'), '.6f')}"],
+            ["median KLD", _num(k.get("median"), ".6f")], ["90% KLD", _num(k.get("p90"), ".6f")],
+            ["99% KLD", _num(k.get("p99"), ".6f")], ["99.9% KLD", _num(k.get("p999"), ".6f")],
+            ["max KLD", _num(k.get("max"), ".6f")],
+            ["same top token", f"{_num(100 * e['top1_agreement'] if e.get('top1_agreement') is not None else None, '.3f')}"
+                               f" ± {_num(100 * u['top1_agreement'] if 'top1_agreement' in u else None, '.3f')} %"],
+            ["RMS Δp", f"{_num(100 * e['rms_dp'] if e.get('rms_dp') is not None else None, '.3f')}"
+                       f" ± {_num(100 * u['rms_dp'] if 'rms_dp' in u else None, '.3f')} %"]]
+    how = (f"{e.get('tokens')} tokens of `{text.get('file')}` scored ({e.get('chunks')} chunks of {e.get('ctx')} "
+           f"tokens, the second half of each, as llama.cpp `perplexity --kl-divergence`), against `{src}`, "
+           f"{e.get('detail')}{', W4A4 activation emulation' if e.get('act_quant') else ''}, {e.get('dtype')}")
+    return {"table": _table(["statistic", "value"], rows), "how": how,
+            "stale": f"NOT VALID FOR THESE FILES: {e['stale']}; run g4convert eval again" if e.get("stale") else None}
+
+
 _TEMPLATE = """---
 {{ card_data }}
 ---
@@ -354,6 +389,18 @@ From `verification.json` (`g4serve check`, backend `{{ verification.backend }}`)
 Not verified yet: there is no `verification.json` (written by `g4serve check`).
 {%- endif %}
 
+## Quality on held-out text
+
+{% if evaluation -%}
+From `eval.json` (`g4convert eval`): {{ evaluation.how }}.
+{% if evaluation.stale %}
+**{{ evaluation.stale }}**
+{% endif %}
+{{ evaluation.table }}
+{%- else -%}
+Not evaluated yet: there is no `eval.json` (written by `g4convert eval`).
+{%- endif %}
+
 ## Serve it
 
 {% if fmt == "nvfp4" -%}
@@ -411,7 +458,7 @@ def render_card(inputs: CardInputs) -> str:
     verification = _verification_body(inputs.verification)
     files = inputs.files
     ctx = {"title": title, "fmt": fmt, "g4_version": facts.get("g4_version"), "how": _how_made(facts, name),
-           "verification": verification,
+           "verification": verification, "evaluation": _eval_body(inputs.evaluation),
            "files_table": _table(["file", "size"], [[f"`{f}`", _size(s)] for f, s in files] + [["`README.md`",
                                                                                               "this card"]])}
     source_bytes = src.get("weight_bytes")

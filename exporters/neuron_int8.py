@@ -208,6 +208,12 @@ class Rule:
     def take(self, w: torch.Tensor, s: torch.Tensor | None, g: Geometry, layer: int | None, rank: int):
         return w, s
 
+    def gather(self, parts: list[torch.Tensor], g: Geometry, layer: int | None) -> torch.Tensor:
+        """The inverse of :meth:`take`: every rank's local tensor (``parts[r]``, rank order, already
+        dequantized when int8) back to the whole source tensor in the Hugging Face layout
+        (a replicated tensor: rank 0's)."""
+        return parts[0]
+
     def __repr__(self) -> str:
         return self.name
 
@@ -231,6 +237,9 @@ class _Column(Rule):
         rows = slice(rank * per, (rank + 1) * per)
         return w[rows], None if s is None else s[rows]
 
+    def gather(self, parts, g, layer):
+        return torch.cat(parts, dim=0)
+
 
 class _KvHeads(Rule):
     """k/v projections: whole KV heads per rank, replicated when there are fewer KV heads
@@ -246,6 +255,14 @@ class _KvHeads(Rule):
         rows = slice(first * hd, (first + g.kv_per_rank(layer)) * hd)
         return w[rows], None if s is None else s[rows]
 
+    def gather(self, parts, g, layer):  # a replicated KV head comes back from its first rank
+        hd, per = g.head_dim[layer], g.kv_per_rank(layer)
+        out = parts[0].new_empty((g.kv_heads[layer] * hd, *parts[0].shape[1:]))
+        for rank in reversed(range(g.tp)):
+            first = g.kv_head_of_rank(layer, rank)
+            out[first * hd : (first + per) * hd] = parts[rank]
+        return out
+
 
 class _Row(Rule):
     """Row-parallel (o_proj, dense down): input columns split, output-channel scales replicated."""
@@ -258,6 +275,9 @@ class _Row(Rule):
     def take(self, w, s, g, layer, rank):
         per = w.shape[1] // g.tp
         return w[:, rank * per : (rank + 1) * per], s
+
+    def gather(self, parts, g, layer):
+        return torch.cat(parts, dim=1)
 
 
 class _EmbedColumns(_Row):
@@ -285,6 +305,9 @@ class _RankIndex(Rule):
     def take(self, w, s, g, layer, rank):
         return torch.tensor([rank], dtype=torch.int32), s
 
+    def gather(self, parts, g, layer):
+        raise ValueError("an NxD rank index has no source tensor to gather")
+
 
 class _ExpertGateUp(Rule):
     """HF ``[E, 2I, H]`` -> NxD ``[E, H, 2I/T]`` = ``[gate_r | up_r]`` (stride 2; never a slice of
@@ -309,6 +332,10 @@ class _ExpertGateUp(Rule):
         idx = self.index(w.shape[1], g.tp, rank)
         return w[:, idx].transpose(1, 2), None if s is None else s[:, idx].transpose(1, 2)
 
+    def gather(self, parts, g, layer):  # [E, H, 2I/T] = [gate_r | up_r] per rank -> [E, 2I, H] (gate rows first)
+        halves = [p.transpose(1, 2).chunk(2, dim=1) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+
 
 class _ExpertDown(Rule):
     """HF ``[E, H, I]`` -> NxD ``[E, I/T, H]``; scale ``[E, 1, H]`` replicated."""
@@ -324,6 +351,9 @@ class _ExpertDown(Rule):
     def take(self, w, s, g, layer, rank):
         per = w.shape[2] // g.tp
         return w[:, :, rank * per : (rank + 1) * per].transpose(1, 2), None if s is None else s.transpose(1, 2)
+
+    def gather(self, parts, g, layer):  # [E, I/T, H] per rank -> [E, H, I]
+        return torch.cat([p.transpose(1, 2) for p in parts], dim=2)
 
 
 REPLICATED, COLUMN, KV_HEADS, ROW = _Replicated(), _Column(), _KvHeads(), _Row()
@@ -527,6 +557,26 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
     """
     w, s = (value.weight, value.scale) if isinstance(value, Int8Weight) else (value, None)
     return [p for p in e.rule.take(w, s, g, layer, rank) if p is not None]
+
+
+def dequantized_local(e: Entry, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's tensor of entry ``e`` (``tensors``: that rank file's tensors by name) in ``dtype``:
+    an int8 entry dequantized as ``q * scale`` in fp32 (the product NxD's quantized layers
+    compute, aws-neuron/neuronx-distributed ``quantization/quantization_layers.py``), then cast.
+
+    Raises:
+        KeyError: the rank file lacks one of the entry's tensors.
+    """
+    names = e.names(prefix)
+    if e.int8:
+        return (tensors[names[0]].float() * tensors[names[1]]).to(dtype)
+    return tensors[names[0]].to(dtype)
+
+
+def unshard(e: Entry, parts: list[torch.Tensor], g: Geometry, layer: int | None) -> torch.Tensor:
+    """The whole source tensor (Hugging Face layout) of entry ``e`` from every rank's local
+    tensor (:func:`dequantized_local`, rank order): the inverse of :func:`shard`."""
+    return e.rule.gather(parts, g, layer)
 
 
 # --------------------------------------------------------------------------- manifest

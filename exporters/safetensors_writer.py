@@ -36,6 +36,7 @@ import torch
 
 from g4.convert.checkpoint import DTYPE_TO_ST, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
 from g4.convert.errors import ExportError, OptionError, note_output_placed, raise_if_signalled, signal_received
+from g4.exporters.model_card import EVAL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -386,10 +387,10 @@ def _is_g4_output(path: Path) -> bool:
 
 # What g4 itself writes into a result, besides the safetensors files its index or manifest
 # names and the side files (SIDE_FILE_PATTERNS): the converters' metadata, the model card and
-# its facts (exporters/model_card.py), g4serve check's report, and the Neuron compile cache
+# its facts (exporters/model_card.py), g4serve check's report, g4convert eval's, and the Neuron compile cache
 # (serve/neuron_backend.py) as a whole folder.
 G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json", *G4_OUTPUT_MARKERS, "g4_conversion.json", "README.md",
-                   "verification.json")
+                   "verification.json", EVAL_FILE)
 G4_RESULT_FOLDERS = ("neuron_compiled",)
 
 

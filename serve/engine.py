@@ -41,6 +41,7 @@ import torch
 
 from g4.convert.errors import CheckpointError
 from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
+from g4.exporters.model_card import EVAL_FILE
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -63,8 +64,8 @@ class SamplingParams:
     seed: int | None = None
 
 
-# Files under a served directory that do not change what it serves (written by check and push).
-NOT_SERVED = frozenset({"verification.json", "README.md"})
+# Files under a served directory that do not change what it serves (written by check, eval and push).
+NOT_SERVED = frozenset({"verification.json", EVAL_FILE, "README.md"})
 
 
 def served_file_stats(root: Path) -> dict[str, dict[str, int]]:
