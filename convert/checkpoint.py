@@ -563,12 +563,13 @@ def weight_fingerprints(out: str | Path) -> dict[str, dict]:
 def check_converted_from(out: str | Path, src: str | Path) -> None:
     """The one rule of every command that compares a result OUT with its source SRC (``verify``,
     ``eval``, ``g4serve check``): OUT's ``config.json``, its ``quantization_config`` aside, must
-    be SRC's in the release form (g4 writes OUT's config so, :func:`g4.convert.gemma4.release_config`).
+    be SRC's, both in the release form (g4 writes OUT's config so,
+    :func:`g4.convert.gemma4.release_config`; a bf16 OUT may be in either form).
 
     Raises:
         CheckpointError: ``<OUT>: its config.json differs from <SRC>'s (key, ...)``.
     """
-    out_cfg = read_json_object(Path(out) / "config.json")
+    out_cfg = release_config(read_json_object(Path(out) / "config.json"))  # a bf16 OUT may be in either form
     src_cfg = release_config(Checkpoint(src, source=True).config)
     out_cfg = {k: v for k, v in out_cfg.items() if k != "quantization_config"}
     if out_cfg != src_cfg:

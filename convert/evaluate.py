@@ -49,9 +49,8 @@ import torch
 
 from g4.exporters.model_card import EVAL_FILE, EVAL_VERSION
 
-from .checkpoint import read_json_object, weight_fingerprints
+from .checkpoint import check_converted_from, weight_fingerprints
 from .errors import CheckpointError, G4Error, OptionError
-from .gemma4 import release_config
 
 log = logging.getLogger(__name__)
 
@@ -232,11 +231,7 @@ def open_result(out: Path, src: Path, *, act_quant: bool | None, dtype: torch.dt
     from .stream import Int8NeuronStream, Nvfp4Stream, SourceStream
 
     fmt = check_result(out)  # headers against the format's table before anything trusts OUT
-    out_cfg = read_json_object(out / "config.json")
-    out_cfg = {k: v for k, v in out_cfg.items() if k != "quantization_config"}
-    if release_config(out_cfg) != release_config(read_json_object(src / "config.json")):
-        raise CheckpointError(f"{out}: its config.json differs from {src}'s; was it made from another checkpoint? "
-                              "pass --against SRC")
+    check_converted_from(out, src)  # the rule verify and g4serve check apply
     if act_quant and not fmt.w4a4:
         raise G4Error(f"{out}: --act-quant needs an NVFP4 W4A4 result (input_scale tensors); this is {fmt.detail}")
     if fmt.format == NVFP4:
