@@ -389,31 +389,23 @@ def _int8_facts(out: Path) -> dict:
             "host_bytes": (out / host["file"]).stat().st_size if host.get("file") else 0}
 
 
-def _verification(out: Path) -> dict | None:
-    path = out / VERIFICATION_FILE
+def _check_file(out: Path, name: str, key: str, version: int) -> dict | None:
+    """``OUT/name`` (``verification.json`` or ``eval.json``) when present, with ``stale``: why it
+    is not about OUT's current weights (None when it is).
+
+    Raises:
+        CardError: unreadable, or not a ``key`` version ``version`` file.
+    """
+    path = out / name
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CardError(f"{path}: unreadable ({e})") from e
-    if not isinstance(data, dict) or data.get("g4_verification") != 1:
-        raise CardError(f"{path}: not a g4_verification version 1 file")
-    data["stale"] = _stale_reason(out, data.get("files"))
-    return data
-
-
-def _evaluation(out: Path) -> dict | None:
-    path = out / EVAL_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CardError(f"{path}: unreadable ({e})") from e
-    if not isinstance(data, dict) or data.get("g4_eval") != EVAL_VERSION:
-        raise CardError(f"{path}: not a g4_eval version {EVAL_VERSION} file")
-    data["stale"] = _stale_reason(out, data.get("files"), what=EVAL_FILE)
+    if not isinstance(data, dict) or data.get(key) != version:
+        raise CardError(f"{path}: not a {key} version {version} file")
+    data["stale"] = _stale_reason(out, data.get("files"), what=name)
     return data
 
 
@@ -455,8 +447,8 @@ def card_inputs(out: str | Path, *, repo_id: str | None = None, name: str | None
     if repo_id is not None:
         check_repo_id(repo_id)
     nvfp4 = _nvfp4_facts(out, layout) if facts["format"] == NVFP4 else None
-    return CardInputs(facts=facts, name=name or out.name, files=repo_files(out), verification=_verification(out),
-                      evaluation=_evaluation(out), repo_id=repo_id, nvfp4=nvfp4, int8=None if nvfp4 is not None else _int8_facts(out))
+    return CardInputs(facts=facts, name=name or out.name, files=repo_files(out), verification=_check_file(out, VERIFICATION_FILE, "g4_verification", 1),
+                      evaluation=_check_file(out, EVAL_FILE, "g4_eval", EVAL_VERSION), repo_id=repo_id, nvfp4=nvfp4, int8=None if nvfp4 is not None else _int8_facts(out))
 
 
 def card_text(out: str | Path, **kw) -> str:
