@@ -103,7 +103,7 @@ class Settings:
     batch_size: int = 4
     ctx: int = 512
     vocab_size: int = 4096
-    peak_lr: float = 2e-3
+    peak_lr: float = 3e-3
     warmup_steps: int = 40
     weight_decay: float = 0.05
     balance_loss_weight: float = 0.01
