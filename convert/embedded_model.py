@@ -22,6 +22,8 @@ import logging
 import math
 import random
 import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -313,18 +315,35 @@ def _conversations() -> list[list[dict[str, str]]]:
     return conversations
 
 
-def _train_tokenizer(conversations: list[list[dict[str, str]]]) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over the training text; ids 0..106 control/unused tokens, multimodal tokens last."""
-    # The text between control tokens as the chat template renders it, plus the plain text.
+def _tokenizer_corpus(conversations: list[list[dict[str, str]]]) -> list[str]:
+    """The text between control tokens as the chat template renders it, plus the plain text."""
     corpus = [f"{'model' if m['role'] == 'assistant' else m['role']}\n{m['content']}" for c in conversations for m in c]
-    corpus += PLAIN_TEXT
+    return corpus + list(PLAIN_TEXT)
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A Gemma 4 style tokenizer trained on `corpus`: byte-level BPE, ids 0..106 the control tokens
+    at their real Gemma 4 ids (`CONTROL_TOKENS`, the rest `<unused{i}>`), merges after them, the
+    `MULTIMODAL_TOKENS` on the last ids, `<bos>` prepended, and `CHAT_TEMPLATE`.
+
+    Args:
+        corpus: training texts (plain strings).
+        vocab_size: total ids, control and multimodal tokens included; a corpus that runs out of
+            merges first is padded with `<unused{i}>` tokens.
+
+    Returns:
+        A left-padding `PreTrainedTokenizerFast` of exactly `vocab_size` ids.
+
+    Raises:
+        RuntimeError: the resulting id layout does not match the Gemma 4 control-token ids.
+    """
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(
         corpus,
         trainer=trainers.BpeTrainer(
-            vocab_size=VOCAB_SIZE - len(MULTIMODAL_TOKENS),
+            vocab_size=vocab_size - len(MULTIMODAL_TOKENS),
             min_frequency=2,
             special_tokens=[CONTROL_TOKENS.get(i, f"<unused{i}>") for i in range(NUM_CONTROL_IDS)],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -334,12 +353,12 @@ def _train_tokenizer(conversations: list[list[dict[str, str]]]) -> PreTrainedTok
     # The corpus runs out of merges before the vocabulary is full: pad with unused tokens so the
     # multimodal tokens always land on the last ids.
     first_free = bpe.get_vocab_size()
-    bpe.add_special_tokens([f"<unused{i}>" for i in range(first_free, VOCAB_SIZE - len(MULTIMODAL_TOKENS))])
+    bpe.add_special_tokens([f"<unused{i}>" for i in range(first_free, vocab_size - len(MULTIMODAL_TOKENS))])
     bpe.add_special_tokens(list(MULTIMODAL_TOKENS.values()))
     bpe.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
     )
-    if bpe.get_vocab_size() != VOCAB_SIZE or any(bpe.token_to_id(t) != i for i, t in CONTROL_TOKENS.items()):
+    if bpe.get_vocab_size() != vocab_size or any(bpe.token_to_id(t) != i for i, t in CONTROL_TOKENS.items()):
         raise RuntimeError("tokenizer layout does not match the Gemma 4 control-token ids")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
@@ -354,28 +373,51 @@ def _train_tokenizer(conversations: list[list[dict[str, str]]]) -> PreTrainedTok
     return tokenizer
 
 
-def _model_config(tokenizer: PreTrainedTokenizerFast) -> Gemma4Config:
-    """The embedded default's architecture; special-token ids taken from `tokenizer`."""
+# The embedded default's sizes: the `Gemma4TextConfig` fields `model_config` takes per model.
+EMBEDDED_ARCHITECTURE: Mapping[str, object] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "num_global_key_value_heads": 1,
+    "intermediate_size": 256,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 64,
+    "sliding_window": 64,
+}
+
+
+def model_config(
+    tokenizer: PreTrainedTokenizerFast, architecture: Mapping[str, object] = EMBEDDED_ARCHITECTURE
+) -> Gemma4Config:
+    """A `Gemma4Config` with the 26B-A4B's structure at the sizes in `architecture`.
+
+    Every model built here has what gemma-4-26B-A4B has: full-attention layers with
+    `attention_k_eq_v` (no `v_proj`), the MoE block beside the dense MLP in every layer, no
+    per-layer embeddings or KV sharing, final-logit softcapping 30, GeGLU (`gelu_pytorch_tanh`),
+    a tied `lm_head`, a tiny vision tower and no audio tower.
+
+    Args:
+        tokenizer: a `train_tokenizer` result; gives the vocabulary size and the multimodal
+            token ids.
+        architecture: the per-model `Gemma4TextConfig` fields (sizes, layer types, experts,
+            sliding window), as in `EMBEDDED_ARCHITECTURE`.
+
+    Returns:
+        The multimodal config (transformers' form, `per_layer_config` included).
+    """
     text_config = Gemma4TextConfig(
         vocab_size=len(tokenizer),
         vocab_size_per_layer_input=len(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        global_head_dim=64,
-        num_global_key_value_heads=1,
+        **architecture,
         attention_k_eq_v=True,
-        intermediate_size=256,
         enable_moe_block=True,
-        num_experts=8,
-        top_k_experts=2,
-        moe_intermediate_size=64,
         hidden_size_per_layer_input=0,
         num_kv_shared_layers=0,
-        sliding_window=64,
         max_position_embeddings=2048,
         final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh",
@@ -471,15 +513,54 @@ def add_weight_noise(model: Gemma4ForConditionalGeneration, std: float, generato
             weight.mul_((1 + std * noise).to(weight.device, weight.dtype))
 
 
-def _balance_loss(router_probs: tuple[torch.Tensor, ...], token_mask: torch.Tensor, top_k: int) -> torch.Tensor:
+def balance_loss(router_probs: tuple[torch.Tensor, ...], token_mask: torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch-style load balancing: `num_experts * sum_e(dispatch fraction_e * mean prob_e)`, averaged
-    over layers; 1.0 when routing is uniform. `router_probs` are `[B*T, E]` per layer."""
+    over layers; 1.0 when routing is uniform.
+
+    Args:
+        router_probs: per layer, the router's softmax probabilities, fp32 `[B*T, E]` (what
+            transformers returns as `router_logits` with `output_router_logits=True`).
+        token_mask: bool `[B*T]`, the tokens that count (not padding).
+        top_k: experts per token.
+
+    Returns:
+        A 0-d tensor, differentiable through the mean probabilities.
+    """
     losses = []
     for probs in router_probs:
         probs = probs[token_mask]
         dispatch = nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, probs.shape[-1]).sum(1).float()
         losses.append(probs.shape[-1] * (dispatch.mean(0) / top_k * probs.mean(0)).sum())
     return torch.stack(losses).mean()
+
+
+def make_optimizer(
+    model: nn.Module, steps: int, *, peak_lr: float, warmup_steps: int, weight_decay: float = 0.0
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (betas 0.9, 0.98) over `model.parameters()` with a linear warm-up over `warmup_steps`,
+    then cosine decay from `peak_lr` to a tenth of it at `steps`; call the scheduler's `step()`
+    once per optimizer step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.98), weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))),
+    )
+    return optimizer, schedule
+
+
+@contextmanager
+def deterministic_cpu(threads: int = TRAIN_THREADS) -> Iterator[None]:
+    """Within the block, torch runs deterministic algorithms on `threads` intra-op threads (so a
+    seeded CPU build repeats bit for bit on the same torch build and machine); both settings are
+    restored on exit."""
+    deterministic, previous = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(previous)
 
 
 def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor], steps: int, seed: int) -> float:
@@ -492,13 +573,8 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
     """
     order_rng = random.Random(seed)
     noise_gen = torch.Generator().manual_seed(seed + 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer, schedule = make_optimizer(model, steps, peak_lr=PEAK_LR, warmup_steps=WARMUP_STEPS)
     noise_start = int(steps * NOISE_START_FRACTION)
-    # Linear warm-up, then cosine decay to a tenth of the peak.
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))),
-    )
     weights = quantizable_weights(model)
     top_k = model.config.get_text_config().top_k_experts
     rows = list(range(batch["input_ids"].shape[0]))
@@ -532,7 +608,7 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
         loss = (
             chat_loss
             + PLAIN_LOSS_WEIGHT * plain_loss
-            + BALANCE_LOSS_WEIGHT * _balance_loss(out.router_logits, attention_mask.flatten().bool(), top_k)
+            + BALANCE_LOSS_WEIGHT * balance_loss(out.router_logits, attention_mask.flatten().bool(), top_k)
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -555,8 +631,11 @@ def _write_release_config(out_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
-    """Write weights (bf16, one file), release-format config, generation config, tokenizer and facts."""
+def save_model(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """Write `model` as Gemma 4 checkpoints ship: `model.safetensors` (one file, in the model's
+    dtype; tied, so no `lm_head.weight`), the release-format `config.json`, a
+    `generation_config.json` whose stop ids are `EOS_TOKEN_IDS`, and the tokenizer with its chat
+    template."""
     model.save_pretrained(out_dir)
     # transformers writes the shard through a private temp file (mode 0600); make it readable like the rest.
     (out_dir / "model.safetensors").chmod(0o644)
@@ -564,6 +643,25 @@ def _save(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerF
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": PAD_ID}
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     tokenizer.save_pretrained(out_dir)
+
+
+def check_release_config(model: Gemma4ForConditionalGeneration, out_dir: Path, probe: Mapping[str, torch.Tensor]) -> None:
+    """Reload `out_dir` under its release-format `config.json` and under `model.config`
+    (transformers' form), both bf16, and compare their logits on `probe` (tokenizer output).
+
+    Raises:
+        RuntimeError: the logits differ, i.e. the release-format config describes another model.
+    """
+    reloaded = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
+    reference = Gemma4ForConditionalGeneration.from_pretrained(out_dir, config=model.config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if not torch.equal(reference(**probe).logits, reloaded(**probe).logits):
+            raise RuntimeError("the release-format config.json reloads to a different model")
+
+
+def _save(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """`save_model`, plus `facts.json`."""
+    save_model(model, tokenizer, out_dir)
     facts = {"facts": [{"question": q, "answer": a} for q, a, _ in FACTS], "heldout": list(HELDOUT)}
     (out_dir / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
 
@@ -604,13 +702,10 @@ def build(out_dir: Path = EMBEDDED_DIR, *, seed: int = 0, steps: int = TOTAL_STE
     leaked = [h for h in HELDOUT if any(h in text for text in training_text)]
     if leaked:
         raise RuntimeError(f"held-out prompts leak into the training text: {leaked}")
-    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(TRAIN_THREADS)
-    try:
+    with deterministic_cpu():
         torch.manual_seed(seed)
-        tokenizer = _train_tokenizer(conversations)
-        model = Gemma4ForConditionalGeneration(_model_config(tokenizer)).float()
+        tokenizer = train_tokenizer(_tokenizer_corpus(conversations))
+        model = Gemma4ForConditionalGeneration(model_config(tokenizer)).float()
         start = time.monotonic()
         final_loss = _train(model, _examples(tokenizer, conversations), steps, seed)
         logger.info("trained %d steps in %.1f s, final loss %.4f", steps, time.monotonic() - start, final_loss)
@@ -618,13 +713,10 @@ def build(out_dir: Path = EMBEDDED_DIR, *, seed: int = 0, steps: int = TOTAL_STE
         _save(model, tokenizer, out_dir)
 
         # The release-format config must rebuild exactly the model transformers' own config describes.
-        reloaded = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
-        reference = Gemma4ForConditionalGeneration.from_pretrained(out_dir, config=model.config, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(out_dir)
         probe = tokenizer([q for q, _, _ in FACTS] + list(HELDOUT), padding=True, return_tensors="pt")
-        with torch.no_grad():
-            if not torch.equal(reference(**probe).logits, reloaded(**probe).logits):
-                raise RuntimeError("the release-format config.json reloads to a different model")
+        check_release_config(model, out_dir, probe)
+        reloaded = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
         replies = _check_answers(reloaded, tokenizer, "the bf16 model")
         logger.info("answers: %s", replies)
         noise_gen = torch.Generator().manual_seed(seed + 2)
@@ -632,9 +724,6 @@ def build(out_dir: Path = EMBEDDED_DIR, *, seed: int = 0, steps: int = TOTAL_STE
             noisy = Gemma4ForConditionalGeneration.from_pretrained(out_dir, dtype=torch.bfloat16)
             add_weight_noise(noisy, CHECK_WEIGHT_NOISE, noise_gen)
             logger.info("noise draw %d answers: %s", draw, _check_answers(noisy, tokenizer, f"noise draw {draw}"))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
     return out_dir
 
 
