@@ -93,6 +93,9 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
               show_default=True, help="What is quantized: experts+MLP+attention, experts+MLP, or experts only.")
+@click.option("--algorithm", type=click.Choice(["max", "mse"]), default="max", show_default=True,
+              help="Weight quantization: max (modelopt's default, bit-identical with its export) or mse (per "
+                   "16-element block the E4M3 scale of least squared weight error, modelopt's mse with fp8 sweep).")
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
@@ -111,7 +114,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
+def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
           calib_dtype, calib_device, max_shard_size, overwrite, push_to_hub, private, base_model):
     """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
     to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
@@ -132,7 +135,7 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
         calibration_device(calib_device)  # a bad device is an error before SRC is fetched
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
-    report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
+    report = convert_nvfp4(src_dir, out, preset=preset, algorithm=algorithm, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
                            max_shard_size=max_shard_size,

@@ -50,6 +50,8 @@ from .sources import checked_sources
 log = logging.getLogger(__name__)
 
 _CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --algorithm: how the weights are quantized (modelopt's names); max is modelopt's default, bit for bit.
+ALGORITHMS = ("max", "mse")
 
 
 @dataclass
@@ -149,8 +151,8 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
     return q.global_scale_from_amax(a)
 
 
-def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None,
+                   algorithm: str = "max") -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of one layer (``w``: source name -> tensor), in the table's order."""
     for t in lay.kept:
         yield t.name, w[t.source]
@@ -163,7 +165,7 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
         keys = tuple(lin.key for lin in group)
         shared_in = _input_scale(amax, keys, layer_max, lay.index) if amax is not None else None
         for lin, x in zip(group, weights):
-            qw = q.quantize(x, weight_scale_2=shared_g)
+            qw = q.quantize(x, weight_scale_2=shared_g, method=algorithm)
             yield from _named(lin, (qw.weight, qw.weight_scale, qw.weight_scale_2, shared_in))
     if not lay.experts:
         return
@@ -172,7 +174,8 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
     in_dn = _input_scale(amax, (down.key,), layer_max, lay.index) if amax is not None else None
     # All experts in one kernel call each; gate and up share the global scale of the whole
     # fused gate_up_proj[e] (vLLM uses one), so the split comes after quantization.
-    qgu, qdn = q.quantize_experts(w[gate.source]), q.quantize_experts(w[down.source])
+    qgu = q.quantize_experts(w[gate.source], method=algorithm)
+    qdn = q.quantize_experts(w[down.source], method=algorithm)
     for e, (gate, up, down) in enumerate(lay.experts):
         gate_w, up_w = split_gate_up(qgu.weight[e])
         gate_s, up_s = split_gate_up(qgu.weight_scale[e])
@@ -194,6 +197,7 @@ def convert_nvfp4(
     out: str | Path,
     *,
     preset: str = "default",
+    algorithm: str = "max",
     weight_only: bool = False,
     calib_data: str | Path | None = None,
     calib_samples: int = 32,
@@ -214,6 +218,9 @@ def convert_nvfp4(
         preset: ``default`` (experts + dense MLP + attention), ``mlp-only`` (experts +
             dense MLP) or ``experts-only``; routers, norms, embeddings, towers and lm_head
             always stay in the source dtype.
+        algorithm: how the weights' block scales (and codes) are chosen, one of :data:`ALGORITHMS`:
+            ``max`` (modelopt's default, bit-identical with its export) or ``mse`` (per block the
+            E4M3 scale of least squared weight error, modelopt's ``mse`` with ``fp8_scale_sweep``).
         weight_only: W4A16: no calibration, no ``input_scale`` tensors, config without
             ``input_activations`` (case P05). Default W4A4 with calibrated ``input_scale``.
         calib_data: text or jsonl file; ``None`` uses the packaged default set.
@@ -237,6 +244,8 @@ def convert_nvfp4(
     t0 = time.perf_counter()
     if preset not in PRESETS:
         raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if algorithm not in ALGORITHMS:
+        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if calib_dtype not in _CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     parts = PRESETS[preset]
@@ -260,14 +269,14 @@ def convert_nvfp4(
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar)
+            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar, algorithm)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
         meta.write_metadata(tmp, ckpt.config, excludes=layout.exclude_modules(), weight_only=weight_only)
         meta.check_export(tmp, label=Path(out), layout=layout)
         write_model_card(tmp, "nvfp4", src=ckpt, out_name=Path(out).name, options=dict(  # README.md (hub helper)
-            preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
+            preset=preset, algorithm=algorithm, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
             calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
@@ -287,7 +296,7 @@ def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: Nvfp4Layout,
-                   calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
+                   calibrator: LayerCalibrator | None, bar, algorithm: str = "max") -> tuple[int, int, int]:
     """Every output tensor in the table's order, one decoder layer in RAM at a time.
 
     Returns:
@@ -316,7 +325,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
-            for name, t in _produce_layer(lay, by_source, amax):
+            for name, t in _produce_layer(lay, by_source, amax, algorithm):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
                 if role != Role.KEPT:

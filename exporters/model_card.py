@@ -174,7 +174,8 @@ def _how_made(facts: dict, out_name: str) -> str:
         # command reproduces this result after the repo moves on
         src_arg = f"{repo}@{src['revision']}"
     if facts["format"] == NVFP4:
-        argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default")]
+        argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default"),
+                "--algorithm", o.get("algorithm", "max")]  # results before --algorithm existed used max
         if o.get("weight_only"):
             argv.append("--weight-only")
         else:
