@@ -93,9 +93,11 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
               show_default=True, help="What is quantized: experts+MLP+attention, experts+MLP, or experts only.")
-@click.option("--algorithm", type=click.Choice(["max", "mse"]), default="max", show_default=True,
-              help="Weight quantization: max (modelopt's default, bit-identical with its export) or mse (per "
-                   "16-element block the E4M3 scale of least squared weight error, modelopt's mse with fp8 sweep).")
+@click.option("--algorithm", type=click.Choice(["max", "mse", "gptq"]), default="max", show_default=True,
+              help="Weight quantization: max (modelopt's default, bit-identical with its export), mse (per "
+                   "16-element block the E4M3 scale of least squared weight error, modelopt's mse with fp8 sweep) "
+                   "or gptq (GPTQ on each linear's calibration inputs, mse block scales; calibrates even with "
+                   "--weight-only).")
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
@@ -126,10 +128,10 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
     from .nvfp4 import convert_nvfp4
 
     calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
-    if weight_only and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
+    if weight_only and algorithm != "gptq" and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
                       "--calib-batch-size / --calib-dtype / --calib-device")
-    if not weight_only:
+    if not weight_only or algorithm == "gptq":
         from .calibrate import calibration_device
 
         calibration_device(calib_device)  # a bad device is an error before SRC is fetched

@@ -178,7 +178,7 @@ def _how_made(facts: dict, out_name: str) -> str:
                 "--algorithm", o.get("algorithm", "max")]  # results before --algorithm existed used max
         if o.get("weight_only"):
             argv.append("--weight-only")
-        else:
+        if not o.get("weight_only") or o.get("algorithm") == "gptq":  # gptq calibrates for W4A16 too
             if o.get("calib_data"):
                 argv += ["--calib-data", o["calib_data"]["name"]]
             argv += ["--calib-samples", str(o.get("calib_samples")), "--calib-seq-len", str(o.get("calib_seq_len")),

@@ -115,3 +115,89 @@ def test_cli_mse_recorded_and_weights_closer_than_max(tiny_mm, tiny_mm_nvfp4, tm
     assert (errs[1] <= errs[0]).all() and errs[1].sum() < errs[0].sum()
     r = CliRunner().invoke(main, ["-q", "nvfp4", str(tiny_mm), str(tmp_path / "x"), "--algorithm", "best"])
     assert r.exit_code == 2 and "Invalid value for '--algorithm'" in r.output
+
+
+def correlated_layer(seed: int, n: int = 1024, din: int = 256, dout: int = 64):
+    """Inputs with correlated features and a few large channels (as LLM activations), a weight."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, din, generator=g) @ (torch.eye(din) + 2 * torch.randn(din, din, generator=g) / din**0.5)
+    x[:, torch.randperm(din, generator=g)[:4]] *= 8
+    return x, (torch.randn(dout, din, generator=g) * 0.02).bfloat16()
+
+
+def output_error(x, w, d):
+    return (x @ d.T - x @ w.float().T).square().sum().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gptq_nvfp4_reduces_the_output_error(seed):
+    from g4.quantizers import gptq
+
+    x, w = correlated_layer(seed)
+    g = q.global_scale_from_amax(q.weight_amax(w))
+    e_max = output_error(x, w, q.dequantize(q.quantize(w)))
+    e_mse = output_error(x, w, q.dequantize(q.quantize(w, method="mse")))
+    r = gptq.gptq_nvfp4(w, x.T @ x, g)
+    assert torch.equal(r.weight_scale_2, g) and r.weight.shape == (64, 128)
+    assert output_error(x, w, q.dequantize(r)) < 0.7 * min(e_max, e_mse)
+    # the values are on the scales' grid: re-quantizing the dequantized result is a fixed point
+    d = q.dequantize(r)
+    assert torch.equal(q.dequantize(q.quantize_with_scales(d, r.weight_scale, g)), d)
+
+
+def test_gptq_int8_reduces_the_output_error_with_nxd_scales():
+    from g4.quantizers import gptq, int8
+
+    x, w = correlated_layer(2)
+    rtn = int8.quantize(w)
+    r = gptq.gptq_int8(w, x.T @ x)
+    assert torch.equal(r.scale, rtn.scale) and r.weight.dtype == torch.int8
+    assert output_error(x, w, r.weight.float() * r.scale) < 0.5 * output_error(x, w, rtn.weight.float() * rtn.scale)
+
+
+def test_gptq_experts_use_their_own_tokens_and_few_tokens_fall_back_to_mse():
+    """Each expert's GPTQ uses the Hessian of the tokens routed to it (a Hessian from another
+    expert's tokens gives a larger error on the expert's own tokens), and an expert below
+    GPTQ_MIN_TOKENS gets exactly mse's bytes."""
+    from g4.convert.calibrate import LayerHessians
+    from g4.convert.nvfp4 import GPTQ_MIN_TOKENS, _gptq_experts
+
+    xs, ws = zip(*(correlated_layer(10 + e, n=512) for e in range(3)))
+    w = torch.stack(ws)
+    hs = LayerHessians()
+    for e in range(3):
+        x = xs[e] if e < 2 else xs[e][: GPTQ_MIN_TOKENS - 1]
+        hs.add_expert("experts.down_proj", x, e, 3)
+    res = _gptq_experts(w, hs, "experts.down_proj", 0)
+    mse = q.quantize_experts(w, method="mse")
+    for e in range(2):
+        own = output_error(xs[e], w[e], q.dequantize_tensors(res.weight[e], res.weight_scale[e], res.weight_scale_2[e]))
+        other = output_error(xs[e], w[e], q.dequantize(
+            __import__("g4.quantizers.gptq", fromlist=["x"]).gptq_nvfp4(w[e], hs.sums["experts.down_proj"][1 - e],
+                                                                       res.weight_scale_2[e])))
+        assert own < 0.8 * other, e
+    assert torch.equal(res.weight[2], mse.weight[2])
+    assert torch.equal(res.weight_scale[2].view(torch.uint8), mse.weight_scale[2].view(torch.uint8))
+    assert hs.tokens["experts.down_proj"].tolist() == [512, 512, GPTQ_MIN_TOKENS - 1]
+
+
+def test_cli_gptq_weight_only_calibrates_and_records(tiny_mm, tiny_mm_nvfp4, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from g4.convert.cli import main
+
+    out = tmp_path / "gptq"
+    r = CliRunner().invoke(main, ["-q", "nvfp4", str(tiny_mm), str(out), "--algorithm", "gptq", "--weight-only",
+                                  "--calib-samples", "4", "--calib-seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    facts = json.loads((out / "g4_conversion.json").read_text())["options"]
+    assert facts["algorithm"] == "gptq" and facts["weight_only"]
+    assert "--algorithm gptq --weight-only --calib-samples 4 --calib-seq-len 32" in (out / "README.md").read_text()
+    sd = load_file(out / "model.safetensors")
+    assert not any(k.endswith("input_scale") for k in sd)
+    ref = load_file(tiny_mm_nvfp4 / "model.safetensors")
+    k = "model.language_model.layers.0.experts.0.down_proj.weight"
+    assert sd[k].shape == ref[k].shape and not torch.equal(sd[k], ref[k])
