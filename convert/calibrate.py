@@ -164,8 +164,8 @@ class LayerHessians:
 
     Memory: ``4 * in**2`` bytes per dense input and ``4 * E * in**2`` per expert kind; for
     gemma-4-26B-A4B (E = 128, gate_up in = 2816, down in = 704): 4.06 GB + 0.25 GB for the
-    experts, 32 MB each for q/k/v, gate/up and 4 * (q heads * head_dim)**2 for o_proj,
-    4 * 2112**2 for the dense down_proj (README, "Algorithms").
+    experts, 32 MB each for q/k/v and gate/up, ``4 * in**2`` for o_proj (in = heads * head_dim)
+    and the dense down_proj (in = intermediate_size) (README, g4convert nvfp4, "Algorithms").
     """
 
     def __init__(self):
