@@ -126,10 +126,12 @@ def _record_max(stats: dict[str, torch.Tensor], key: str, x: torch.Tensor) -> to
     return x
 
 
-def experts_forward_with_input_hook(experts: nn.Module, on_input: Callable[[str, torch.Tensor], torch.Tensor]):
+def experts_forward_with_input_hook(experts: nn.Module, on_input: Callable[..., torch.Tensor], *,
+                                    with_expert: bool = False):
     """A forward for ``Gemma4TextExperts`` that passes the input of each expert linear
     through ``on_input(kind, x)`` (kind ``"experts.gate_up_proj"`` or ``"experts.down_proj"``),
-    which may record it (calibration) or replace it (activation fake-quant in verify).
+    which may record it (calibration) or replace it (activation fake-quant in verify);
+    ``with_expert`` calls ``on_input(kind, x, expert)`` with the expert's index (Hessians).
 
     Expert weights are cast to the activation dtype one expert at a time (a no-op when
     they match), so bf16 experts can serve an fp32 forward without an fp32 copy of the
@@ -143,9 +145,10 @@ def experts_forward_with_input_hook(experts: nn.Module, on_input: Callable[[str,
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
             slot, token = torch.where((top_k_index == expert).T)
-            x = on_input("experts.gate_up_proj", hidden_states[token])
+            extra = (expert,) if with_expert else ()
+            x = on_input("experts.gate_up_proj", hidden_states[token], *extra)
             gate, up = nn.functional.linear(x, experts.gate_up_proj[expert].to(x.dtype)).chunk(2, dim=-1)
-            h = on_input("experts.down_proj", experts.act_fn(gate) * up)
+            h = on_input("experts.down_proj", experts.act_fn(gate) * up, *extra)
             h = nn.functional.linear(h, experts.down_proj[expert].to(x.dtype)) * top_k_weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
@@ -207,6 +210,53 @@ def record_kv_amax(attention: nn.Module, stats: dict[str, torch.Tensor]) -> _KvR
     attention.config = copy.copy(original)
     attention.config._attn_implementation = _KV_RECORDING
     return _KvRecording(attention, original)
+
+
+# The dense linears that share their input (q/k/v, gate/up) share one Hessian, kept under the
+# group's first member.
+_HESSIAN_KEY = {m: g.members[0] for g in DENSE_GROUPS for m in g.members}
+
+
+class LayerHessians:
+    """``sum x^T x`` (fp32) of the calibration inputs of one decoder layer's linears, for GPTQ.
+
+    Attributes:
+        sums: ``{key: H}``: ``[in, in]`` for the dense linears (one per input: ``self_attn.q_proj``
+            for q/k/v, ``mlp.gate_proj`` for gate/up, ``self_attn.o_proj``, ``mlp.down_proj``) and
+            ``[E, in, in]`` for ``experts.gate_up_proj`` / ``experts.down_proj``, expert e's from
+            the tokens routed to it only.
+        tokens: ``{key: int64 [E]}`` for the experts: the (token, expert) pairs each expert saw.
+
+    Memory: ``4 * in**2`` bytes per dense input and ``4 * E * in**2`` per expert kind; for
+    gemma-4-26B-A4B (E = 128, gate_up in = 2816, down in = 704): 4.06 GB + 0.25 GB for the
+    experts, 32 MB each for q/k/v and gate/up, ``4 * in**2`` for o_proj (in = heads * head_dim)
+    and the dense down_proj (in = intermediate_size) (README, g4convert nvfp4, "Algorithms").
+    """
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, torch.Tensor] = {}
+
+    def get(self, module: str) -> torch.Tensor | None:
+        """The Hessian of a dense linear's input (``"self_attn.k_proj"`` -> q/k/v's), or None."""
+        return self.sums.get(_HESSIAN_KEY.get(module, module))
+
+    def add_dense(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
+        h = self.sums.get(key)
+        if h is None:
+            self.sums[key] = h = torch.zeros(x2.shape[-1], x2.shape[-1], device=x2.device)
+        h.addmm_(x2.T, x2)
+        return x
+
+    def add_expert(self, key: str, x: torch.Tensor, expert: int, n_experts: int) -> torch.Tensor:
+        x2 = x.detach().float()
+        if key not in self.sums:
+            self.sums[key] = torch.zeros(n_experts, x2.shape[-1], x2.shape[-1], device=x2.device)
+            self.tokens[key] = torch.zeros(n_experts, dtype=torch.int64)
+        self.sums[key][expert].addmm_(x2.T, x2)
+        self.tokens[key][expert] += x2.shape[0]
+        return x
 
 
 class LayerCalibrator:
@@ -290,7 +340,8 @@ class LayerCalibrator:
 
     @torch.no_grad()
     def run_layer(self, layer: int, weights: dict[str, torch.Tensor],
-                  on_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+                  on_batch: Callable[[int, int], None] | None = None,
+                  hessians: LayerHessians | None = None) -> dict[str, torch.Tensor]:
         """Calibrate layer ``layer`` and advance the hidden states past it.
 
         Args:
@@ -299,6 +350,8 @@ class LayerCalibrator:
                 (e.g. ``"self_attn.q_proj.weight"``, ``"experts.gate_up_proj"``).
             on_batch: called after each batch of samples with ``(samples done, samples)``
                 (a progress bar's phase counter).
+            hessians: when given, filled with the ``sum x^T x`` of every linear's inputs
+                (:class:`LayerHessians`, on the CPU), from the source model's activations.
 
         Returns:
             ``{module suffix: float32 [] amax}`` for ``self_attn.{q,k,v,o}_proj``,
@@ -318,10 +371,19 @@ class LayerCalibrator:
         for name, sub in module.named_modules():
             if isinstance(sub, nn.Linear) and name in _DENSE_MODULES:
                 hooks.append(sub.register_forward_pre_hook(lambda m, args, key=name: _record_max(stats, key, args[0])))
+                if hessians is not None and _HESSIAN_KEY[name] == name:
+                    hooks.append(sub.register_forward_pre_hook(
+                        lambda m, args, key=name: hessians.add_dense(key, args[0])))
+        if hessians is None:
+            module.experts.forward = experts_forward_with_input_hook(
+                module.experts, lambda kind, x: _record_max(stats, kind, x))
+        else:
+            n_exp = weights[EXPERT_GATE_UP].shape[0]
+            module.experts.forward = experts_forward_with_input_hook(
+                module.experts, lambda kind, x, e: hessians.add_expert(kind, _record_max(stats, kind, x), e, n_exp),
+                with_expert=True)
         if self.kv_cache:
             hooks.append(record_kv_amax(module.self_attn, stats))
-        module.experts.forward = experts_forward_with_input_hook(
-            module.experts, lambda kind, x: _record_max(stats, kind, x))
         position_embeddings, mask, position_ids = self._position[self.config.layer_types[layer]]
         try:
             for start in range(0, self.hidden.shape[0], self.batch_size):
@@ -339,6 +401,8 @@ class LayerCalibrator:
         if not torch.isfinite(self.hidden).all():
             raise CheckpointError(f"{self.ckpt.root}: calibration activations are not finite after layer {layer}")
         stats = {k: v.cpu() for k, v in stats.items()}
+        if hessians is not None:
+            hessians.sums = {k: v.cpu() for k, v in hessians.sums.items()}
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         log.info("layer %d: calibrated on %d tokens (%s) in %.2f s, %.1f us per token", layer, self.tokens,

@@ -16,6 +16,7 @@ from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
+from .nvfp4 import ALGORITHMS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
 
@@ -93,6 +94,11 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
               show_default=True, help="What is quantized: experts+MLP+attention, experts+MLP, or experts only.")
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=ALGORITHMS[0], show_default=True,
+              help="Weight quantization: max (modelopt's default, bit-identical with its export), mse (per "
+                   "16-element block the E4M3 scale of least squared weight error, modelopt's mse with fp8 sweep) "
+                   "or gptq (GPTQ on each linear's calibration inputs, mse block scales; calibrates even with "
+                   "--weight-only).")
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
@@ -114,8 +120,9 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-          calib_dtype, calib_device, kv_cache_dtype, max_shard_size, overwrite, push_to_hub, private, base_model):
+def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_samples, calib_seq_len,
+          calib_batch_size, calib_dtype, calib_device, kv_cache_dtype, max_shard_size, overwrite, push_to_hub,
+          private, base_model):
     """Convert SRC (a checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision])
     to a modelopt NVFP4 checkpoint in OUT (default: <name of SRC>-nvfp4).
 
@@ -126,18 +133,19 @@ def nvfp4(ctx, src, out, preset, weight_only, calib_data, calib_samples, calib_s
     from .nvfp4 import convert_nvfp4
 
     calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
-    calibrates = not weight_only or kv_cache_dtype == "fp8"  # FP8 KV cache scales are calibrated too
+    # calibration runs for W4A4, for FP8 KV cache scales and for GPTQ's Hessians
+    calibrates = not weight_only or kv_cache_dtype == "fp8" or algorithm == "gptq"
     if not calibrates and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
         raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
-                      "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8, "
-                      "whose KV cache scales are calibrated)")
+                      "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8 or "
+                      "--algorithm gptq, which calibrate)")
     if calibrates:
         from .calibrate import calibration_device
 
         calibration_device(calib_device)  # a bad device is an error before SRC is fetched
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
-    report = convert_nvfp4(src_dir, out, preset=preset, weight_only=weight_only,
+    report = convert_nvfp4(src_dir, out, preset=preset, algorithm=algorithm, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
                            kv_cache_dtype=kv_cache_dtype, max_shard_size=max_shard_size,

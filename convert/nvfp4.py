@@ -37,10 +37,11 @@ from g4.exporters.nvfp4_names import (
     Role,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
+from g4.quantizers import gptq
 from g4.quantizers import nvfp4 as q
 
 from .card import write_model_card
-from .calibrate import LayerCalibrator, calibration_device, make_calibration_ids, read_calibration_texts
+from .calibrate import LayerCalibrator, LayerHessians, calibration_device, make_calibration_ids, read_calibration_texts
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
@@ -51,6 +52,14 @@ from .sources import checked_sources
 log = logging.getLogger(__name__)
 
 _CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --algorithm: how the weights are quantized (modelopt's names); max is modelopt's default, bit for bit.
+ALGORITHMS = ("max", "mse", "gptq")
+# gptq: an expert that fewer calibration (token, expert) pairs reached than this is quantized
+# with mse instead (its Hessian would be mostly damping); logged.
+GPTQ_MIN_TOKENS = 32
+# experts GPTQ'd together (one batched column loop): bounds the fp32 inverse-Hessian factors to
+# 8 * 4 * in**2 bytes (254 MB at in = 2816) while the loop's per-column cost is shared
+_GPTQ_EXPERT_BATCH = 8
 
 
 @dataclass
@@ -151,7 +160,8 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
     return q.global_scale_from_amax(a)
 
 
-def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None
+def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None,
+                   algorithm: str = "max", hessians: LayerHessians | None = None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of one layer (``w``: source name -> tensor), in the table's order."""
     for t in lay.kept:
@@ -167,7 +177,11 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
         keys = tuple(lin.key for lin in group)
         shared_in = _input_scale(amax, keys, layer_max, lay.index) if amax is not None else None
         for lin, x in zip(group, weights):
-            qw = q.quantize(x, weight_scale_2=shared_g)
+            h = hessians.get(lin.key) if hessians is not None else None
+            if algorithm == "gptq" and h is not None:
+                qw = gptq.gptq_nvfp4(x, h, shared_g)
+            else:
+                qw = q.quantize(x, weight_scale_2=shared_g, method="mse" if algorithm == "gptq" else algorithm)
             yield from _named(lin, (qw.weight, qw.weight_scale, qw.weight_scale_2, shared_in))
     if not lay.experts:
         yield from _kv_scales(lay, kv_amax)
@@ -177,7 +191,12 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
     in_dn = _input_scale(amax, (down.key,), layer_max, lay.index) if amax is not None else None
     # All experts in one kernel call each; gate and up share the global scale of the whole
     # fused gate_up_proj[e] (vLLM uses one), so the split comes after quantization.
-    qgu, qdn = q.quantize_experts(w[gate.source]), q.quantize_experts(w[down.source])
+    if algorithm == "gptq":
+        qgu = _gptq_experts(w[gate.source], hessians, EXPERT_GATE_UP, lay.index)
+        qdn = _gptq_experts(w[down.source], hessians, EXPERT_DOWN, lay.index)
+    else:
+        qgu = q.quantize_experts(w[gate.source], method=algorithm)
+        qdn = q.quantize_experts(w[down.source], method=algorithm)
     for e, (gate, up, down) in enumerate(lay.experts):
         gate_w, up_w = split_gate_up(qgu.weight[e])
         gate_s, up_s = split_gate_up(qgu.weight_scale[e])
@@ -202,6 +221,23 @@ def _kv_scales(lay: LayerLayout, kv_amax: dict[str, torch.Tensor]) -> Iterator[t
         yield t.name, q.kv_cache_scale_from_amax(a)
 
 
+def _gptq_experts(w: torch.Tensor, hessians: LayerHessians, kind: str, layer: int) -> q.NVFP4Weight:
+    """GPTQ of every expert ``w[e]`` (``[E, out, in]``) with the Hessian of the tokens routed to
+    it; the global scales are :func:`q.quantize_experts`'s; experts that fewer than
+    :data:`GPTQ_MIN_TOKENS` (token, expert) pairs reached get mse block scales."""
+    res = q.quantize_experts(w, method="mse")
+    tokens = hessians.tokens.get(kind, torch.zeros(w.shape[0], dtype=torch.int64))
+    ok = [e for e in range(w.shape[0]) if tokens[e] >= GPTQ_MIN_TOKENS]
+    if len(ok) < w.shape[0]:
+        log.info("layer %d: %s: %d of %d experts saw fewer than %d calibration tokens: mse, not GPTQ",
+                 layer, kind, w.shape[0] - len(ok), w.shape[0], GPTQ_MIN_TOKENS)
+    for i in range(0, len(ok), _GPTQ_EXPERT_BATCH):
+        idx = torch.tensor(ok[i : i + _GPTQ_EXPERT_BATCH])
+        r = gptq.gptq_nvfp4(w[idx], hessians.sums[kind][idx], res.weight_scale_2[idx])
+        res.weight[idx], res.weight_scale[idx] = r.weight, r.weight_scale
+    return res
+
+
 def _named(lin: Linear, values: tuple) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of each of ``lin``'s roles (weight, weight_scale, weight_scale_2[, input_scale])."""
     return zip(lin.names, values)
@@ -215,6 +251,7 @@ def convert_nvfp4(
     out: str | Path,
     *,
     preset: str = "default",
+    algorithm: str = "max",
     weight_only: bool = False,
     calib_data: str | Path | None = None,
     calib_samples: int = 32,
@@ -236,6 +273,11 @@ def convert_nvfp4(
         preset: ``default`` (experts + dense MLP + attention), ``mlp-only`` (experts +
             dense MLP) or ``experts-only``; routers, norms, embeddings, towers and lm_head
             always stay in the source dtype.
+        algorithm: how the weights' block scales (and codes) are chosen, one of :data:`ALGORITHMS`:
+            ``max`` (modelopt's default, bit-identical with its export) or ``mse`` (per block the
+            E4M3 scale of least squared weight error, modelopt's ``mse`` with ``fp8_scale_sweep``) or
+            ``gptq`` (GPTQ with per-block mse scales, Hessians of every linear's inputs from the
+            calibration pass, which then also runs for ``weight_only``; see :mod:`g4.quantizers.gptq`).
         weight_only: W4A16: no calibration, no ``input_scale`` tensors, config without
             ``input_activations`` (case P05). Default W4A4 with calibrated ``input_scale``.
         calib_data: text or jsonl file; ``None`` uses the packaged default set.
@@ -267,13 +309,15 @@ def convert_nvfp4(
     t0 = time.perf_counter()
     if preset not in PRESETS:
         raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if algorithm not in ALGORITHMS:
+        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if calib_dtype not in _CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
     if kv_cache_dtype not in meta.KV_CACHE_DTYPES:
         raise ExportError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(meta.KV_CACHE_DTYPES)}")
     kv_cache = kv_cache_dtype == "fp8"
     parts = PRESETS[preset]
-    calibrate = not weight_only or kv_cache
+    calibrate = not weight_only or kv_cache or algorithm == "gptq"
     device = calibration_device(calib_device) if calibrate else None
     max_shard_bytes = parse_size(max_shard_size)
     ckpt = Checkpoint(src, source=True)
@@ -294,7 +338,8 @@ def convert_nvfp4(
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
-            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar)
+            n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar, algorithm,
+                                                                act_quant=not weight_only)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
@@ -302,9 +347,9 @@ def convert_nvfp4(
                             kv_cache=kv_cache)
         meta.check_export(tmp, label=Path(out), layout=layout)
         write_model_card(tmp, "nvfp4", src=ckpt, out_name=Path(out).name, options=dict(  # README.md (hub helper)
-            preset=preset, weight_only=weight_only, calib_data=calib_data, calib_samples=calib_samples,
-            calib_seq_len=calib_seq_len, calib_dtype=calib_dtype, kv_cache_dtype=kv_cache_dtype,
-            max_shard_size=max_shard_size), layout=layout)
+            preset=preset, algorithm=algorithm, weight_only=weight_only, calib_data=calib_data,
+            calib_samples=calib_samples, calib_seq_len=calib_seq_len, calib_dtype=calib_dtype,
+            kv_cache_dtype=kv_cache_dtype, max_shard_size=max_shard_size), layout=layout)
         bytes_out = writer.total_bytes
     per_linear = 3 if weight_only else 4
     kv_scales = sum(len(lay.kv_scales) for lay in layout.layers)
@@ -326,7 +371,8 @@ def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: Nvfp4Layout,
-                   calibrator: LayerCalibrator | None, bar) -> tuple[int, int, int]:
+                   calibrator: LayerCalibrator | None, bar, algorithm: str = "max", *,
+                   act_quant: bool = True) -> tuple[int, int, int]:
     """Every output tensor in the table's order, one decoder layer in RAM at a time.
 
     Returns:
@@ -347,15 +393,17 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             layer_params = params_in_layer(lay)
             bar.set_postfix_str(f"layer {lay.index}: reading", refresh=False)
             w = {s: reader.get(n) for s, n in lay.sources.items()}
-            amax = None
+            amax = hessians = None
             if calibrator is not None:
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
+                hessians = LayerHessians() if algorithm == "gptq" else None
                 amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
-                    f"layer {L}: calibrating, {done}/{n} samples"))
+                    f"layer {L}: calibrating, {done}/{n} samples"), hessians=hessians)
+                amax = amax if act_quant else None
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
-            for name, t in _produce_layer(lay, by_source, amax):
+            for name, t in _produce_layer(lay, by_source, amax, algorithm, hessians):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
                 if layout.by_name[name].linear is not None:  # not kept, not a KV cache scale
@@ -369,7 +417,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
-            del w, by_source
+            del w, by_source, hessians
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
 

@@ -179,10 +179,11 @@ def _how_made(facts: dict, out_name: str) -> str:
         # command reproduces this result after the repo moves on
         src_arg = f"{repo}@{src['revision']}"
     if facts["format"] == NVFP4:
-        argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default")]
+        argv = ["g4convert", "nvfp4", src_arg, out_name, "--preset", o.get("preset", "default"),
+                "--algorithm", o.get("algorithm", "max")]  # results before --algorithm existed used max
         if o.get("weight_only"):
             argv.append("--weight-only")
-        if not o.get("weight_only") or o.get("kv_cache_dtype", "auto") != "auto":  # calibrated
+        if not o.get("weight_only") or o.get("kv_cache_dtype", "auto") != "auto" or o.get("algorithm") == "gptq":  # calibrated
             if o.get("calib_data"):
                 argv += ["--calib-data", o["calib_data"]["name"]]
             argv += ["--calib-samples", str(o.get("calib_samples")), "--calib-seq-len", str(o.get("calib_seq_len")),

@@ -136,14 +136,26 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
     or compiled by :data:`KERNEL` into one pass over the whole tensor.
     """
     x = blocks.float()
+    s8 = _max_block_scales(x, g)
+    return _pack_codes(x, s8, g), s8
+
+
+def _max_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """modelopt's block scales ``fp8(clamp(amax_block / (6 g), 2**-9, 448))`` (1.0 before the clamp
+    for an all-zero block) of fp32 blocks ``x`` ``[rows, n, 16]``: float8_e4m3fn ``[rows, n]``."""
     s = x.abs().amax(-1) / (E2M1_MAX * g)
     s = torch.where(s == 0, 1.0, s)
-    s8 = s.clamp(_E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
+    return s.clamp(_E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _pack_codes(x: torch.Tensor, s8: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes (uint8 ``[rows, n*8]``) of fp32 blocks ``x`` ``[rows, n, 16]`` under the
+    block scales ``s8`` (float8_e4m3fn ``[rows, n]``) and the global scale ``g``."""
     # [rows, n, 8, 2]: the pairs stay inside their block, so inductor fuses the block amax with
     # the codes and packing (flattening the blocks first made the kernel 3x slower)
     codes = _e2m1_codes(x / (s8.float() * g).unsqueeze(-1)).reshape(x.shape[0], x.shape[1], BLOCK_SIZE // 2, 2)
     # two codes per byte, the even element in the low nibble; exact in fp32 (0..255)
-    return (codes[..., 0] + codes[..., 1] * 16).to(torch.uint8).reshape(x.shape[0], -1), s8
+    return (codes[..., 0] + codes[..., 1] * 16).to(torch.uint8).reshape(x.shape[0], -1)
 
 
 # torch.compile of _quantize_blocks (inductor, C++/OpenMP on the CPU): one fused kernel with
@@ -158,9 +170,78 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
 KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4")
 
 
+# ----------------------------------------------------------------------------- mse block scales
+# modelopt's ``mse`` algorithm with ``fp8_scale_sweep`` for static NVFP4 weights
+# (NVIDIA/Model-Optimizer ``modelopt/torch/quantization/calib/mse.py``, ``NVFP4MSECalibrator``, and
+# ``modelopt/torch/kernels/quantization/gemm/_fp8_scale_candidates.py``): the global scale stays
+# ``amax / 2688``; each block's E4M3 scale is the positive finite E4M3 value whose quantize-dequantize
+# minimises the block's summed squared weight error. modelopt tries all 126 values; here the
+# candidates are the E4M3 codes from 16 below max's code to 16 above it, 33 in all: two octaves of
+# 8 codes each way for normal scales (a quarter to four times max's), more where the codes are the
+# evenly spaced subnormals. A scale under a quarter of max's clips the block amax ``a`` to at most
+# ``6 s <= a / 4``, an error of at least ``(3a/4)**2 = 0.5625 a**2``, while max's error is at most
+# ``15 (a/6)**2 = 0.42 a**2`` (each of the other 15 elements off by at most half the widest E2M1
+# gap, 1, times ``a/6``): none of them can win. Above four times max's scale the block amax maps
+# below 1.6 and the small elements round to 0; tests/test_nvfp4_algorithms.py checks against the
+# full 126-value sweep that the window finds the same least error on every block of Gaussian,
+# heavy-tailed and subnormal-scale weights (8 codes above was not enough for subnormal scales).
+# Ties keep max's scale (it is tried first), so a block where max is already optimal gets max's bytes.
+MSE_CODE_OFFSETS = (0, *range(-16, 0), *range(1, 17))
+_E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
+_E4M3_MAX_CODE = 126  # 448; 127 is NaN
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` rounded to the nearest signed E2M1 value (the value of :func:`_e2m1_codes`' code)."""
+    a = y.abs()
+    mag = torch.where(a < 2, torch.round(a * 2) * 0.5,
+                      torch.where(a < 4, torch.round(a), torch.where(a > 5, 6.0, 4.0)))
+    return torch.copysign(mag, y)
+
+
+def _mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Block scales (float8_e4m3fn ``[rows, n]``) minimising ``sum((x - dq(q(x)))**2)`` per block of
+    fp32 ``x`` ``[rows, n, 16]`` over :data:`MSE_CODE_OFFSETS` around max's scale; ties keep max's."""
+    base = _max_block_scales(x, g).view(torch.uint8).to(torch.int32)
+    values = _E4M3_CODE_VALUES.to(x.device)
+    best_code, best_err = base, None
+    for k in MSE_CODE_OFFSETS:
+        code = (base + k).clamp(1, _E4M3_MAX_CODE)
+        sg = (values[code] * g).unsqueeze(-1)
+        err = (x - _e2m1_round(x / sg) * sg).square().sum(-1)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_code = torch.where(better, code, best_code)
+    return best_code.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _quantize_blocks_mse(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_blocks` with the block scales of :func:`_mse_block_scales`."""
+    x = blocks.float()
+    s8 = _mse_block_scales(x, g)
+    return _pack_codes(x, s8, g), s8
+
+
+def _quantize_blocks_with_scales(blocks: torch.Tensor, s8: torch.Tensor, g: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_blocks` under given block scales ``s8`` (float8_e4m3fn ``[rows, n]``)."""
+    return _pack_codes(blocks.float(), s8, g), s8
+
+
+# Same compile rules as KERNEL (one compile per input width; G4_NVFP4_EAGER=1 or a failure: eager).
+MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", label="NVFP4 mse")
+BLOCK_METHODS = ("max", "mse")
+_KERNELS = {"max": (KERNEL, _quantize_blocks), "mse": (MSE_KERNEL, _quantize_blocks_mse)}
+
+
 def quantize(
     w: torch.Tensor,
     weight_scale_2: torch.Tensor | None = None,
+    *,
+    method: str = "max",
 ) -> NVFP4Weight:
     """Quantize one 2-D weight to NVFP4 exactly as modelopt's HF export does.
 
@@ -171,15 +252,20 @@ def quantize(
             dense q/k/v and gate/up from the max amax over the group). ``None``
             computes ``amax(|w|) / 2688``. A zero global scale (all-zero tensor or
             group) is replaced by ``1 / 2688`` so that no scale is NaN or 0.
+        method: block scales: ``"max"`` (modelopt's default, ``amax_block / (6 g)``) or
+            ``"mse"`` (the E4M3 scale minimising each block's squared error, modelopt's
+            ``mse`` with ``fp8_scale_sweep``; see :data:`MSE_CODE_OFFSETS`).
 
     Returns:
         :class:`NVFP4Weight` with ``weight`` uint8 ``[out, in/2]``, ``weight_scale``
         float8_e4m3fn ``[out, in/16]``, ``weight_scale_2`` float32 ``[]``.
 
     Raises:
-        ValueError: ``w`` is not 2-D, ``in`` is not a multiple of 16, or the global
-            scale is negative, not finite, or 0 for a non-zero ``w``.
+        ValueError: ``w`` is not 2-D, ``in`` is not a multiple of 16, the global
+            scale is negative, not finite, or 0 for a non-zero ``w``, or an unknown ``method``.
     """
+    if method not in _KERNELS:
+        raise ValueError(f"unknown NVFP4 block-scale method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
     if w.dim() != 2:
         raise ValueError(f"NVFP4 quantizes 2-D weights, got shape {tuple(w.shape)}")
     out_features, in_features = w.shape
@@ -197,30 +283,31 @@ def quantize(
             raise ValueError("NVFP4 global scale is 0 but the weight is not all zero")
         g = global_scale_from_amax(1.0)
 
-    packed, scales = _quantize_2d(w, g)
+    packed, scales = _quantize_2d(w, g, method)
     return NVFP4Weight(packed, scales, g.clone())
 
 
-def _quantize_2d(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and block scales of ``w`` ``[rows, in]`` under ``g`` (``[]``, > 0)."""
+    kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
-    fused = KERNEL.for_size(w.numel())
+    fused = kernel.for_size(w.numel())
     if fused is not None:
         try:
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
             return fused(blocks, g)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
-            KERNEL.disable(e)
+            kernel.disable(e)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     rows = max(1, _ROW_CHUNK_ELEMENTS // in_features)
     for r0 in range(0, out_features, rows):
-        packed[r0 : r0 + rows], scales[r0 : r0 + rows] = _quantize_blocks(blocks[r0 : r0 + rows], g)
+        packed[r0 : r0 + rows], scales[r0 : r0 + rows] = eager(blocks[r0 : r0 + rows], g)
     return packed, scales
 
 
-def quantize_experts(w: torch.Tensor) -> NVFP4Weight:
+def quantize_experts(w: torch.Tensor, *, method: str = "max") -> NVFP4Weight:
     """:func:`quantize` of every ``w[e]`` with its own global scale ``amax(|w[e]|) / 2688``.
 
     Same bytes as ``quantize(w[e])`` for each e (an all-zero expert gets ``1 / 2688``): one
@@ -230,6 +317,7 @@ def quantize_experts(w: torch.Tensor) -> NVFP4Weight:
     Args:
         w: ``[E, out, in]`` bf16/fp16/fp32, ``in % 16 == 0`` (e.g. a fused ``gate_up_proj``,
             whose gate and up rows then share their expert's global scale, as vLLM needs).
+        method: block scales, ``"max"`` or ``"mse"`` as in :func:`quantize`.
 
     Returns:
         :class:`NVFP4Weight` with ``weight`` uint8 ``[E, out, in/2]``, ``weight_scale``
@@ -248,8 +336,26 @@ def quantize_experts(w: torch.Tensor) -> NVFP4Weight:
     packed = torch.empty(n_exp, out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(n_exp, out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     for e in range(n_exp):
-        packed[e], scales[e] = _quantize_2d(w[e], g[e])
+        packed[e], scales[e] = _quantize_2d(w[e], g[e], method)
     return NVFP4Weight(packed, scales, g)
+
+
+def quantize_with_scales(w: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> NVFP4Weight:
+    """NVFP4 codes of ``w`` under block scales chosen elsewhere (GPTQ sets them group by group).
+
+    Args:
+        w: ``[out, in]`` float weight (``in % 16 == 0``), e.g. the values GPTQ quantized.
+        weight_scale: float8_e4m3fn ``[out, in/16]``, positive finite.
+        weight_scale_2: float32 ``[]`` global scale, > 0.
+
+    Returns:
+        :class:`NVFP4Weight` holding those scales and the codes of ``w`` under them.
+    """
+    out_features, in_features = w.shape
+    blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
+    g = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(())
+    packed, s8 = _quantize_blocks_with_scales(blocks, weight_scale, g)
+    return NVFP4Weight(packed, s8, g.clone())
 
 
 def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

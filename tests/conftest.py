@@ -27,6 +27,6 @@ def tiny_mm_nvfp4(tmp_path_factory, tiny_mm) -> Path:
     from g4.convert.nvfp4 import convert_nvfp4
 
     out = tmp_path_factory.mktemp("tiny_mm_nvfp4") / "out"
-    convert_nvfp4(tiny_mm, out, calib_samples=4, calib_seq_len=32, calib_batch_size=4, calib_dtype="bfloat16",
-                  progress=False)
+    convert_nvfp4(tiny_mm, out, algorithm="max", calib_samples=4, calib_seq_len=32, calib_batch_size=4,
+                  calib_dtype="bfloat16", progress=False)
     return out

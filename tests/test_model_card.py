@@ -97,7 +97,7 @@ def test_nvfp4_card_is_written_at_conversion_and_reads_out(tiny_mm_nvfp4, tiny_m
     assert load_conversion_facts(tiny_mm_nvfp4)["source"]["weight_bytes"] == src_bytes
     out_bytes = (tiny_mm_nvfp4 / "model.safetensors").stat().st_size
     assert f"| {out_bytes / 1e3:.3f} kB | {out_bytes / src_bytes:.3f}x |" in text
-    assert f"g4convert nvfp4 src {tiny_mm_nvfp4.name} --preset default --calib-samples 4 --calib-seq-len 32 " \
+    assert f"g4convert nvfp4 src {tiny_mm_nvfp4.name} --preset default --algorithm max --calib-samples 4 --calib-seq-len 32 " \
            "--calib-dtype bfloat16" in text
     for p in tiny_mm_nvfp4.iterdir():
         if p.name != CARD_FILE:
@@ -163,7 +163,7 @@ def test_source_metadata_and_base_model_from_hf_cache(nvfp4_from_cache, hub_cach
     assert "whose body must not be copied" not in text
     assert "W4A16" in text and "preset `mlp-only`" in text and "| attention |" in text  # attention kept bf16
     rev = hub_cached_src.name  # the snapshot's commit: the command names exactly what was converted
-    assert f"g4convert nvfp4 google/gemma-4-tiny-test@{rev} gemma-4-tiny-test-nvfp4 --preset mlp-only --weight-only" in text
+    assert f"g4convert nvfp4 google/gemma-4-tiny-test@{rev} gemma-4-tiny-test-nvfp4 --preset mlp-only --algorithm max --weight-only" in text
     assert load_conversion_facts(nvfp4_from_cache)["source"]["name"] == "gemma-4-tiny-test"  # not the snapshot's commit
 
 
