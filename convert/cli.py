@@ -14,9 +14,9 @@ import click
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
+from .nvfp4 import ALGORITHMS
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
-from .nvfp4 import ALGORITHMS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
 

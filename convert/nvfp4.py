@@ -399,7 +399,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
                 hessians = LayerHessians() if algorithm == "gptq" else None
                 amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
                     f"layer {L}: calibrating, {done}/{n} samples"), hessians=hessians)
-                amax = amax if act_quant else None
+                if not act_quant:  # W4A16: no input scales; the KV cache amaxes (if any) stay
+                    amax = {k: v for k, v in amax.items() if k in KV_AMAX_KEYS.values()} or None
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
