@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--weight-only", action="store_true")
+    ap.add_argument("--algorithm", default=None, help="nvfp4 --algorithm (default: g4convert's default)")
     ap.add_argument("--format", choices=["nvfp4", "int8-neuron"], default="nvfp4")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--write-threads", type=int, default=None,
@@ -112,7 +113,8 @@ def main() -> None:
     if args.format == "nvfp4":
         call = (f"from g4.convert.nvfp4 import convert_nvfp4; r = convert_nvfp4({str(src)!r}, {str(out)!r}, "
                 f"calib_samples={args.calib_samples}, calib_seq_len={args.calib_seq_len}, "
-                f"weight_only={args.weight_only}, progress=False); out_bytes = r.bytes_out")
+                f"weight_only={args.weight_only}, progress=False"
+                + (f", algorithm={args.algorithm!r}" if args.algorithm else "") + "); out_bytes = r.bytes_out")
     else:
         call = (f"from g4.convert.int8_neuron import convert_int8_neuron; r = convert_int8_neuron({str(src)!r}, "
                 f"{str(out)!r}, tp={args.tp}, target='inf2.xlarge', progress=False); out_bytes = r.bytes_per_rank[0]")

@@ -14,7 +14,7 @@ import click
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
-from .nvfp4 import ALGORITHMS
+from .nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
@@ -94,7 +94,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
               show_default=True, help="What is quantized: experts+MLP+attention, experts+MLP, or experts only.")
-@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=ALGORITHMS[0], show_default=True,
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT_ALGORITHM, show_default=True,
               help="Weight quantization: max (modelopt's default, bit-identical with its export), mse (per "
                    "16-element block the E4M3 scale of least squared weight error, modelopt's mse with fp8 sweep) "
                    "or gptq (GPTQ on each linear's calibration inputs, mse block scales; calibrates even with "

@@ -15,7 +15,8 @@ from g4.convert.nvfp4 import convert_nvfp4
 from g4.exporters.modelopt_nvfp4 import check_export
 from g4.quantizers import nvfp4 as q
 
-CALIB = dict(calib_samples=4, calib_seq_len=32, calib_batch_size=4, progress=False)
+# algorithm="max": this file compares g4 with modelopt's default (max) export byte for byte.
+CALIB = dict(algorithm="max", calib_samples=4, calib_seq_len=32, calib_batch_size=4, progress=False)
 
 
 def load_all(path):

@@ -113,7 +113,7 @@ def test_download_fetches_only_what_g4_reads_and_converts(hub, repo_files, tmp_p
     meta = front_matter(card)
     assert meta["base_model"] == REPO and meta["license"] == "apache-2.0"
     # the exact commit converted, so that the command reproduces this result after main moves on
-    assert f"g4convert nvfp4 {REPO}@{snapshot.name} gemma-4-tiny-test-nvfp4 --preset default --algorithm max --weight-only" in card
+    assert f"g4convert nvfp4 {REPO}@{snapshot.name} gemma-4-tiny-test-nvfp4 --preset default --algorithm mse --weight-only" in card
     assert json.loads((out / "g4_conversion.json").read_text())["source"]["revision"] == snapshot.name
 
     # Resolved from the cache from now on: a second command with HF_HUB_OFFLINE=1 needs no Hub.

@@ -163,7 +163,7 @@ def test_source_metadata_and_base_model_from_hf_cache(nvfp4_from_cache, hub_cach
     assert "whose body must not be copied" not in text
     assert "W4A16" in text and "preset `mlp-only`" in text and "| attention |" in text  # attention kept bf16
     rev = hub_cached_src.name  # the snapshot's commit: the command names exactly what was converted
-    assert f"g4convert nvfp4 google/gemma-4-tiny-test@{rev} gemma-4-tiny-test-nvfp4 --preset mlp-only --algorithm max --weight-only" in text
+    assert f"g4convert nvfp4 google/gemma-4-tiny-test@{rev} gemma-4-tiny-test-nvfp4 --preset mlp-only --algorithm mse --weight-only" in text
     assert load_conversion_facts(nvfp4_from_cache)["source"]["name"] == "gemma-4-tiny-test"  # not the snapshot's commit
 
 

@@ -106,7 +106,8 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy,
         assert (nvfp4_copy / "verification.json").read_text() == first  # same inputs, same report
 
         prompts = nvfp4_copy.parent / "prompts.txt"
-        prompts.write_text("What is the capital of France?\n\nWho painted the Mona Lisa?\n")  # 1 of 2 differs
+        # the story's second token differs from the source's (mse W4A4, the default): 3 of 4 positions agree
+        prompts.write_text("What is the capital of France?\n\nWrite a long story about a dragon and a king.\n")
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url, "--prompts", prompts,
                 "--min-agreement", "1")
         assert r.exit_code == 1
