@@ -25,7 +25,7 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,6 +42,18 @@ _DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)  # the de
 log = logging.getLogger(__name__)
 
 DEFAULT_CALIB_FILE = Path(__file__).parent / "data" / "calibration.jsonl"
+# Defaults of every command that calibrates (g4convert nvfp4; int8-neuron --algorithm gptq):
+# samples x tokens per sample, samples per layer forward, forward dtype, device.
+CALIB_SAMPLES, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = 32, 256, 8
+CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CALIB_DTYPE, CALIB_DEVICE = "float32", "auto"
+# GPTQ: an expert that fewer calibration (token, expert) pairs reached than this is not GPTQ'd
+# (its Hessian would be mostly damping): each format's fallback quantizes it, logged
+# (:meth:`LayerHessians.expert_batches`).
+GPTQ_MIN_TOKENS = 32
+# experts GPTQ'd together (one batched column loop): bounds the fp32 inverse-Hessian factors to
+# 8 * 4 * in**2 bytes (254 MB at in = 2816) while the loop's per-column cost is shared
+GPTQ_EXPERT_BATCH = 8
 
 
 def read_calibration_texts(path: str | Path | None, tokenizer=None, *, what: str = "calibration",
@@ -249,6 +261,22 @@ class LayerHessians:
         h.addmm_(x2.T, x2)
         return x
 
+    def expert_batches(self, kind: str, n_experts: int, *, layer: int, fallback: str
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The experts of ``kind`` (``experts.gate_up_proj`` / ``experts.down_proj``) that GPTQ
+        quantizes, :data:`GPTQ_EXPERT_BATCH` at a time: ``(int64 [b] expert indices, fp32 [b,
+        in, in] their Hessians)``. The rule for every format: an expert reached by fewer than
+        :data:`GPTQ_MIN_TOKENS` (token, expert) pairs (none recorded: 0) is left out, for the
+        caller's ``fallback`` (named in the log line: NVFP4 ``mse``, int8 ``max``)."""
+        tokens = self.tokens.get(kind, torch.zeros(n_experts, dtype=torch.int64))
+        ok = [e for e in range(n_experts) if tokens[e] >= GPTQ_MIN_TOKENS]
+        if len(ok) < n_experts:
+            log.info("layer %d: %s: %d of %d experts saw fewer than %d calibration tokens: %s, not GPTQ",
+                     layer, kind, n_experts - len(ok), n_experts, GPTQ_MIN_TOKENS, fallback)
+        for i in range(0, len(ok), GPTQ_EXPERT_BATCH):
+            idx = torch.tensor(ok[i : i + GPTQ_EXPERT_BATCH], dtype=torch.int64)
+            yield idx, self.sums[kind][idx]
+
     def add_expert(self, key: str, x: torch.Tensor, expert: int, n_experts: int) -> torch.Tensor:
         x2 = x.detach().float()
         if key not in self.sums:
@@ -408,6 +436,64 @@ class LayerCalibrator:
         log.info("layer %d: calibrated on %d tokens (%s) in %.2f s, %.1f us per token", layer, self.tokens,
                  self.device, seconds, seconds / max(self.tokens, 1) * 1e6)
         return stats
+
+
+    @torch.no_grad()
+    def final_norm_hessian(self, norm_weight: torch.Tensor) -> torch.Tensor:
+        """``sum x^T x`` (fp32 ``[H, H]``, on the CPU) of the final norm's output over every
+        calibration token: the input of the lm_head (``Gemma4TextModel.norm``, transformers'
+        ``Gemma4RMSNorm`` with ``rms_norm_eps``, in the compute dtype; the logit soft-capping
+        comes after the head). Call after :meth:`run_layer` of the last layer.
+
+        Args:
+            norm_weight: the final norm's ``[H]`` weight (``norm.weight``).
+        """
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+        norm = Gemma4RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.weight.data = norm_weight.to(self.device, self.dtype)
+        hs = LayerHessians()
+        for start in range(0, self.hidden.shape[0], self.batch_size):
+            hs.add_dense("lm_head", norm(self.hidden[start : start + self.batch_size].to(self.device)))
+        return hs.sums["lm_head"].cpu()
+
+
+def load_tokenizer(root: Path, *, without: str):
+    """The checkpoint's tokenizer, for calibration.
+
+    Raises:
+        CheckpointError: it cannot be loaded; the message ends with ``without``, how to convert
+            without calibration (e.g. ``"use --weight-only"``).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(root)
+    except Exception as e:  # many exception types for a missing/broken tokenizer
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{root}: calibration needs the checkpoint's tokenizer and it cannot be "
+                              f"loaded ({type(e).__name__}: {first_line}); add tokenizer files or {without}") from e
+
+
+def make_calibrator(ckpt: Checkpoint, calib_data, *, samples: int, seq_len: int, batch_size: int, dtype: str,
+                    device: torch.device, kv_cache: bool = False, without: str) -> tuple["LayerCalibrator", int]:
+    """The layer calibrator over the calibration text (``calib_data``, None: the packaged set),
+    ``samples`` x ``seq_len`` tokens in the compute dtype named ``dtype`` (a key of
+    :data:`CALIB_DTYPES`), and its number of tokens.
+
+    Raises:
+        CheckpointError: no loadable tokenizer (``without``: see :func:`load_tokenizer`), or a
+            config transformers cannot build.
+        G4Error: unreadable or too short calibration text, an unknown ``dtype``.
+    """
+    if dtype not in CALIB_DTYPES:
+        raise G4Error(f"unknown calibration dtype {dtype!r}; choose one of {', '.join(CALIB_DTYPES)}")
+    tokenizer = load_tokenizer(ckpt.root, without=without)
+    ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
+                               seq_len=seq_len)
+    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=CALIB_DTYPES[dtype], device=device,
+                                 kv_cache=kv_cache)
+    return calibrator, ids.numel()
 
 
 def calibration_device(name: str) -> torch.device:

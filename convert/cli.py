@@ -13,7 +13,9 @@ import click
 
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
+from .calibrate import CALIB_BATCH_SIZE, CALIB_DEVICE, CALIB_DTYPE, CALIB_DTYPES, CALIB_SAMPLES, CALIB_SEQ_LEN
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
+from .int8_neuron import ALGORITHMS as INT8_ALGORITHMS
 from .nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
@@ -62,6 +64,45 @@ def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: st
 # --- end of Hub publishing ---
 
 
+# --- Calibration options of the commands that calibrate (nvfp4; int8-neuron --algorithm gptq) ---
+_CALIB_OPTIONS = ("calib_data", "calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
+
+
+def _calibration_options(fn):
+    """``--calib-data``, ``--calib-samples``, ``--calib-seq-len``, ``--calib-batch-size``,
+    ``--calib-dtype``, ``--calib-device`` (defaults: :mod:`g4.convert.calibrate`)."""
+    for option in reversed((
+        click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'."),
+        click.option("--calib-samples", type=COUNT, default=CALIB_SAMPLES, show_default=True),
+        click.option("--calib-seq-len", type=click.IntRange(min=8), default=CALIB_SEQ_LEN, show_default=True,
+                     help="Tokens per sample."),
+        click.option("--calib-batch-size", type=COUNT, default=CALIB_BATCH_SIZE, show_default=True),
+        click.option("--calib-dtype", type=click.Choice(list(CALIB_DTYPES)), default=CALIB_DTYPE, show_default=True,
+                     help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
+                          "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit."),
+        click.option("--calib-device", default=CALIB_DEVICE, show_default=True,
+                     help="Where calibration runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, "
+                          "cuda:N."),
+    )):
+        fn = option(fn)
+    return fn
+
+
+def _check_calibration(ctx: click.Context, calibrates: bool, why: str, what_calibrates: str) -> None:
+    """Refuse calibration options given to a run that does not calibrate (``why`` it does not,
+    ``what_calibrates``: the options that would), and a bad ``--calib-device`` before SRC is fetched."""
+    if not calibrates:
+        if any(ctx.get_parameter_source(o).name != "DEFAULT" for o in _CALIB_OPTIONS):
+            flags = " / ".join("--" + o.replace("_", "-") for o in _CALIB_OPTIONS)
+            raise G4Error(f"{why} does not calibrate: drop {flags} (or add {what_calibrates})")
+        return
+    from .calibrate import calibration_device
+
+    calibration_device(ctx.params["calib_device"])
+# --- end of calibration options ---
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
 @click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
@@ -100,16 +141,7 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
                    "or gptq (GPTQ on each linear's calibration inputs, mse block scales; calibrates even with "
                    "--weight-only).")
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
-@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
-@click.option("--calib-samples", type=COUNT, default=32, show_default=True)
-@click.option("--calib-seq-len", type=click.IntRange(min=8), default=256, show_default=True, help="Tokens per sample.")
-@click.option("--calib-batch-size", type=COUNT, default=8, show_default=True)
-@click.option("--calib-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Calibration forward dtype: float32 is 3-6x faster on CPUs without bf16 matrix units; "
-                   "bfloat16 reproduces the bf16 model (and modelopt's own CPU calibration) bit for bit.")
-@click.option("--calib-device", default="auto", show_default=True,
-              help="Where calibration runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.")
+@_calibration_options
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="fp8: also calibrate and write modelopt's FP8 KV cache scales (k_scale / v_scale per layer, "
                    "kv_cache_quant_algo FP8) for `vllm serve --kv-cache-dtype fp8`; auto: none.")
@@ -132,17 +164,9 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
     _hub_preflight(push_to_hub, base_model)
     from .nvfp4 import convert_nvfp4
 
-    calib_options = ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_dtype", "calib_device")
     # calibration runs for W4A4, for FP8 KV cache scales and for GPTQ's Hessians
-    calibrates = not weight_only or kv_cache_dtype == "fp8" or algorithm == "gptq"
-    if not calibrates and (calib_data or any(ctx.get_parameter_source(o).name != "DEFAULT" for o in calib_options)):
-        raise G4Error("--weight-only does not calibrate: drop --calib-data / --calib-samples / --calib-seq-len / "
-                      "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8 or "
-                      "--algorithm gptq, which calibrate)")
-    if calibrates:
-        from .calibrate import calibration_device
-
-        calibration_device(calib_device)  # a bad device is an error before SRC is fetched
+    _check_calibration(ctx, not weight_only or kv_cache_dtype == "fp8" or algorithm == "gptq", "--weight-only",
+                       "--kv-cache-dtype fp8 or --algorithm gptq, which calibrate")
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
     report = convert_nvfp4(src_dir, out, preset=preset, algorithm=algorithm, weight_only=weight_only,
@@ -167,11 +191,17 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
 @click.option("--seq-len", type=COUNT, default=None,
               help="Tokens (prompt plus reply) to compile and serve for on Neuron; the memory plan sizes the KV "
                    f"cache for it. Default: {DEFAULT_MAX_LENGTH}, at most the model's max_position_embeddings.")
+@click.option("--algorithm", type=click.Choice(INT8_ALGORITHMS), default=INT8_ALGORITHMS[0], show_default=True,
+              help="How the int8 codes are chosen under NxD's per-channel scales (absmax/127, the same for both): "
+                   "max (round to nearest, NxD's own quantizer bit for bit) or gptq (GPTQ on each quantized linear's "
+                   "calibration inputs, lm_head included; calibrates, with the --calib-* options).")
+@_calibration_options
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT once the new result is complete.")
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, overwrite, push_to_hub, private,
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, algorithm, calib_data, calib_samples,
+                calib_seq_len, calib_batch_size, calib_dtype, calib_device, overwrite, push_to_hub, private,
                 base_model):
     """Write AWS Neuron (NxD) int8 per-channel weights of SRC (a checkpoint directory,
     'embedded', or a Hub repo id owner/name[@revision]) pre-sharded per TP rank into OUT.
@@ -179,16 +209,21 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, o
     Experts, dense MLP and the tied lm_head (vocabulary-sharded) become int8 with fp32
     per-channel scales; each rank file is the state dict of g4's NxDI class at that rank (with
     its bf16 embedding shard); the whole unscaled table is also written for the host; a manifest
-    records the layout, embed_scale and the per-rank memory plan.
+    records the layout, embed_scale and the per-rank memory plan. --algorithm gptq chooses the
+    int8 codes by GPTQ on calibration inputs (same scales and layout; calibrates as nvfp4 does).
     """
     _hub_preflight(push_to_hub, base_model)
     from .int8_neuron import convert_int8_neuron
 
+    _check_calibration(ctx, algorithm == "gptq", "--algorithm max", "--algorithm gptq, which calibrates")
     src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
                                  target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"],
-                                 seq_len=seq_len)
+                                 seq_len=seq_len, algorithm=algorithm, calib_data=calib_data,
+                                 calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                                 calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
+                                 calib_device=calib_device)
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 

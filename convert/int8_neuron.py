@@ -14,8 +14,16 @@ Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 - ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4.release_config`),
   tokenizer, chat template and generation config copied from SRC.
 
-Streaming as in the NVFP4 path: one decoder layer in RAM at a time; output written into a
-temporary directory and renamed into place when complete.
+Weights (``algorithm``): ``max`` rounds each weight to nearest under NxD's per-channel scale,
+NxD's own quantizer bit for bit; ``gptq`` keeps those scales and chooses the codes by GPTQ
+(:func:`g4.quantizers.gptq.gptq_int8`) with each quantized linear's input Hessian from the
+layer-streamed calibration pass of :mod:`g4.convert.calibrate` (as ``g4convert nvfp4 --algorithm
+gptq``: each expert from the tokens routed to it, :meth:`LayerHessians.expert_batches` for experts
+too few tokens reach, which keep ``max``'s codes); the lm_head's Hessian is that of the final
+norm's output (:meth:`LayerCalibrator.final_norm_hessian`).
+
+Streaming as in the NVFP4 path: one tensor in RAM at a time (``gptq``: one decoder layer and its
+Hessians); output written into a temporary directory and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -47,18 +55,44 @@ from g4.exporters.neuron_int8 import (
     shard,
 )
 from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
-from g4.quantizers import int8
+from g4.quantizers import gptq, int8
 
+from .calibrate import (
+    CALIB_BATCH_SIZE,
+    CALIB_DEVICE,
+    CALIB_DTYPE,
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    GPTQ_MIN_TOKENS,
+    LayerCalibrator,
+    LayerHessians,
+    calibration_device,
+    make_calibrator,
+)
 from .card import write_model_card
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import G4Error
-from .gemma4 import VISION_PREFIXES, release_config, tower_of
+from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
 from .pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
 from .progress import progress_bar
 from .sources import checked_sources
 
 log = logging.getLogger(__name__)
+
+# --algorithm: how the int8 codes are chosen (the scales are NxD's absmax / 127 for both).
+# max: round to nearest, NxD's own quantizer bit for bit (the default); gptq: GPTQ on the
+# calibration inputs. The names are g4convert nvfp4's.
+ALGORITHMS = ("max", "gptq")
+# What manifest.json says of each (quantization.algorithm_detail).
+ALGORITHM_DETAIL = {
+    "max": "round to nearest: clamp(round_half_even(w * fp32(1 / scale)), -128, 127), NxD's quantizer bit for bit",
+    "gptq": f"GPTQ (Frantar et al. 2022) under the same scales on each linear's calibration input Hessian "
+            f"sum x^T x: each expert from the tokens routed to it (fewer than {GPTQ_MIN_TOKENS}: round to nearest), "
+            f"the lm_head from the final norm's output; {gptq.DEFAULT_DAMP:.0%} damping",
+}
+# The lm_head's key in the LayerHessians of the model tensors (its input: the final norm's output).
+_HEAD = "lm_head"
 
 
 @dataclass
@@ -72,12 +106,17 @@ class Int8Report:
     host_embed_bytes: int
     seconds: float
     peak_rss_bytes: int
+    algorithm: str = "max"
+    calibration_tokens: int = 0
+    calibration_seconds: float = 0.0
 
     def summary(self) -> str:
         ranks = ", ".join(f"{b / 1e9:.3f}" for b in self.bytes_per_rank)
+        calib = (f"; {self.algorithm} on {self.calibration_tokens} calibration tokens (calibration "
+                 f"{self.calibration_seconds:.1f} s)" if self.calibration_tokens else "")
         return (f"{self.out}: TP={self.tp}; per-rank weights {ranks} GB; host embedding "
                 f"{self.host_embed_bytes / 1e9:.3f} GB; source {self.bytes_in / 1e9:.3f} GB; {self.seconds:.1f} s; "
-                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB" + calib)
 
 
 def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
@@ -134,6 +173,13 @@ def convert_int8_neuron(
     overwrite: bool = False,
     progress: bool = True,
     seq_len: int | None = None,
+    algorithm: str = "max",
+    calib_data: str | Path | None = None,
+    calib_samples: int = CALIB_SAMPLES,
+    calib_seq_len: int = CALIB_SEQ_LEN,
+    calib_batch_size: int = CALIB_BATCH_SIZE,
+    calib_dtype: str = CALIB_DTYPE,
+    calib_device: str = CALIB_DEVICE,
 ) -> Int8Report:
     """Convert a Gemma 4 MoE checkpoint to per-rank int8 NxD shards.
 
@@ -150,6 +196,12 @@ def convert_int8_neuron(
             the memory plan sizes the KV cache for it and the manifest records it with its
             bucket ladders (``None``: ``DEFAULT_MAX_LENGTH`` capped at ``max_position_embeddings``,
             :func:`g4.exporters.neuron_int8.serving_max_length`).
+        algorithm: one of :data:`ALGORITHMS`: ``max`` (round to nearest, NxD's quantizer bit for
+            bit) or ``gptq`` (GPTQ codes under the same scales, on the calibration inputs of every
+            quantized linear, the lm_head included; see the module docstring).
+        calib_data, calib_samples, calib_seq_len, calib_batch_size, calib_dtype, calib_device:
+            ``gptq`` only: the calibration text and pass, as for
+            :func:`g4.convert.nvfp4.convert_nvfp4` (ignored by ``max``, which does not calibrate).
 
     Returns:
         :class:`Int8Report`.
@@ -157,9 +209,13 @@ def convert_int8_neuron(
     Raises:
         G4Error (CheckpointError, MappingError, ExportError): bad source, a TP degree the
             model cannot use, a result that does not fit ``target`` without ``force``,
-            or an existing ``out``.
+            an existing ``out``, an unknown ``algorithm``; for ``gptq`` also a bad calibration
+            device, text or tokenizer.
     """
     t0 = time.perf_counter()
+    if algorithm not in ALGORITHMS:
+        raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    device = calibration_device(calib_device) if algorithm == "gptq" else None
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
     max_length = serving_max_length(seq_len, g.arch.max_positions)
@@ -171,30 +227,41 @@ def convert_int8_neuron(
 
     host_bytes = math.prod(ckpt.tensors[embed_name].shape) * KEPT_DTYPE.itemsize
     need = tp * sum(spec.nbytes for spec in specs) + host_bytes
+    calibrator, calib_tokens = None, 0
+    if algorithm == "gptq":
+        calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
+                                                   batch_size=calib_batch_size, dtype=calib_dtype, device=device,
+                                                   without="use --algorithm max")
     hashes = BackgroundHashes(ckpt.shards)  # the manifest's source hashes, while the weights are written
     try:
         with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
             with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
-                per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention)
+                per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention, calibrator)
             ckpt.close()
             Manifest.build(
                 g, embed_dtype=KEPT_DTYPE, quantize_attention=quantize_attention,
                 not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
                 source={"files": hashes.result(), "prefix": ckpt.prefix},
-                memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length).write(tmp)
-            _finish(tmp, ckpt, out, tp, quantize_attention, target, force)
+                memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length,
+                algorithm=algorithm, algorithm_detail=ALGORITHM_DETAIL[algorithm],
+                calibration_tokens=calib_tokens).write(tmp)
+            options = dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force, algorithm=algorithm)
+            if algorithm == "gptq":  # what the result depends on; a max result calibrates nothing
+                options.update(calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                               calib_dtype=calib_dtype)
+            _finish(tmp, ckpt, out, options)
     finally:
         hashes.close()
-    return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, host_bytes,
-                      time.perf_counter() - t0, peak_rss_bytes())
+    return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, host_bytes, time.perf_counter() - t0,
+                      peak_rss_bytes(), algorithm, calib_tokens, calibrator.seconds if calibrator else 0.0)
 
 
-def _finish(tmp: Path, ckpt: Checkpoint, out, tp: int, quantize_attention: bool, target, force: bool) -> None:
-    """The result's config (release form), side files and model card, beside the weights."""
+def _finish(tmp: Path, ckpt: Checkpoint, out, options: dict) -> None:
+    """The result's config (release form), side files and model card (with the result-affecting
+    ``options``), beside the weights."""
     (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
     copy_side_files(ckpt.root, tmp)
-    write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name,  # README.md (hub helper)
-                     options=dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force))
+    write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name, options=options)  # README.md (hub helper)
 
 
 def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
@@ -223,13 +290,22 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
     return plan
 
 
+def _layer_reads(src_names: dict[str, str], entries: list[Entry], whole: bool) -> list[str]:
+    """Source tensors of one layer in the order the writer takes them: the entries' sources, and
+    with ``whole`` (the calibration forward needs the whole layer) any other tensor of the layer."""
+    names = [src_names[e.source] for e in entries if e.source is not None]
+    return names + [n for n in src_names.values() if n not in names] if whole else names
+
+
 def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
-                   quantize_attention: bool) -> int:
+                   quantize_attention: bool, calibrator: LayerCalibrator | None = None) -> int:
     """The host embedding table (copied from the source in the background from the start),
     every rank file, one decoder layer in RAM at a time, then the model tensors (device
     embedding shards, final norm, lm_head), all through one overlapped loop: the embedding is
     read while the last layer is quantized, and every tensor is written in the background.
-    Returns the bytes of one rank file (all are the same size)."""
+    With ``calibrator`` (``--algorithm gptq``) each layer is read whole, calibrated (its
+    Hessians recorded) and then quantized by GPTQ. Returns the bytes of one rank file (all are
+    the same size)."""
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
     writers = [ShardedSafetensorsWriter(tmp, specs, file_name=rank_file(r)) for r in range(g.tp)]
@@ -237,7 +313,8 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     host = ShardedSafetensorsWriter(tmp, [TensorSpec(EMBED_TENSOR, KEPT_DTYPE, tuple(embed_info.shape))],
                                     file_name=EMBED_FILE)
     model_reads = list(dict.fromkeys(name for _, name in model if name is not None))  # embed_tokens once
-    reads = [src_names[e.source] for _, src_names, entries in layers for e in entries if e.source is not None]
+    whole = calibrator is not None
+    reads = [n for _, src_names, entries in layers for n in _layer_reads(src_names, entries, whole)]
     largest = max((ckpt.tensors[n].nbytes for n in reads), default=0)
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
@@ -249,46 +326,89 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
         if embed_info.dtype == KEPT_DTYPE:
             out.copy(host, EMBED_TENSOR, embed_info)
         for L, src_names, entries in layers:
+            w, hessians = {}, None
+            if whole:
+                bar.set_postfix_str(f"layer {L}: reading", refresh=False)
+                by_name = {n: reader.get(n) for n in _layer_reads(src_names, entries, True)}
+                w = {s: by_name[n] for s, n in src_names.items()}
+                del by_name
+                hessians = LayerHessians()
+                bar.set_postfix_str(f"layer {L}: calibrating")
+                calibrator.run_layer(L, w, hessians=hessians, on_batch=lambda done, n, L=L: bar.set_postfix_str(
+                    f"layer {L}: calibrating, {done}/{n} samples"))
             for e in entries:
                 if e.source is None:  # a rank index
                     _write_entry(writers, e, None, g, L, layer_prefix(L), out.write)
                     continue
                 name = src_names[e.source]
-                bar.set_postfix_str(f"layer {L}: reading {e.source}", refresh=False)
-                t = reader.get(name)
+                if not whole:
+                    bar.set_postfix_str(f"layer {L}: reading {e.source}", refresh=False)
+                t = w.pop(e.source) if whole else reader.get(name)
                 bar.set_postfix_str(f"layer {L}: quantizing {e.source}" if e.int8 else f"layer {L}: copying {e.source}")
-                _write_entry(writers, e, t, g, L, layer_prefix(L), out.write)
+                _write_entry(writers, e, t, g, L, layer_prefix(L), out.write, hessians)
                 del t
                 bar.update(ckpt.tensors[name].nbytes)
             # tensors a layer has but no entry reads (none in Gemma 4) still count as done
             rest = sum(ckpt.tensors[n].nbytes for n in src_names.values()) - sum(
                 ckpt.tensors[src_names[e.source]].nbytes for e in entries if e.source is not None)
             bar.update(max(rest, 0))
-            log.info("layer %d: experts, dense MLP%s -> int8, sharded over %d ranks", L,
-                     " and attention" if quantize_attention else "", g.tp)
+            log.info("layer %d: experts, dense MLP%s -> int8 (%s), sharded over %d ranks", L,
+                     " and attention" if quantize_attention else "", "gptq" if whole else "max", g.tp)
+            del w, hessians
         values: dict[str, torch.Tensor] = {}
+        head = None
         for e, name in model:
             if name is not None and name not in values:
                 bar.set_postfix_str(f"reading {name}", refresh=False)
                 values[name] = reader.get(name)
+            if whole and e.key == _HEAD:  # its input: the final norm's output after the last layer
+                bar.set_postfix_str("lm_head: calibrating")
+                head = LayerHessians()
+                head.sums[_HEAD] = calibrator.final_norm_hessian(values[ckpt.prefix + "norm.weight"])
             bar.set_postfix_str(f"quantizing {e.key}" if e.int8 else f"copying {e.key}")
-            _write_entry(writers, e, values.get(name), g, None, "", out.write)
+            _write_entry(writers, e, values.get(name), g, None, "", out.write, head)
         if embed_info.dtype != KEPT_DTYPE:
             out.write(host, EMBED_TENSOR, values[embed_name].to(KEPT_DTYPE))
             if name != embed_name and e.key == "lm_head":  # an untied model's own head
                 bar.update(ckpt.tensors[name].nbytes)
-        del values
+        del values, head
     for w in (*writers, host):
         w.close()
     bar.update(embed_info.nbytes)
     return writers[0].total_bytes
 
 
+def _int8_weight(e: Entry, tensor: torch.Tensor, hessians: LayerHessians | None, layer: int | None) -> int8.Int8Weight:
+    """``tensor`` (``[out, in]``, experts ``[E, out, in]``) in int8 with NxD's per-channel scales:
+    rounded to nearest without ``hessians`` or without a Hessian of its input; otherwise by GPTQ
+    (experts: :func:`_gptq_experts`; the lm_head: the model tensors' ``hessians`` under its key)."""
+    if hessians is None:
+        return int8.quantize(tensor)
+    if e.source in (EXPERT_GATE_UP, EXPERT_DOWN):
+        return _gptq_experts(tensor, hessians, e.source, layer)
+    h = hessians.get(_HEAD if e.key == _HEAD else e.source_module)
+    if h is None:
+        log.info("%s: no calibration Hessian recorded: max", e.key)
+        return int8.quantize(tensor)
+    return gptq.gptq_int8(tensor, h)
+
+
+def _gptq_experts(w: torch.Tensor, hessians: LayerHessians, kind: str, layer: int) -> int8.Int8Weight:
+    """GPTQ of every expert ``w[e]`` (``[E, out, in]``) with the Hessian of the tokens routed to it;
+    experts :meth:`LayerHessians.expert_batches` leaves out (too few tokens) keep ``max``'s codes.
+    The scales are ``max``'s for every expert."""
+    res = int8.quantize(w)
+    for idx, h in hessians.expert_batches(kind, w.shape[0], layer=layer, fallback="max"):
+        res.weight[idx] = gptq.gptq_int8(w[idx], h).weight
+    return res
+
+
 def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, layer: int | None, prefix: str,
-                 write) -> None:
-    """Quantize (``e.int8``) and shard ``tensor`` (None for a rank index); ``write(writer, name, t)``
-    each rank's pieces (views where the rule allows; ``BackgroundWriter.write``)."""
-    value = int8.quantize(tensor) if e.int8 else tensor if tensor is None else tensor.to(KEPT_DTYPE)
+                 write, hessians: LayerHessians | None = None) -> None:
+    """Quantize (``e.int8``; by GPTQ where ``hessians`` are given, :func:`_int8_weight`) and shard
+    ``tensor`` (None for a rank index); ``write(writer, name, t)`` each rank's pieces (views where
+    the rule allows; ``BackgroundWriter.write``)."""
+    value = _int8_weight(e, tensor, hessians, layer) if e.int8 else tensor if tensor is None else tensor.to(KEPT_DTYPE)
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):

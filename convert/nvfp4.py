@@ -41,7 +41,18 @@ from g4.quantizers import gptq
 from g4.quantizers import nvfp4 as q
 
 from .card import write_model_card
-from .calibrate import LayerCalibrator, LayerHessians, calibration_device, make_calibration_ids, read_calibration_texts
+from .calibrate import (
+    CALIB_BATCH_SIZE,
+    CALIB_DEVICE,
+    CALIB_DTYPE,
+    CALIB_DTYPES,
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    LayerCalibrator,
+    LayerHessians,
+    calibration_device,
+    make_calibrator,
+)
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
 from .gemma4 import split_gate_up
@@ -51,7 +62,6 @@ from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
-_CALIB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # --algorithm: how the weights are quantized (modelopt's names); max is modelopt's default, bit for bit.
 ALGORITHMS = ("max", "mse", "gptq")
 # g4's default: the best mean KLD on the quality test model among the algorithms that convert the
@@ -59,12 +69,6 @@ ALGORITHMS = ("max", "mse", "gptq")
 # on CPUs: README, g4convert nvfp4, "Algorithms"); its bytes differ from modelopt's default export,
 # so tests that compare with modelopt pass algorithm="max".
 DEFAULT_ALGORITHM = "mse"
-# gptq: an expert that fewer calibration (token, expert) pairs reached than this is quantized
-# with mse instead (its Hessian would be mostly damping); logged.
-GPTQ_MIN_TOKENS = 32
-# experts GPTQ'd together (one batched column loop): bounds the fp32 inverse-Hessian factors to
-# 8 * 4 * in**2 bytes (254 MB at in = 2816) while the loop's per-column cost is shared
-_GPTQ_EXPERT_BATCH = 8
 
 
 @dataclass
@@ -229,16 +233,11 @@ def _kv_scales(lay: LayerLayout, kv_amax: dict[str, torch.Tensor]) -> Iterator[t
 def _gptq_experts(w: torch.Tensor, hessians: LayerHessians, kind: str, layer: int) -> q.NVFP4Weight:
     """GPTQ of every expert ``w[e]`` (``[E, out, in]``) with the Hessian of the tokens routed to
     it; the global scales are :func:`q.quantize_experts`'s; experts that fewer than
-    :data:`GPTQ_MIN_TOKENS` (token, expert) pairs reached get mse block scales."""
+    :data:`g4.convert.calibrate.GPTQ_MIN_TOKENS` (token, expert) pairs reached get mse block scales
+    (:meth:`LayerHessians.expert_batches`)."""
     res = q.quantize_experts(w, method="mse")
-    tokens = hessians.tokens.get(kind, torch.zeros(w.shape[0], dtype=torch.int64))
-    ok = [e for e in range(w.shape[0]) if tokens[e] >= GPTQ_MIN_TOKENS]
-    if len(ok) < w.shape[0]:
-        log.info("layer %d: %s: %d of %d experts saw fewer than %d calibration tokens: mse, not GPTQ",
-                 layer, kind, w.shape[0] - len(ok), w.shape[0], GPTQ_MIN_TOKENS)
-    for i in range(0, len(ok), _GPTQ_EXPERT_BATCH):
-        idx = torch.tensor(ok[i : i + _GPTQ_EXPERT_BATCH])
-        r = gptq.gptq_nvfp4(w[idx], hessians.sums[kind][idx], res.weight_scale_2[idx])
+    for idx, h in hessians.expert_batches(kind, w.shape[0], layer=layer, fallback="mse"):
+        r = gptq.gptq_nvfp4(w[idx], h, res.weight_scale_2[idx])
         res.weight[idx], res.weight_scale[idx] = r.weight, r.weight_scale
     return res
 
@@ -259,11 +258,11 @@ def convert_nvfp4(
     algorithm: str = DEFAULT_ALGORITHM,
     weight_only: bool = False,
     calib_data: str | Path | None = None,
-    calib_samples: int = 32,
-    calib_seq_len: int = 256,
-    calib_batch_size: int = 8,
-    calib_dtype: str = "float32",
-    calib_device: str = "auto",
+    calib_samples: int = CALIB_SAMPLES,
+    calib_seq_len: int = CALIB_SEQ_LEN,
+    calib_batch_size: int = CALIB_BATCH_SIZE,
+    calib_dtype: str = CALIB_DTYPE,
+    calib_device: str = CALIB_DEVICE,
     kv_cache_dtype: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
@@ -317,8 +316,8 @@ def convert_nvfp4(
         raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if algorithm not in ALGORITHMS:
         raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if calib_dtype not in _CALIB_DTYPES:
-        raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(_CALIB_DTYPES)}")
+    if calib_dtype not in CALIB_DTYPES:
+        raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(CALIB_DTYPES)}")
     if kv_cache_dtype not in meta.KV_CACHE_DTYPES:
         raise ExportError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(meta.KV_CACHE_DTYPES)}")
     kv_cache = kv_cache_dtype == "fp8"
@@ -333,8 +332,9 @@ def convert_nvfp4(
     _log_tensor_kinds(ckpt, layout)
     calibrator, calib_tokens = None, 0
     if calibrate:
-        calibrator, calib_tokens = _calibrator(ckpt, calib_data, calib_samples, calib_seq_len, calib_batch_size,
-                                               _CALIB_DTYPES[calib_dtype], device, kv_cache=kv_cache)
+        calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
+                                                   batch_size=calib_batch_size, dtype=calib_dtype, device=device,
+                                                   kv_cache=kv_cache, without="use --weight-only")
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
     for t in layout.model:  # fail before the long layer loop, not after it
@@ -362,18 +362,6 @@ def convert_nvfp4(
     return ConvertReport(Path(out), n_quant, len(specs) - per_linear * n_quant - kv_scales, params_quant, quant_bytes,
                          bytes_in, bytes_out, time.perf_counter() - t0, peak_rss_bytes(), calib_tokens,
                          calibrator.seconds if calibrator else 0.0, len(layout.layers))
-
-
-def _calibrator(ckpt: Checkpoint, calib_data, samples: int, seq_len: int, batch_size: int,
-                compute_dtype: torch.dtype, device: torch.device, *, kv_cache: bool = False
-                ) -> tuple[LayerCalibrator, int]:
-    """The per-layer calibrator over the calibration text, and its number of tokens."""
-    tokenizer = _load_tokenizer(ckpt.root)
-    ids = make_calibration_ids(tokenizer, read_calibration_texts(calib_data, tokenizer), samples=samples,
-                               seq_len=seq_len)
-    calibrator = LayerCalibrator(ckpt, ids, batch_size=batch_size, compute_dtype=compute_dtype, device=device,
-                                 kv_cache=kv_cache)
-    return calibrator, ids.numel()
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: Nvfp4Layout,
@@ -462,14 +450,3 @@ def _log_tensor_kinds(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
                  ", ".join(t.name[len(layout.layers[0].prefix):] for t in layout.layers[0].kept))
     log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors",
              sum(t.name != "lm_head.weight" for t in layout.model))
-
-
-def _load_tokenizer(root: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(root)
-    except Exception as e:  # many exception types for a missing/broken tokenizer
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{root}: calibration needs the checkpoint's tokenizer and it cannot be "
-                              f"loaded ({type(e).__name__}: {first_line}); add tokenizer files or use --weight-only") from e

@@ -184,10 +184,7 @@ def _how_made(facts: dict, out_name: str) -> str:
         if o.get("weight_only"):
             argv.append("--weight-only")
         if not o.get("weight_only") or o.get("kv_cache_dtype", "auto") != "auto" or o.get("algorithm") == "gptq":  # calibrated
-            if o.get("calib_data"):
-                argv += ["--calib-data", o["calib_data"]["name"]]
-            argv += ["--calib-samples", str(o.get("calib_samples")), "--calib-seq-len", str(o.get("calib_seq_len")),
-                     "--calib-dtype", str(o.get("calib_dtype"))]
+            argv += _calibration_argv(o)
         if o.get("kv_cache_dtype", "auto") != "auto":
             argv += ["--kv-cache-dtype", str(o["kv_cache_dtype"])]
         argv += ["--max-shard-size", str(o.get("max_shard_size"))]
@@ -199,7 +196,17 @@ def _how_made(facts: dict, out_name: str) -> str:
             argv += ["--target", str(o["target"])]
         if o.get("force"):
             argv.append("--force")
+        argv += ["--algorithm", o.get("algorithm", "max")]  # results before --algorithm existed used max
+        if o.get("algorithm") == "gptq":  # the only int8 algorithm that calibrates
+            argv += _calibration_argv(o)
     return shlex.join(argv)
+
+
+def _calibration_argv(o: dict) -> list[str]:
+    """The calibration options of a conversion's recorded ``options``, as g4convert takes them."""
+    argv = ["--calib-data", o["calib_data"]["name"]] if o.get("calib_data") else []
+    return argv + ["--calib-samples", str(o.get("calib_samples")), "--calib-seq-len", str(o.get("calib_seq_len")),
+                   "--calib-dtype", str(o.get("calib_dtype"))]
 
 
 def _nvfp4_body(facts: dict, model_ref: str, nv: dict) -> dict:
@@ -246,6 +253,8 @@ def _int8_body(i8: dict) -> dict:
                            f"{_size(plan.get('host_ram'))}: {'fits' if plan.get('host_fits') else 'DOES NOT FIT'}")
     return {"tp": m.tp_degree, "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
+            # results written before --algorithm existed rounded to nearest
+            "algorithm": qz.get("algorithm", "max"), "algorithm_detail": qz.get("algorithm_detail", ""),
             "bpw": i8["qbytes"] * 8 / max(i8["numel"], 1), "rank_rows": [[f, _size(b)] for f, b in i8["rank_bytes"]],
             "host_bytes": i8["host_bytes"], "plan_rows": prow, "plan_summary": summary,
             # results made before g4 cited public sources have local spec paths in their notes
@@ -355,6 +364,7 @@ embedding stays on the host (`embed_tokens.safetensors`, unscaled; the runtime m
 
 - int8: {{ i8.quantized|join(", ") }}
 - kept bf16: {{ i8.kept|join(", ") }}
+- int8 codes: `{{ i8.algorithm }}`{% if i8.algorithm_detail %} ({{ i8.algorithm_detail }}){% endif %}
 {% if i8.not_exported %}- not exported (text-only serving): {{ i8.not_exported|join(", ") }}
 {% endif %}
 Bits per int8 weight, scales included: **{{ "%.3f"|format(i8.bpw) }}**.

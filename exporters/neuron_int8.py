@@ -620,11 +620,18 @@ class Manifest:
 
     @classmethod
     def build(cls, g: Geometry, *, embed_dtype: torch.dtype, quantize_attention: bool, not_exported: list[str],
-              source: dict, memory_plan: dict | None, max_length: int) -> "Manifest":
+              source: dict, memory_plan: dict | None, max_length: int, algorithm: str = "max",
+              algorithm_detail: str = "", calibration_tokens: int = 0) -> "Manifest":
         """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``), to be served for
         ``max_length`` tokens (prompt plus reply) with NxDI's default bucket ladder
-        (:func:`neuron_buckets`) for context encoding and token generation."""
+        (:func:`neuron_buckets`) for context encoding and token generation; ``algorithm``: how
+        the int8 codes were chosen under the per-channel scales (``g4convert int8-neuron
+        --algorithm``: ``max`` or ``gptq``, described by ``algorithm_detail``), ``gptq`` on
+        ``calibration_tokens`` tokens."""
         tp = g.tp
+        how = {"algorithm": algorithm, "algorithm_detail": algorithm_detail}
+        if algorithm == "gptq":
+            how["calibration_tokens"] = calibration_tokens
         return cls(
             max_length=max_length, context_encoding_buckets=neuron_buckets(max_length),
             token_generation_buckets=neuron_buckets(max_length),
@@ -638,7 +645,7 @@ class Manifest:
                           "quantized": ["experts", "mlp", "lm_head"] + (["attention"] if quantize_attention else []),
                           "kept_bf16": (["attention"] if not quantize_attention else []) +
                           ["router", "norms", "layer_scalar", "embed_tokens (host)"],
-                          "not_exported": not_exported},
+                          "not_exported": not_exported, **how},
             layout=dict(LAYOUT_DESCRIPTION),
             kv_heads=[{"layer": L, "source_kv_heads": g.kv_heads[L], "per_rank": g.kv_per_rank(L),
                        "replicated": g.kv_heads[L] < tp,

@@ -42,11 +42,17 @@ class Int8Weight:
     scale: torch.Tensor
 
 
+def channel_scale(x: torch.Tensor) -> torch.Tensor:
+    """NxD's per-channel scale of fp32 ``x`` ``[..., out, in]``: fp32 ``[..., out, 1]``,
+    ``max(absmax over in / 127, eps)`` (also the fixed scale of :func:`g4.quantizers.gptq.gptq_int8`)."""
+    return (x.abs().amax(-1, keepdim=True) / INT8_QMAX).clamp(min=SCALE_EPS)
+
+
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 ``[rows, in]`` and fp32 scales ``[rows, 1]`` of ``x`` ``[rows, in]`` (any float dtype):
     the one definition of the arithmetic, run eagerly on row chunks or compiled whole."""
     x = x.float()
-    s = (x.abs().amax(-1, keepdim=True) / INT8_QMAX).clamp(min=SCALE_EPS)
+    s = channel_scale(x)
     return torch.round(x * s.reciprocal()).clamp(-128, 127).to(torch.int8), s
 
 

@@ -159,8 +159,8 @@ def test_gptq_experts_use_their_own_tokens_and_few_tokens_fall_back_to_mse():
     """Each expert's GPTQ uses the Hessian of the tokens routed to it (a Hessian from another
     expert's tokens gives a larger error on the expert's own tokens), and an expert below
     GPTQ_MIN_TOKENS gets exactly mse's bytes."""
-    from g4.convert.calibrate import LayerHessians
-    from g4.convert.nvfp4 import GPTQ_MIN_TOKENS, _gptq_experts
+    from g4.convert.calibrate import GPTQ_MIN_TOKENS, LayerHessians
+    from g4.convert.nvfp4 import _gptq_experts
 
     xs, ws = zip(*(correlated_layer(10 + e, n=512) for e in range(3)))
     w = torch.stack(ws)

@@ -84,11 +84,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _convert(src: Path, out: Path, tp: int, quantize_attention: bool) -> Path:
+def _convert(src: Path, out: Path, tp: int, quantize_attention: bool, **algorithm) -> Path:
     from nxd_cpu.g4names import convert_int8_neuron
 
     return convert_int8_neuron(src, out, tp=tp, quantize_attention=quantize_attention, target="inf2.24xlarge",
-                               progress=False).out
+                               progress=False, **algorithm).out
+
+
+# ``--algorithm gptq`` (other codes, NxD's scales, the same layout): NxD's sharder must cut its TP-1
+# result into its TP-2 rank files bit for bit too; 4 x 64 calibration tokens keep it quick.
+GPTQ = dict(algorithm="gptq", calib_samples=4, calib_seq_len=64)
 
 
 def _fused_dim_split(good: Path, bad: Path) -> None:
@@ -124,12 +129,15 @@ def lane(tmp_path_factory):
     outs = {(tp, qa): _convert(EMBEDDED_DIR, base / f"tp{tp}-{'int8' if qa else 'bf16'}-attn", tp, qa)
             for tp in (1, 2, 4) for qa in (True, False)}
     kv_outs = {tp: _convert(kv_src, base / f"tiny-8q2kv-tp{tp}", tp, True) for tp in (1, 2, 4)}
+    gptq_outs = {tp: _convert(EMBEDDED_DIR, base / f"gptq-tp{tp}", tp, True, **GPTQ) for tp in (1, 2)}
     _fused_dim_split(outs[2, True], base / "tp2-fused-dim-split")
     common = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC)}
     cases = [{"name": f"tp{tp}/{'int8' if qa else 'bf16'}-attn", "tp": tp, "quantize_attention": qa,
               "full": str(outs[1, qa]), "out": str(outs[tp, qa])} for (tp, qa) in outs]
     cases += [{"name": f"tp{tp}/8q2kv", "tp": tp, "quantize_attention": True, "full": str(kv_outs[1]),
                "out": str(kv_outs[tp])} for tp in kv_outs]
+    cases.append({"name": "tp2/gptq", "tp": 2, "quantize_attention": True, "full": str(gptq_outs[1]),
+                  "out": str(gptq_outs[2])})
     cases.append({"name": "tp2/fused-dim-split", "tp": 2, "quantize_attention": True, "full": str(outs[1, True]),
                   "out": str(base / "tp2-fused-dim-split")})
     source_cases = [{"name": f"source/{'int8' if qa else 'bf16'}-attn", "src": str(EMBEDDED_DIR),
@@ -190,7 +198,7 @@ def test_g4_unsharded_int8_equals_nxd_quantizer_on_the_source_bit_for_bit(lane, 
 
 # ------------------------------------------------------------------------------ (a) NxD's sharder
 SHARD_CASES = [f"tp{tp}/{a}-attn" for tp in (1, 2, 4) for a in ("int8", "bf16")] + [
-    f"tp{tp}/8q2kv" for tp in (1, 2, 4)]
+    f"tp{tp}/8q2kv" for tp in (1, 2, 4)] + ["tp2/gptq"]
 
 
 def test_the_tree_is_made_of_nxd_layers(lane):

@@ -35,6 +35,8 @@ G4CONVERT = [
     (["nvfp4", "embedded", "{new}", "--weight-only", "--max-shard-size", "-1GB"], "--max-shard-size"),
     (["nvfp4", "embedded", "{new}", "--weight-only", "--max-shard-size", "nan"], "--max-shard-size"),
     (["int8-neuron", "embedded", "{new}", "--tp", "0"], "--tp"),
+    (["int8-neuron", "embedded", "{new}", "--algorithm", "gptq", "--calib-samples", "0"], "--calib-samples"),
+    (["int8-neuron", "embedded", "{new}", "--algorithm", "gptq", "--calib-seq-len", "4"], "--calib-seq-len"),
     (["verify", "{out}", "--min-agreement", "1.5"], "--min-agreement"),
     (["verify", "{out}", "--min-agreement", "nan"], "--min-agreement"),
     (["verify", "{out}", "--max-new-tokens", "0"], "--max-new-tokens"),
