@@ -16,6 +16,7 @@ from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 from .calibrate import CALIB_BATCH_SIZE, CALIB_DEVICE, CALIB_DTYPE, CALIB_DTYPES, CALIB_SAMPLES, CALIB_SEQ_LEN
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
 from .int8_neuron import ALGORITHMS as INT8_ALGORITHMS
+from .int8_neuron import DEFAULT_ALGORITHM as INT8_DEFAULT_ALGORITHM
 from .nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM
 from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
@@ -191,7 +192,7 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
 @click.option("--seq-len", type=COUNT, default=None,
               help="Tokens (prompt plus reply) to compile and serve for on Neuron; the memory plan sizes the KV "
                    f"cache for it. Default: {DEFAULT_MAX_LENGTH}, at most the model's max_position_embeddings.")
-@click.option("--algorithm", type=click.Choice(INT8_ALGORITHMS), default=INT8_ALGORITHMS[0], show_default=True,
+@click.option("--algorithm", type=click.Choice(INT8_ALGORITHMS), default=INT8_DEFAULT_ALGORITHM, show_default=True,
               help="How the int8 codes are chosen under NxD's per-channel scales (absmax/127, the same for both): "
                    "max (round to nearest, NxD's own quantizer bit for bit) or gptq (GPTQ on each quantized linear's "
                    "calibration inputs, lm_head included; calibrates, with the --calib-* options).")

@@ -84,6 +84,7 @@ log = logging.getLogger(__name__)
 # max: round to nearest, NxD's own quantizer bit for bit (the default); gptq: GPTQ on the
 # calibration inputs. The names are g4convert nvfp4's.
 ALGORITHMS = ("max", "gptq")
+DEFAULT_ALGORITHM = "max"  # the bytes int8-neuron wrote before --algorithm existed
 # What manifest.json says of each (quantization.algorithm_detail).
 ALGORITHM_DETAIL = {
     "max": "round to nearest: clamp(round_half_even(w * fp32(1 / scale)), -128, 127), NxD's quantizer bit for bit",
@@ -106,7 +107,7 @@ class Int8Report:
     host_embed_bytes: int
     seconds: float
     peak_rss_bytes: int
-    algorithm: str = "max"
+    algorithm: str = DEFAULT_ALGORITHM
     calibration_tokens: int = 0
     calibration_seconds: float = 0.0
 
@@ -173,7 +174,7 @@ def convert_int8_neuron(
     overwrite: bool = False,
     progress: bool = True,
     seq_len: int | None = None,
-    algorithm: str = "max",
+    algorithm: str = DEFAULT_ALGORITHM,
     calib_data: str | Path | None = None,
     calib_samples: int = CALIB_SAMPLES,
     calib_seq_len: int = CALIB_SEQ_LEN,
