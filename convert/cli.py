@@ -101,7 +101,8 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
                    "--weight-only).")
 @click.option("--weight-only", is_flag=True, help="W4A16: no calibration, no input_scale tensors.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'.")
+              help="Calibration text: .txt (documents separated by blank lines) or .jsonl with 'text' or 'messages' "
+                   "per line; other suffixes are refused.")
 @click.option("--calib-samples", type=COUNT, default=32, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=8), default=256, show_default=True, help="Tokens per sample.")
 @click.option("--calib-batch-size", type=COUNT, default=8, show_default=True)
@@ -140,9 +141,11 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
                       "--calib-batch-size / --calib-dtype / --calib-device (or add --kv-cache-dtype fp8 or "
                       "--algorithm gptq, which calibrate)")
     if calibrates:
-        from .calibrate import calibration_device
+        from .calibrate import calibration_device, check_text_file
 
         calibration_device(calib_device)  # a bad device is an error before SRC is fetched
+        if calib_data:
+            check_text_file(calib_data)
     src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
     report = convert_nvfp4(src_dir, out, preset=preset, algorithm=algorithm, weight_only=weight_only,
@@ -255,6 +258,10 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
 
     from .evaluate import eval_device, evaluate, summary
 
+    if text is not None:
+        from .calibrate import check_text_file
+
+        check_text_file(text, "--text")  # before SRC is fetched
     src_dir = resolve_source(src)
     eval_device(device)  # a bad device before any model is read
     report = evaluate(out, src_dir, text=text, max_tokens=max_tokens, ctx=ctx_len, act_quant=act_quant,
@@ -311,15 +318,22 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
 @click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
 @click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: device (int8-neuron: always, its rank files hold the shard).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
+@click.option("--check", "check", is_flag=True,
+              help="Exit 1 when the plan DOES NOT FIT (device or host); without it the exit status is 0 "
+                   "whatever the verdict.")
+@click.pass_context
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization, bucketing,
-         lm_head, attention, embedding, as_json):
+def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization,
+         bucketing, lm_head, attention, embedding, as_json, check):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
     SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
-    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
+    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded. A g4 result (NVFP4 or
+    int8-neuron) is planned as the result it is: its format, attention and (int8-neuron) TP
+    degree and serving length are taken from it.
     Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
-    vLLM's rule on a GPU, NxDI's on Neuron.
+    vLLM's rule on a GPU, NxDI's on Neuron. With --check the exit status is 1 when something
+    does not fit.
 
     \b
     Examples:
@@ -332,12 +346,22 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
     from .plan import load_source, plan_memory
 
     gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
-    name, config, directory = load_source(src)
-    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
-                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing,
+    name, config, directory, shape = load_source(src)
+    options = dict(fmt=fmt, tp=tp, seq_len=seq_len, attention=attention, target=target, bucketing=bucketing)
+    if shape is not None:
+        from .plan import apply_result_shape
+
+        given = {k for k in options if ctx.get_parameter_source(k).name != "DEFAULT"}
+        options = apply_result_shape(src, shape, options, given)
+        name = f"{name} ({shape.detail} result)"
+    result = plan_memory(config, fmt=options["fmt"], tp=options["tp"], target=options["target"],
+                         gpu_mem_bytes=gpu_mem_bytes, seq_len=options["seq_len"], batch=batch, lm_head=lm_head,
+                         attention=options["attention"], embedding=embedding, src_dir=directory, model=name,
+                         max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=options["bucketing"],
                          gpu_memory_utilization=gpu_memory_utilization)
     click.echo(result.to_json() if as_json else result.summary())
+    if check and (result.fits is False or result.host_fits is False):
+        sys.exit(1)
 
 
 @main.command()

@@ -46,7 +46,7 @@ from g4.exporters.neuron_int8 import (
     serving_max_length,
     shard,
 )
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, format_bytes
 from g4.quantizers import int8
 
 from .card import write_model_card
@@ -74,9 +74,10 @@ class Int8Report:
     peak_rss_bytes: int
 
     def summary(self) -> str:
-        ranks = ", ".join(f"{b / 1e9:.3f}" for b in self.bytes_per_rank)
-        return (f"{self.out}: TP={self.tp}; per-rank weights {ranks} GB; host embedding "
-                f"{self.host_embed_bytes / 1e9:.3f} GB; source {self.bytes_in / 1e9:.3f} GB; {self.seconds:.1f} s; "
+        """One line; sizes in the unit that shows them (:func:`~g4.exporters.safetensors_writer.format_bytes`)."""
+        ranks = ", ".join(format_bytes(b) for b in self.bytes_per_rank)
+        return (f"{self.out}: TP={self.tp}; per-rank weights {ranks}; host embedding "
+                f"{format_bytes(self.host_embed_bytes)}; source {format_bytes(self.bytes_in)}; {self.seconds:.1f} s; "
                 f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB")
 
 

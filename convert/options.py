@@ -8,6 +8,7 @@ click usage error (exit status 2, the option named) before any file is read or w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import click
 
@@ -87,3 +88,26 @@ act_quant_option = click.option(
     "--act-quant/--no-act-quant", default=None,
     help="CPU, NVFP4: emulate W4A4 activation quantization with the input_scales "
          "(default: on exactly when OUT is W4A4, as vLLM computes it on Blackwell).")
+
+
+#: Suffixes of the text files the commands read (--calib-data, eval --text, check --prompts).
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def text_file_suffix(path: str | Path, option: str, txt: str, jsonl: str) -> str:
+    """``".txt"`` or ``".jsonl"``: how ``path``, given to ``option``, is read. Any other
+    suffix (``.csv``, ``.json``, none) is refused rather than silently read as plain text.
+
+    Args:
+        txt, jsonl: what each kind holds, for the message (e.g. ``"documents separated by
+            blank lines"``, ``"'text' or 'messages' per line"``).
+
+    Raises:
+        OptionError: ``<path>: <option> takes .txt (...) or .jsonl (...), not .csv``.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in TEXT_SUFFIXES:
+        got = suffix or "a file without a suffix"
+        raise OptionError(f"{path}: {option} takes .txt ({txt}) or .jsonl ({jsonl}), not {got}")
+    return suffix
+

@@ -24,7 +24,7 @@ import logging
 import re
 from pathlib import Path
 
-from .errors import G4Error
+from .errors import G4Error, OptionError
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
 """The embedded tiny Gemma 4 (``SRC`` ``embedded``; trained by ``g4.convert.embedded_model``)."""
@@ -72,11 +72,14 @@ def resolve_source(text: str, *, config_only: bool = False) -> Path:
         not exist is returned as it is, for the caller to report.
 
     Raises:
+        OptionError: ``text`` is empty or blank (``""`` would otherwise be the working directory).
         G4Error: a repo id whose repo or revision the Hub does not have (or that is private or
             gated and no token with access was given: the message says how to log in), a repo
             without safetensors weights, or a repo that is not (fully) in the cache while
             ``HF_HUB_OFFLINE=1`` is set or the Hub cannot be reached. One line each.
     """
+    if not text.strip():  # Path("") is the working directory: never read it as SRC
+        raise OptionError(f"SRC is empty ({text!r}): give {SRC_FORMS}")
     if text == EMBEDDED:
         return EMBEDDED_DIR
     ref = parse_repo_ref(text)

@@ -44,7 +44,8 @@ from typing import Callable, Iterator
 
 from g4.convert.card import source_label as pushable_source_label
 from g4.convert.checkpoint import read_json_object, weight_fingerprints
-from g4.convert.errors import G4Error
+from g4.convert.errors import G4Error, a_or_an
+from g4.convert.options import text_file_suffix
 from g4.exporters.formats import ResultFormat, check_result, detect_format
 
 from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
@@ -79,6 +80,15 @@ def normalise_ids(ids: list[int], stop_ids: frozenset[int], stopped: bool) -> li
     return ids
 
 
+def check_prompts_file(path: Path) -> str:
+    """How :func:`load_prompts` reads ``path``: ``".txt"`` or ``".jsonl"``.
+
+    Raises:
+        OptionError: any other suffix (:func:`g4.convert.options.text_file_suffix`).
+    """
+    return text_file_suffix(path, "--prompts", "one prompt per line", '{"prompt": ...} per line')
+
+
 def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """The prompt set, the facts and where each prompt came from.
 
@@ -93,6 +103,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
         counted), ``"SRC/facts.json"`` or ``"built-in"``.
 
     Raises:
+        OptionError: a prompts file whose suffix is neither ``.txt`` nor ``.jsonl``.
         G4Error: an unreadable or empty prompts file, or a malformed line.
     """
     from g4.convert.reference import DEFAULT_PROMPTS
@@ -107,13 +118,14 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
         prompts = [q for q, _ in facts] + list(data.get("heldout") or [])
         labels = [str(facts_path)] * len(prompts)
     if prompts_file is not None:
+        suffix = check_prompts_file(prompts_file)
         try:
             numbered = [(n, ln) for n, ln in enumerate(Path(prompts_file).read_text().splitlines(), 1) if ln.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise G4Error(f"{prompts_file}: cannot read prompts ({type(e).__name__})") from e
         lines = [ln for _, ln in numbered]
         labels = [f"{prompts_file} line {n}" for n, _ in numbered]
-        if str(prompts_file).endswith(".jsonl"):
+        if suffix == ".jsonl":
             try:
                 prompts = [json.loads(ln)["prompt"] for ln in lines]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -505,7 +517,8 @@ def _check_pair(out: Path, src: Path) -> None:
     except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
         src_fmt = None
     if src_fmt is not None and src_fmt.format != "bf16":
-        raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
+        raise G4Error(f"--against {src}: that is {a_or_an(src_fmt.detail)} result, not the source checkpoint "
+                      "it came from")
     Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
     check_converted_from(out, src)  # the rule verify applies too
     if not os.access(out, os.W_OK):

@@ -203,8 +203,10 @@ def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_token
     """Serve OUT (or use --url), send the prompt set through /v1/chat/completions with the
     openai client, compare with SRC in transformers (greedy token agreement, first divergence,
     facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
-    from .check import run_check
+    from .check import check_prompts_file, run_check
 
+    if prompts_file is not None:
+        check_prompts_file(prompts_file)  # before SRC is fetched or a server started
     src_dir = resolve_source(src)  # a repo id not in the HF cache downloads here, with its progress bar
     if not src_dir.is_dir():
         raise G4Error(f"--against {src}: not a directory ({SRC_FORMS})")

@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from g4.convert.errors import CheckpointError
+from g4.convert.errors import CheckpointError, a_or_an
 from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
 from g4.exporters.model_card import EVAL_FILE
 
@@ -534,7 +534,7 @@ def choose_backend(fmt: ResultFormat, requested: str = "auto") -> tuple[str, str
     if requested == "vllm" and fmt.format == INT8_NEURON:
         raise G4Error(f"{fmt.path}: an int8-neuron result is served by the neuron or cpu backend, not vllm")
     if requested == "neuron" and fmt.format != INT8_NEURON:
-        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is a {kind}")
+        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is {a_or_an(kind)}")
     ok, why = _backend_status(requested)
     if not ok:
         raise G4Error(f"backend {requested} unavailable: {why}")
