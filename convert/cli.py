@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,18 @@ from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 from .errors import G4Error, exit_on_user_error, install_signal_handlers
 from .nvfp4 import ALGORITHMS
-from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
+from .options import (
+    COUNT,
+    FRACTION,
+    SEED,
+    SHARD_SIZE,
+    ByteSize,
+    act_quant_option,
+    configure_output,
+    is_quiet,
+    min_agreement_option,
+    verbosity_options,
+)
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
@@ -64,10 +74,8 @@ def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: st
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
-@click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
-@click.pass_context
-def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
+@verbosity_options
+def main() -> None:
     """Shrink Gemma 4 MoE checkpoints and check that the result still answers right.
 
     \b
@@ -81,15 +89,11 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
     install_signal_handlers()  # clean up partial outputs on kill as on Ctrl-C (exit 143); signals recorded
-    if quiet:  # read by transformers / huggingface_hub when they are first imported
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    ctx.obj = {"progress": not quiet}
+    configure_output(logging.INFO)  # -q / -v given after the subcommand apply when it parses them
 
 
 @main.command()
+@verbosity_options
 @click.argument("src", default=EMBEDDED)
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
@@ -152,12 +156,13 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
                            kv_cache_dtype=kv_cache_dtype, max_shard_size=max_shard_size,
-                           overwrite=overwrite, progress=ctx.obj["progress"])
+                           overwrite=overwrite, progress=not is_quiet())
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 
 
 @main.command("int8-neuron")
+@verbosity_options
 @click.argument("src", default=EMBEDDED)
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--tp", type=COUNT, default=2, show_default=True,
@@ -190,13 +195,14 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, o
     src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
-                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"],
+                                 target=target, force=force, overwrite=overwrite, progress=not is_quiet(),
                                  seq_len=seq_len)
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
 @click.option("--max-new-tokens", type=COUNT, default=16, show_default=True)
@@ -221,7 +227,8 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
     src_dir = resolve_source(src)  # SRC's own errors first, as g4serve check reports them
     check_result(out)  # against its format's table before the reference trusts it
-    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant)
+    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant,
+                          progress=not is_quiet())
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)
@@ -230,6 +237,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
 
 @main.command("eval")
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
 @click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -265,11 +273,12 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
     src_dir = resolve_source(src)
     eval_device(device)  # a bad device before any model is read
     report = evaluate(out, src_dir, text=text, max_tokens=max_tokens, ctx=ctx_len, act_quant=act_quant,
-                      dtype=getattr(torch, dtype), device=device, progress=click_ctx.obj["progress"])
+                      dtype=getattr(torch, dtype), device=device, progress=not is_quiet())
     click.echo(json.dumps(report, indent=2) if as_json else summary(report) + f"\nwrote {out / 'eval.json'}")
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--like", "preset", type=click.Choice(["gemma-4-26B-A4B"]), default="gemma-4-26B-A4B",
               show_default=True)
@@ -288,11 +297,12 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     from .synth import write_synthetic
 
     path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
-                           max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
+                           max_shard_size=max_shard_size, overwrite=overwrite, progress=not is_quiet())
     click.echo(f"wrote {path}")
 
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@verbosity_options
 @click.argument("src", metavar="SRC_OR_CONFIG")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
 @click.option("--tp", type=COUNT, default=1, show_default=True,
@@ -365,6 +375,7 @@ def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tok
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")

@@ -312,9 +312,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 @contextlib.contextmanager
 def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_name: str,
                    act_quant: bool | None = None, dtype: str = "bfloat16",
-                   vllm_timeout_s: float = 900.0) -> Iterator[str]:
+                   vllm_timeout_s: float = 900.0, progress: bool = False) -> Iterator[str]:
     """Serve ``out`` on a free loopback port for the duration of the block; yields the base URL
-    (``http://127.0.0.1:PORT``, without ``/v1``).
+    (``http://127.0.0.1:PORT``, without ``/v1``). ``progress``: the CPU engine's load bar.
 
     Raises:
         G4Error: the backend cannot start (e.g. vLLM exits early or is not ready in time).
@@ -335,7 +335,7 @@ def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_n
     else:
         from .engine import load_cpu_engine
 
-        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
+        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=progress)
     app = create_app(engine, served_model_name=served_model_name)
     with BackgroundServer(app) as srv:
         yield srv.url
@@ -431,7 +431,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
               min_agreement: float = 0.9, url: str | None = None, max_tokens: int = 16,
               chat_max_tokens: int = 256, backend: str = "auto", act_quant: bool | None = None,
               dtype: str = "bfloat16", served_model_name: str | None = None,
-              echo: Callable[[str], None] = print) -> dict:
+              echo: Callable[[str], None] = print, progress: bool = False) -> dict:
     """Check the result ``out`` against its source ``src`` through an OpenAI-compatible server
     (started here on a free loopback port, or the one at ``url``) and write
     ``out/verification.json``.
@@ -441,6 +441,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         chat_max_tokens: budget of each P13 chat request (thinking needs room).
         backend: as ``g4serve --backend`` (ignored with ``url``; the report then names the
             backend from ``/v1/models`` ``owned_by``).
+        progress: a bar on stderr while the CPU engine loads a whole model.
 
     Returns:
         The report (see the module docstring); ``report["passed"]`` says whether it passed.
@@ -469,7 +470,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     else:
         chosen, why = choose_backend(fmt, backend)
         ctx = running_server(out, fmt, chosen, served_model_name=served_model_name or out.resolve().name,
-                             act_quant=act_quant, dtype=dtype)
+                             act_quant=act_quant, dtype=dtype, progress=progress)
     echo(f"backend {chosen or 'external'}: {why}")
     with ctx as base:
         client, model, listed_extra, owned = _served_model(base, out, url, served_model_name, lengths)
