@@ -56,32 +56,50 @@ GPTQ_MIN_TOKENS = 32
 GPTQ_EXPERT_BATCH = 8
 
 
+def check_text_file(path: str | Path, option: str = "--calib-data") -> str:
+    """How :func:`read_calibration_texts` reads ``path`` (given to ``option``): ``".txt"`` or
+    ``".jsonl"``; another suffix is refused (:func:`g4.convert.options.text_file_suffix`).
+
+    Raises:
+        OptionError: a suffix other than ``.txt`` / ``.jsonl``.
+    """
+    from .options import text_file_suffix
+
+    return text_file_suffix(path, option, "documents separated by blank lines",
+                            "one object per line with 'text' or chat 'messages'")
+
+
 def read_calibration_texts(path: str | Path | None, tokenizer=None, *, what: str = "calibration",
-                           default: Path = DEFAULT_CALIB_FILE) -> list[str]:
+                           default: Path = DEFAULT_CALIB_FILE, option: str = "--calib-data") -> list[str]:
     """Read calibration documents.
 
     Args:
         path: ``.jsonl`` (one JSON object per line with ``"text"``, or ``"messages"``
-            rendered through the tokenizer's chat template) or any other file as plain
-            text (documents separated by blank lines). ``None`` uses the packaged default.
+            rendered through the tokenizer's chat template) or ``.txt`` (documents separated
+            by blank lines); any other suffix is refused (:func:`check_text_file`). ``None``
+            uses the packaged default.
         tokenizer: needed only for ``"messages"`` records.
         what: the kind of text named in error messages (``g4convert eval`` reads its held-out
             text with ``"evaluation"``).
         default: the file read when ``path`` is None.
+        option: the command-line option ``path`` came from, for the messages.
 
     Returns:
         Non-empty list of documents.
 
     Raises:
+        OptionError: a suffix other than ``.txt`` / ``.jsonl``.
         G4Error: unreadable file, bad JSON line, or no text.
     """
+    if path is not None:
+        check_text_file(path, option)
     path = Path(path) if path is not None else default
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise G4Error(f"{path}: cannot read {what} data: {e}") from e
     docs: list[str] = []
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue

@@ -46,6 +46,7 @@ from g4.exporters.model_card import (
 )
 
 from .checkpoint import Checkpoint
+from .errors import a_or_an
 from .resolve import EMBEDDED_DIR, REPO_ID_PATTERN
 
 _REPO_ID = re.compile(rf"^{REPO_ID_PATTERN}$")
@@ -130,6 +131,29 @@ def _weight_files(root: Path) -> list[str]:
     return sorted(p.name for p in root.glob("*.safetensors"))
 
 
+def stored_dtypes(ckpt: Checkpoint) -> str:
+    """The dtype(s) the checkpoint's tensors are stored in, as torch names them, e.g.
+    ``"bfloat16"`` or ``"bfloat16, float32"`` (sorted): what the tensors are, not what
+    ``config.json``'s ``dtype`` says (an F32 upcast of a BF16 model may keep ``"bfloat16"`` there)."""
+    return ", ".join(sorted({str(info.dtype).removeprefix("torch.") for info in ckpt.tensors.values()}))
+
+
+def synthetic_source(root: str | Path) -> dict:
+    """``{"synthetic": {"layers", "seed"}}`` when ``root`` was written by ``g4convert synth``
+    (its :data:`~g4.exporters.safetensors_writer.SYNTH_MARKER`: random weights), else ``{}``."""
+    from g4.exporters.safetensors_writer import SYNTH_MARKER
+
+    path = Path(root) / SYNTH_MARKER
+    if not path.is_file():
+        return {}
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError):
+        marker = None
+    marker = marker if isinstance(marker, dict) else {}
+    return {"synthetic": {"layers": marker.get("layers"), "seed": marker.get("seed")}}
+
+
 def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: str, options: dict,
                      layout=None) -> None:
     """Write ``g4_conversion.json`` and the rendered ``README.md`` into a conversion's
@@ -149,8 +173,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
         CardError: unreadable source README front matter.
     """
     config, shards = src.config, src.shards  # the files the conversion read, as it resolved them
-    tmp, src = Path(tmp), src.root
-    text = config.get("text_config") or {}
+    tmp, src_ckpt, src = Path(tmp), src, src.root
     opts = {}
     for k, v in sorted(options.items()):
         if k == "calib_data" and v is not None:
@@ -165,9 +188,9 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
         "source": source_identity(src, config) | {
             "weight_files": list(shards),
             "weight_bytes": sum(path.stat().st_size for path in shards.values()),
-            "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
+            "dtype": stored_dtypes(src_ckpt),
             "card": source_card_data(src),
-        },
+        } | synthetic_source(src),
         "options": opts,
     }
     _write_json_atomic(tmp / FACTS_FILE, facts)
@@ -404,7 +427,7 @@ def _check_file(out: Path, name: str, key: str, version: int) -> dict | None:
     except (OSError, ValueError) as e:
         raise CardError(f"{path}: unreadable ({e})") from e
     if not isinstance(data, dict) or data.get(key) != version:
-        raise CardError(f"{path}: not a {key} version {version} file")
+        raise CardError(f"{path}: not {a_or_an(key)} version {version} file")
     data["stale"] = _stale_reason(out, data.get("files"), what=name)
     return data
 

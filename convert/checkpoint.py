@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, G4Error
+from .errors import CheckpointError, G4Error, a_or_an
 from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture, release_config
 from .resolve import SRC_FORMS
 
@@ -98,7 +98,8 @@ def read_safetensors_header(path: Path, *, file: str | None = None, shown: Path 
                 raise CheckpointError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
             n = int.from_bytes(head, "little")
             if n <= 0 or n > size - 8:
-                raise CheckpointError(f"{label}: corrupt safetensors header (length {n} for a {size}-byte file)")
+                raise CheckpointError(f"{label}: corrupt safetensors header (length {n} for "
+                                      f"{a_or_an(str(size) + '-byte')} file)")
             header = json.loads(f.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{label}: cannot read safetensors header: {e}") from e

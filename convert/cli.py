@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,18 @@ from .errors import G4Error, exit_on_user_error, install_signal_handlers
 from .int8_neuron import ALGORITHMS as INT8_ALGORITHMS
 from .int8_neuron import DEFAULT_ALGORITHM as INT8_DEFAULT_ALGORITHM
 from .nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM
-from .options import COUNT, FRACTION, SEED, SHARD_SIZE, ByteSize, act_quant_option, min_agreement_option
+from .options import (
+    COUNT,
+    FRACTION,
+    SEED,
+    SHARD_SIZE,
+    ByteSize,
+    act_quant_option,
+    configure_output,
+    is_quiet,
+    min_agreement_option,
+    verbosity_options,
+)
 from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
 from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
 
@@ -74,7 +84,8 @@ def _calibration_options(fn):
     ``--calib-dtype``, ``--calib-device`` (defaults: :mod:`g4.convert.calibrate`)."""
     for option in reversed((
         click.option("--calib-data", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="Calibration text (.txt, blank-line separated) or .jsonl with 'text' or 'messages'."),
+                     help="Calibration text: .txt (documents separated by blank lines) or .jsonl with 'text' or "
+                          "'messages' per line; other suffixes are refused."),
         click.option("--calib-samples", type=COUNT, default=CALIB_SAMPLES, show_default=True),
         click.option("--calib-seq-len", type=click.IntRange(min=8), default=CALIB_SEQ_LEN, show_default=True,
                      help="Tokens per sample."),
@@ -98,18 +109,18 @@ def _check_calibration(ctx: click.Context, calibrates: bool, why: str, what_cali
             flags = " / ".join("--" + o.replace("_", "-") for o in _CALIB_OPTIONS)
             raise G4Error(f"{why} does not calibrate: drop {flags} (or add {what_calibrates})")
         return
-    from .calibrate import calibration_device
+    from .calibrate import calibration_device, check_text_file
 
-    calibration_device(ctx.params["calib_device"])
+    calibration_device(ctx.params["calib_device"])  # a bad device is an error before SRC is fetched
+    if ctx.params.get("calib_data"):
+        check_text_file(ctx.params["calib_data"])
 # --- end of calibration options ---
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
-@click.option("-v", "--verbose", is_flag=True, help="Log every step (DEBUG).")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
-@click.pass_context
-def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
+@verbosity_options
+def main() -> None:
     """Shrink Gemma 4 MoE checkpoints and check that the result still answers right.
 
     \b
@@ -123,15 +134,11 @@ def main(ctx: click.Context, verbose: bool, quiet: bool) -> None:
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
     """
     install_signal_handlers()  # clean up partial outputs on kill as on Ctrl-C (exit 143); signals recorded
-    if quiet:  # read by transformers / huggingface_hub when they are first imported
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    ctx.obj = {"progress": not quiet}
+    configure_output(logging.INFO)  # -q / -v given after the subcommand apply when it parses them
 
 
 @main.command()
+@verbosity_options
 @click.argument("src", default=EMBEDDED)
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
@@ -174,12 +181,13 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
                            kv_cache_dtype=kv_cache_dtype, max_shard_size=max_shard_size,
-                           overwrite=overwrite, progress=ctx.obj["progress"])
+                           overwrite=overwrite, progress=not is_quiet())
     click.echo(report.summary())
     _hub_after(out, push_to_hub, private, base_model)
 
 
 @main.command("int8-neuron")
+@verbosity_options
 @click.argument("src", default=EMBEDDED)
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--tp", type=COUNT, default=2, show_default=True,
@@ -220,7 +228,7 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, a
     src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
-                                 target=target, force=force, overwrite=overwrite, progress=ctx.obj["progress"],
+                                 target=target, force=force, overwrite=overwrite, progress=not is_quiet(),
                                  seq_len=seq_len, algorithm=algorithm, calib_data=calib_data,
                                  calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                                  calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
@@ -230,6 +238,7 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, a
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
 @click.option("--max-new-tokens", type=COUNT, default=16, show_default=True)
@@ -254,7 +263,8 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
     src_dir = resolve_source(src)  # SRC's own errors first, as g4serve check reports them
     check_result(out)  # against its format's table before the reference trusts it
-    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant)
+    report = verify_nvfp4(out, src_dir, max_new_tokens=max_new_tokens, act_quant=act_quant,
+                          progress=not is_quiet())
     click.echo(report.to_json() if as_json else report.summary())
     failures = report.failures(min_agreement)
     click.echo(f"FAIL: {'; '.join(failures)}" if failures else "PASS", err=as_json)
@@ -263,6 +273,7 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
 
 
 @main.command("eval")
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", "src", default=EMBEDDED, show_default=True, help=f"The source checkpoint: {SRC_FORMS}.")
 @click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -291,14 +302,19 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
 
     from .evaluate import eval_device, evaluate, summary
 
+    if text is not None:
+        from .calibrate import check_text_file
+
+        check_text_file(text, "--text")  # before SRC is fetched
     src_dir = resolve_source(src)
     eval_device(device)  # a bad device before any model is read
     report = evaluate(out, src_dir, text=text, max_tokens=max_tokens, ctx=ctx_len, act_quant=act_quant,
-                      dtype=getattr(torch, dtype), device=device, progress=click_ctx.obj["progress"])
+                      dtype=getattr(torch, dtype), device=device, progress=not is_quiet())
     click.echo(json.dumps(report, indent=2) if as_json else summary(report) + f"\nwrote {out / 'eval.json'}")
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--like", "preset", type=click.Choice(["gemma-4-26B-A4B"]), default="gemma-4-26B-A4B",
               show_default=True)
@@ -317,11 +333,12 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     from .synth import write_synthetic
 
     path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
-                           max_shard_size=max_shard_size, overwrite=overwrite, progress=ctx.obj["progress"])
+                           max_shard_size=max_shard_size, overwrite=overwrite, progress=not is_quiet())
     click.echo(f"wrote {path}")
 
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@verbosity_options
 @click.argument("src", metavar="SRC_OR_CONFIG")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="int8-neuron", show_default=True)
 @click.option("--tp", type=COUNT, default=1, show_default=True,
@@ -347,15 +364,22 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
 @click.option("--attention", type=click.Choice(ATTENTIONS), help="Default: bf16 (nvfp4 for --format nvfp4).")
 @click.option("--embedding", type=click.Choice(EMBEDDINGS), help="Default: device (int8-neuron: always, its rank files hold the shard).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes as integers).")
+@click.option("--check", "check", is_flag=True,
+              help="Exit 1 when the plan DOES NOT FIT (device or host); without it the exit status is 0 "
+                   "whatever the verdict.")
+@click.pass_context
 @exit_on_user_error
-def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization, bucketing,
-         lm_head, attention, embedding, as_json):
+def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization,
+         bucketing, lm_head, attention, embedding, as_json, check):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
     SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
-    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded.
+    (only its config.json is downloaded), gemma-4-26B-A4B, or embedded. A g4 result (NVFP4 or
+    int8-neuron) is planned as the result it is: its format, attention and (int8-neuron) TP
+    degree and serving length are taken from it.
     Sizes are bytes; GB = 10**9, GiB = 2**30. The KV cache is sized as the engine sizes it:
-    vLLM's rule on a GPU, NxDI's on Neuron.
+    vLLM's rule on a GPU, NxDI's on Neuron. With --check the exit status is 1 when something
+    does not fit.
 
     \b
     Examples:
@@ -368,15 +392,26 @@ def plan(src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, 
     from .plan import load_source, plan_memory
 
     gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
-    name, config, directory = load_source(src)
-    result = plan_memory(config, fmt=fmt, tp=tp, target=target, gpu_mem_bytes=gpu_mem_bytes, seq_len=seq_len,
-                         batch=batch, lm_head=lm_head, attention=attention, embedding=embedding, src_dir=directory,
-                         model=name, max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=bucketing,
+    name, config, directory, shape = load_source(src)
+    options = dict(fmt=fmt, tp=tp, seq_len=seq_len, attention=attention, target=target, bucketing=bucketing)
+    if shape is not None:
+        from .plan import apply_result_shape
+
+        given = {k for k in options if ctx.get_parameter_source(k).name != "DEFAULT"}
+        options = apply_result_shape(src, shape, options, given)
+        name = f"{name} ({shape.detail} result)"
+    result = plan_memory(config, fmt=options["fmt"], tp=options["tp"], target=options["target"],
+                         gpu_mem_bytes=gpu_mem_bytes, seq_len=options["seq_len"], batch=batch, lm_head=lm_head,
+                         attention=options["attention"], embedding=embedding, src_dir=directory, model=name,
+                         max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=options["bucketing"],
                          gpu_memory_utilization=gpu_memory_utilization)
     click.echo(result.to_json() if as_json else result.summary())
+    if check and (result.fits is False or result.host_fits is False):
+        sys.exit(1)
 
 
 @main.command()
+@verbosity_options
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")

@@ -12,6 +12,37 @@ import signal
 import sys
 
 
+# Letters whose English names begin with a vowel sound (eff, aitch, ell, em, en, ar, ess, ex):
+# an initialism starting with one takes "an" (an NVFP4 result, an MLP, an HF token).
+_VOWEL_SOUND_LETTERS = frozenset("AEFHILMNORSX")
+# Words starting with a vowel letter but a consonant sound ("a user", "a one-line").
+_CONSONANT_SOUND_STARTS = ("one", "once", "uni", "usa", "use", "usi", "usu", "uti", "eu", "ewe")
+
+
+def a_or_an(word: str) -> str:
+    """``word`` with its indefinite article, for messages built around a name or kind:
+    ``a_or_an("NVFP4 result")`` is ``"an NVFP4 result"``, ``"int8-neuron result"`` ->
+    ``"an int8-neuron result"``, ``"bf16 checkpoint"`` -> ``"a bf16 checkpoint"``,
+    ``"'image_url'"`` -> ``"an 'image_url'"``, ``"user"`` -> ``"a user"``, ``"8-byte"`` ->
+    ``"an 8-byte"``. Leading quotes and backticks are skipped; an initialism (its first two
+    letters upper case, or a letter followed by a digit) is read letter by letter."""
+    bare = word.lstrip("'\"`(")
+    head = bare.split(" ", 1)[0].split("-", 1)[0]
+    if not head:
+        return word  # nothing to read an article from
+    first = head[0]
+    initialism = len(head) > 1 and first.isalpha() and (head[:2].isupper() or head[1].isdigit())
+    if first.isdigit():
+        digits = head[: len(head) - len(head.lstrip("0123456789"))]
+        # 8, 11, 18, 80-89, 800-899, 11000 ...: numbers read with a leading vowel sound
+        vowel = first == "8" or (digits[:2] in ("11", "18") and len(digits) % 3 == 2)
+    elif initialism:
+        vowel = first.upper() in _VOWEL_SOUND_LETTERS
+    else:
+        vowel = first.lower() in "aeiou" and not head.lower().startswith(_CONSONANT_SOUND_STARTS)
+    return f"{'an' if vowel else 'a'} {word}"
+
+
 class G4Error(Exception):
     """Base class for input and output problems the user can act on."""
 

@@ -395,7 +395,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     except Exception as e:  # many exception types for a missing or broken tokenizer
         raise CheckpointError(f"{src}: eval needs the source's tokenizer and it cannot be loaded "
                               f"({type(e).__name__})") from e
-    docs = read_calibration_texts(text, tokenizer, what="evaluation", default=DEFAULT_TEXT_FILE)
+    docs = read_calibration_texts(text, tokenizer, what="evaluation", default=DEFAULT_TEXT_FILE, option="--text")
     chunks, stream_tokens = eval_chunks(tokenizer, docs, ctx=ctx, max_tokens=max_tokens,
                                         text_name=str(text or DEFAULT_TEXT_FILE.name))
     steps = 2 * src_model.num_layers + 1

@@ -54,7 +54,7 @@ from g4.exporters.neuron_int8 import (
     serving_max_length,
     shard,
 )
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, format_bytes
 from g4.quantizers import gptq, int8
 
 from .calibrate import (
@@ -112,11 +112,12 @@ class Int8Report:
     calibration_seconds: float = 0.0
 
     def summary(self) -> str:
-        ranks = ", ".join(f"{b / 1e9:.3f}" for b in self.bytes_per_rank)
+        """One line; sizes in the unit that shows them (:func:`~g4.exporters.safetensors_writer.format_bytes`)."""
+        ranks = ", ".join(format_bytes(b) for b in self.bytes_per_rank)
         calib = (f"; {self.algorithm} on {self.calibration_tokens} calibration tokens (calibration "
                  f"{self.calibration_seconds:.1f} s)" if self.calibration_tokens else "")
-        return (f"{self.out}: TP={self.tp}; per-rank weights {ranks} GB; host embedding "
-                f"{self.host_embed_bytes / 1e9:.3f} GB; source {self.bytes_in / 1e9:.3f} GB; {self.seconds:.1f} s; "
+        return (f"{self.out}: TP={self.tp}; per-rank weights {ranks}; host embedding "
+                f"{format_bytes(self.host_embed_bytes)}; source {format_bytes(self.bytes_in)}; {self.seconds:.1f} s; "
                 f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB" + calib)
 
 

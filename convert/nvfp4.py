@@ -36,7 +36,13 @@ from g4.exporters.nvfp4_names import (
     Part,
     Role,
 )
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
+from g4.exporters.safetensors_writer import (
+    ShardedSafetensorsWriter,
+    TensorSpec,
+    atomic_output_dir,
+    format_bytes,
+    parse_size,
+)
 from g4.quantizers import gptq
 from g4.quantizers import nvfp4 as q
 
@@ -94,13 +100,15 @@ class ConvertReport:
         return self.quantized_bytes * 8 / max(self.params_quantized, 1)
 
     def summary(self) -> str:
-        gb = 1e9
+        """One line: counts, bits per weight, sizes (in the unit that shows them), seconds, peak
+        RSS, and the calibration tokens and cost, or ``no calibration`` (W4A16 without GPTQ)."""
+        calibration = (f"{self.calibration_tokens} calibration tokens" if self.calibration_tokens
+                       else "no calibration (weight-only)")
         return (f"{self.out}: {self.linears_quantized} linears NVFP4, {self.tensors_kept} kept; "
                 f"{self.bits_per_quantized_weight:.3f} bits/weight on quantized linears; "
-                f"{self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
+                f"{format_bytes(self.bytes_in)} -> {format_bytes(self.bytes_out)} "
                 f"({self.bytes_out / max(self.bytes_in, 1):.3f}x); {self.seconds:.1f} s; "
-                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {self.calibration_tokens} calibration tokens"
-                + self.calibration_cost())
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB; {calibration}" + self.calibration_cost())
 
     def calibration_cost(self) -> str:
         """``"; calibration S s (s per layer, us per token per layer)"``, or ``""`` for W4A16."""

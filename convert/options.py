@@ -7,7 +7,11 @@ click usage error (exit status 2, the option named) before any file is read or w
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import sys
+from pathlib import Path
 
 import click
 
@@ -87,3 +91,90 @@ act_quant_option = click.option(
     "--act-quant/--no-act-quant", default=None,
     help="CPU, NVFP4: emulate W4A4 activation quantization with the input_scales "
          "(default: on exactly when OUT is W4A4, as vLLM computes it on Blackwell).")
+
+
+#: Suffixes of the text files the commands read (--calib-data, eval --text, check --prompts).
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def text_file_suffix(path: str | Path, option: str, txt: str, jsonl: str) -> str:
+    """``".txt"`` or ``".jsonl"``: how ``path``, given to ``option``, is read. Any other
+    suffix (``.csv``, ``.json``, none) is refused rather than silently read as plain text.
+
+    Args:
+        txt, jsonl: what each kind holds, for the message (e.g. ``"documents separated by
+            blank lines"``, ``"'text' or 'messages' per line"``).
+
+    Raises:
+        OptionError: ``<path>: <option> takes .txt (...) or .jsonl (...), not .csv``.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in TEXT_SUFFIXES:
+        got = suffix or "a file without a suffix"
+        raise OptionError(f"{path}: {option} takes .txt ({txt}) or .jsonl ({jsonl}), not {got}")
+    return suffix
+
+
+# --------------------------------------------------------------------------- -q / -v
+
+_QUIET, _VERBOSE, _DEFAULT_LEVEL = "g4.quiet", "g4.verbose", "g4.default_log_level"
+
+
+def _meta() -> dict:
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta if ctx is not None else {}
+
+
+def is_quiet() -> bool:
+    """Whether ``-q`` was given, before or after the subcommand (False outside a command)."""
+    return bool(_meta().get(_QUIET))
+
+
+def is_verbose() -> bool:
+    """Whether ``-v`` was given, before or after the subcommand (False outside a command)."""
+    return bool(_meta().get(_VERBOSE))
+
+
+def configure_output(default_level: int | None = None) -> None:
+    """Apply ``-q`` / ``-v`` to logging and to the libraries' own output: the root logger at
+    DEBUG with ``-v``, WARNING with ``-q``, else ``default_level`` (what the group chose; kept
+    from an earlier call when None); with ``-q`` transformers logs errors only and
+    huggingface_hub draws no progress bar (the environment variables they read when imported,
+    and their switches when they already are)."""
+    meta = _meta()
+    if default_level is not None:
+        meta[_DEFAULT_LEVEL] = default_level
+    if meta.get(_QUIET):
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "huggingface_hub" in sys.modules:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+    level = (logging.DEBUG if meta.get(_VERBOSE) else logging.WARNING if meta.get(_QUIET)
+             else meta.get(_DEFAULT_LEVEL, logging.INFO))
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(level)
+
+
+def _set_flag(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta[_QUIET if param.name == "quiet" else _VERBOSE] = True
+        if _DEFAULT_LEVEL in ctx.meta:  # the group has set up output: apply the flag given after the subcommand
+            configure_output()
+    return value
+
+
+def verbosity_options(fn):
+    """``-q/--quiet`` and ``-v/--verbose``, one definition for both console scripts: put on the
+    group and on each of its commands, so that either works before or after the subcommand
+    name (``g4convert -q nvfp4`` and ``g4convert nvfp4 -q``). The values are read with
+    :func:`is_quiet` / :func:`is_verbose` (they are not passed to the command function)."""
+    fn = click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_set_flag,
+                      help="Log every step (DEBUG).")(fn)
+    return click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_set_flag,
+                        help="Only warnings and errors; no progress bar.")(fn)

@@ -56,9 +56,10 @@ from pathlib import Path
 import torch
 
 from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, neuron_buckets, parse_rank_name
+from g4.exporters.safetensors_writer import format_bytes
 
 from .checkpoint import read_json_object
-from .errors import G4Error
+from .errors import G4Error, a_or_an
 from .gemma4 import (
     NVFP4_BLOCK as _NVFP4_BLOCK,
     LAYER_NORMS,
@@ -547,8 +548,8 @@ def _verdict(fits: bool | None) -> str:
 
 
 def _amount(margin: int) -> str:
-    word = "spare" if margin >= 0 else "short"
-    return f"{abs(margin) / GB:.2f} GB = {abs(margin) / GiB:.2f} GiB {word}"
+    word, n = ("spare" if margin >= 0 else "short"), abs(margin)
+    return f"{n / GB:.2f} GB = {n / GiB:.2f} GiB {word}" if n >= GB else f"{format_bytes(n)} {word}"
 
 
 def _table(title: str, rows: list[tuple[str, int, str]]) -> list[str]:
@@ -824,8 +825,106 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
 # --------------------------------------------------------------------------- sources
 
 
-def load_source(src: str) -> tuple[str, dict, Path | None]:
-    """Resolve SRC_OR_CONFIG to ``(name, config, checkpoint directory or None)``.
+@dataclass(frozen=True)
+class ResultShape:
+    """What a g4 result (NVFP4 or int8-neuron) already fixes of its own plan.
+
+    Attributes:
+        detail: the result as :func:`g4.exporters.formats.detect_format` names it, e.g.
+            ``"NVFP4 W4A16 (modelopt)"``.
+        fixed: plan option -> the value the result's files fix (``fmt``; ``attention``; for
+            int8-neuron ``tp`` and ``seq_len``, which its rank files and manifest were written
+            for); another value is refused (:func:`apply_result_shape`).
+        defaults: plan option -> the default taken from the result where none is given
+            (int8-neuron: the ``target`` it was converted for, ``bucketing`` as g4serve compiles it).
+        unmodelled: why the plan cannot cost this result (NVFP4 ``--preset experts-only``:
+            the dense MLP kept bf16), or None.
+    """
+
+    detail: str
+    fixed: dict
+    defaults: dict
+    unmodelled: str | None = None
+
+
+def result_shape(directory: Path) -> ResultShape | None:
+    """The :class:`ResultShape` of ``directory`` when it holds an NVFP4 or int8-neuron result
+    (from its own files: which linears are stored as E2M1 codes, the int8-neuron manifest and
+    ``g4_conversion.json``), else None (a source checkpoint, or no checkpoint at all).
+
+    Raises:
+        CheckpointError: an int8-neuron manifest that cannot be read.
+    """
+    from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
+
+    from .errors import CheckpointError
+
+    try:
+        fmt = detect_format(directory)
+    except CheckpointError:
+        return None
+    if fmt.format == INT8_NEURON:
+        from g4.exporters.neuron_int8 import Manifest
+
+        m = Manifest.from_dir(directory)
+        facts = directory / "g4_conversion.json"
+        target = None
+        if facts.is_file():
+            target = (read_json_object(facts, error=G4Error).get("options") or {}).get("target")
+        fixed = {"fmt": INT8_NEURON, "tp": m.tp_degree, "attention": "int8" if m.quantize_attention else "bf16"}
+        if m.max_length:
+            fixed["seq_len"] = m.max_length
+        return ResultShape(fmt.detail, fixed, {"target": target if target in NEURON_TARGETS else None,
+                                               "bucketing": True})
+    if fmt.format != NVFP4:
+        return None
+    from .checkpoint import Checkpoint
+
+    try:
+        tensors = Checkpoint(directory).tensors
+    except CheckpointError:  # not a complete result: refused as a source, with the converters' message
+        return None
+    codes = [name for name, info in tensors.items() if info.dtype == torch.uint8]
+    attention = "nvfp4" if any(".self_attn." in name for name in codes) else "bf16"
+    dense = any(".mlp." in name for name in codes)
+    return ResultShape(fmt.detail, {"fmt": NVFP4, "attention": attention}, {},
+                       None if dense else "its dense MLP is kept bf16 (--preset experts-only), which the plan's "
+                                          "nvfp4 format does not model")
+
+
+_OPTION_NAMES = {"fmt": "--format", "tp": "--tp", "seq_len": "--seq-len", "attention": "--attention",
+                 "target": "--target", "bucketing": "--bucketing"}
+
+
+def apply_result_shape(src: str, shape: ResultShape, options: dict, given: set[str]) -> dict:
+    """``options`` (plan option -> value) with what the result ``shape`` fixes and defaults
+    filled in; ``given``: the options the user passed.
+
+    Raises:
+        G4Error: a given option that contradicts the result (naming the value to pass, or to
+            leave the option out), or a result the plan cannot cost.
+    """
+    if shape.unmodelled:
+        raise G4Error(f"{src}: {a_or_an(shape.detail)} result; {shape.unmodelled}: plan its source with "
+                      "--format nvfp4 for the default preset's figures")
+    options = dict(options)
+    for key, value in shape.fixed.items():
+        if key in given and options[key] != value:
+            flag = _OPTION_NAMES[key]
+            why = {"fmt": "", "tp": ": its rank files are one per TP rank",
+                   "seq_len": ": g4serve compiles it for the length it was converted for",
+                   "attention": ": its attention is stored that way"}[key]
+            raise G4Error(f"{src}: {a_or_an(shape.detail)} result, planned as it is{why}; pass {flag} {value} "
+                          f"(or leave {flag} out), or plan the source it was converted from")
+        options[key] = value
+    for key, value in shape.defaults.items():
+        if key not in given:
+            options[key] = value
+    return options
+
+
+def load_source(src: str) -> tuple[str, dict, Path | None, ResultShape | None]:
+    """Resolve SRC_OR_CONFIG to ``(name, config, checkpoint directory or None, result shape or None)``.
 
     ``src`` is a checkpoint directory (its ``config.json``), a ``config.json`` path, a
     known model name (``gemma-4-26B-A4B``: the release config in ``convert/synth.py``; an
@@ -833,26 +932,38 @@ def load_source(src: str) -> tuple[str, dict, Path | None]:
     id ``owner/name[@revision]`` (only its ``config.json`` is downloaded, see
     :func:`g4.convert.resolve.resolve_source`). A directory holding weights is opened as a
     conversion source first (headers only), so ``plan`` refuses what ``nvfp4`` and
-    ``int8-neuron`` refuse.
+    ``int8-neuron`` refuse, except a g4 result (NVFP4 or int8-neuron): that is planned as the
+    result it is, from its config (:func:`result_shape`; the directory returned is then None,
+    as the result's headers are not a source's).
 
     Raises:
-        G4Error: none of those, unreadable JSON, or a repo id that cannot be resolved.
+        G4Error: none of those, unreadable JSON, a repo id that cannot be resolved, or an
+            already quantized checkpoint that is not a g4 result (the message names the
+            config.json to pass instead).
         CheckpointError: a directory with weights that the converters would refuse (shard
-            named outside it, already quantized, a tensor not BF16/F16/F32, corrupt shards).
+            named outside it, a tensor not BF16/F16/F32, corrupt shards).
     """
     if src in KNOWN_MODELS and not Path(src).exists():
         from .synth import PRESETS
 
-        return src, PRESETS[src], None
+        return src, PRESETS[src], None, None
     path = resolve_source(src, config_only=True)
     directory = path if path.is_dir() else None
     file = path / "config.json" if directory else path
     if not file.is_file():
         raise G4Error(f"{src}: not a checkpoint directory, a config.json file or a known model "
                       f"({', '.join(KNOWN_MODELS)}, {EMBEDDED}), nor a Hub repo id owner/name[@revision]")
-    if directory and _has_weights(directory):
-        from .checkpoint import Checkpoint
-
-        Checkpoint(directory, source=True)
     config = read_json_object(file, error=G4Error)
-    return (src if src == EMBEDDED else source_name(src) if directory else file.name), config, directory
+    name = src if src == EMBEDDED else source_name(src) if directory else file.name
+    shape = result_shape(directory) if directory else None
+    if shape is not None:
+        return name, config, None, shape
+    if directory and _has_weights(directory):
+        from .checkpoint import Checkpoint, quantized_reason
+
+        why = quantized_reason(directory, config)
+        if why:
+            raise G4Error(f"{why}: the checkpoint is already quantized and not a complete g4 result; plan reads only "
+                          f"the config: pass {file} to plan the model it describes")
+        Checkpoint(directory, source=True)
+    return name, config, directory, None

@@ -40,6 +40,7 @@ from g4.exporters.formats import check_result
 from g4.exporters.model_card import CARD_FILE, EVAL_FILE, FACTS_FILE, INDEX_NAME, VERIFICATION_FILE, check_repo_id
 
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
+from g4.exporters.safetensors_writer import format_bytes
 
 from .card import card_text, edited_card, g4_version, load_conversion_facts, repo_files, write_card, write_facts
 from .errors import G4Error, OptionError
@@ -119,13 +120,14 @@ def local_files(out: str | Path) -> list[LocalFile]:
     return [LocalFile(rel, out / rel, size) for rel, size in repo_files(out, include_card=True)]
 
 
-def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: int = HUB_MAX_FILE_BYTES) -> None:
+def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: int | None = None) -> None:
     """Refuse to publish an incomplete or oversized result.
 
     Checks: every ``*.safetensors`` file's header and data section are complete;
     OUT has ``g4_conversion.json`` and ``README.md``; every shard named by
     ``model.safetensors.index.json`` and every rank file named by ``manifest.json`` is in
-    OUT; no file is larger than ``max_file_bytes`` (default :data:`HUB_MAX_FILE_BYTES`).
+    OUT; no file is larger than ``max_file_bytes`` (None: the Hub's, :data:`HUB_MAX_FILE_BYTES`;
+    :func:`check_file_sizes`).
 
     Raises:
         HubError: naming the first problem.
@@ -156,10 +158,45 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
                 read_safetensors_header(f.path)
             except CheckpointError as e:
                 raise HubError(f"{e}; nothing was sent") from e
-    for f in files:
-        if f.size > max_file_bytes:
-            raise HubError(f"{f.path}: {f.size / 1e9:.2f} GB is over the per-file limit of {max_file_bytes / 1e9:g} GB "
-                           "(HUB_MAX_FILE_BYTES: the Hub's limit); convert again with a smaller --max-shard-size")
+    check_file_sizes(out, files, max_file_bytes, facts["format"])
+
+
+def check_file_sizes(out: str | Path, files: list[LocalFile], max_file_bytes: int | None, fmt: str) -> None:
+    """Refuse a file larger than the per-file limit: ``max_file_bytes`` (``push --max-file-size``)
+    or, when None, the Hub's (:data:`HUB_MAX_FILE_BYTES`).
+
+    The message names the largest file over the limit and whose limit it is (the user's or the
+    Hub's), gives sizes in the unit that shows them (:func:`~g4.exporters.safetensors_writer.format_bytes`)
+    and says what helps: a larger ``--max-file-size``; a smaller ``--max-shard-size`` only
+    when every file over the limit is an NVFP4 weight shard and the limit is one a shard can
+    meet (at least :data:`~g4.convert.options.MIN_SHARD_BYTES`); a larger ``--tp`` for an
+    int8-neuron rank file over the Hub's limit.
+
+    Raises:
+        HubError: ``<file>: <size> is over <which limit> of <size> (<n> files are); <what helps>``.
+    """
+    from .options import MIN_SHARD_BYTES
+
+    limit = HUB_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
+    over = sorted((f for f in files if f.size > limit), key=lambda f: (-f.size, f.rel))
+    if not over:
+        return
+    f = over[0]
+    size, cap = format_bytes(f.size), format_bytes(limit)
+    if size == cap:  # rounded alike: the exact figures tell them apart
+        size, cap = f"{size} ({f.size:,} bytes)", f"{cap} ({limit:,} bytes)"
+    shards = fmt == "nvfp4" and all(x.rel.endswith(".safetensors") for x in over) and limit >= MIN_SHARD_BYTES
+    if max_file_bytes is not None:
+        whose = f"the per-file limit of {cap} that --max-file-size sets"
+        fix = f"raise --max-file-size to at least {format_bytes(f.size)}" + (
+            ", or convert again with a smaller --max-shard-size" if shards else "")
+    else:
+        whose = f"the Hub's per-file limit of {cap}"
+        fix = ("convert again with a smaller --max-shard-size" if shards else
+               "a rank file holds one TP rank's weights: convert again with a larger --tp"
+               if fmt == "int8-neuron" and f.rel.startswith("weights/") else "the Hub stores no file this large")
+    more = f" ({len(over)} files are)" if len(over) > 1 else ""
+    raise HubError(f"{f.path}: {size} is over {whose}{more}; {fix}")
 
 
 # --------------------------------------------------------------------------- errors and retries
@@ -271,7 +308,7 @@ def _retrying(fn, what: str, *, attempts: int, wait_s: float, repo_id: str, toke
 
 def push_result(out: str | Path, repo_id: str, *, private: bool = False, revision: str = "main",
                 commit_message: str | None = None, dry_run: bool = False, allow_existing: bool = False,
-                base_model: str | None = None, max_file_bytes: int = HUB_MAX_FILE_BYTES,
+                base_model: str | None = None, max_file_bytes: int | None = None,
                 endpoint: str | None = None, token: str | None = None, attempts: int = DEFAULT_ATTEMPTS,
                 retry_wait_s: float = DEFAULT_RETRY_WAIT_S, echo=click.echo) -> PushReport:
     """Publish the g4 result in ``out`` to the Hub model repo ``repo_id`` at branch ``revision``.
@@ -288,7 +325,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
             refused, unless it holds an earlier push of the same conversion (same
             ``g4_conversion.json``), whose card and verification files may be updated.
         base_model: record this Hub repo id as the card's ``base_model`` (written to OUT).
-        max_file_bytes: per-file limit checked before upload (default: the Hub's).
+        max_file_bytes: per-file limit checked before upload (``--max-file-size``); None: the Hub's.
         endpoint: Hub URL (default ``HF_ENDPOINT`` or https://huggingface.co).
         token: default ``HF_TOKEN`` or the huggingface_hub login.
         attempts, retry_wait_s: bounded retries of network errors, 429 and 5xx.
@@ -350,7 +387,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     ops = [CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.path)) for f in files]
     for op, f in zip(ops, files):
         op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once here; reused by the upload and the check
-    echo(f"uploading {len(files)} files ({_gb(sum(f.size for f in files))}) to {repo_id}@{revision}")
+    echo(f"uploading {len(files)} files ({format_bytes(sum(f.size for f in files))}) to {repo_id}@{revision}")
     _retrying(lambda: api.preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=False),
               f"uploading to {repo_id} (nothing committed; a rerun sends only what the Hub lacks)", **kw)
 
@@ -372,7 +409,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
                       unchanged=unchanged, notes=notes)
 
 
-def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int,
+def _dry_run(out: Path, repo_id: str, revision: str, base_model: str | None, max_file_bytes: int | None,
              notes: list[str], facts: dict) -> PushReport:
     """What a push would send: the card rendered in memory and OUT's files; nothing written."""
     card = edited_card(out)
@@ -455,10 +492,6 @@ def _token() -> str:
     return token
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
-
-
 def _remote_files(api, repo_id: str, revision: str) -> dict:
     from huggingface_hub.hf_api import RepoFile
 
@@ -527,9 +560,9 @@ def _plan_existing(remote: dict, files: list[LocalFile], repo_id: str, revision:
 # --------------------------------------------------------------------------- CLI
 
 
-def _parse_limit(text: str | None) -> int:
+def _parse_limit(text: str | None) -> int | None:
     if text is None:
-        return HUB_MAX_FILE_BYTES
+        return None
     from g4.exporters.safetensors_writer import parse_size  # imports torch: only for a given size
 
     try:

@@ -17,7 +17,9 @@ about one layer of RAM beside the head.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint, check_converted_from
 from g4.convert.errors import CheckpointError
 from g4.convert.gemma4 import fuse_gate_up, is_tied
+from g4.convert.progress import progress_bar
 from g4.convert.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
 from g4.exporters.nvfp4_names import Role
@@ -100,7 +103,8 @@ class VerifyReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torch.bfloat16, *, prefix: str = ""
+def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torch.bfloat16, *, prefix: str = "",
+                     on_read: Callable[[int], None] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Dequantize an NVFP4 checkpoint (or the part of it under ``prefix``) into a
     transformers-layout state dict.
@@ -111,6 +115,9 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
         prefix: read only the tensors whose names start with it, e.g. one decoder layer's
             ``model.language_model.layers.5.`` (the layer-streaming reference,
             :mod:`g4.convert.stream`); ``""``: the whole checkpoint.
+        on_read: called with each tensor's stored bytes once it is read and dequantized (a
+            progress bar over the stored bytes under ``prefix``; a tensor the model does not
+            take, such as a KV cache scale, is counted without being read).
 
     Returns:
         (state dict with dequantized ``dtype`` weights and fused 3-D experts, every other
@@ -120,28 +127,37 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
     """
     ckpt = out_dir if isinstance(out_dir, Checkpoint) else Checkpoint(out_dir)
     layout = output_layout(ckpt)  # name -> what it is and where it goes in transformers' model
-    raw = {name: ckpt.get(name) for name in ckpt.tensors if name.startswith(prefix)}
+    present = {name for name in ckpt.tensors if name.startswith(prefix)}
+    done = on_read or (lambda n: None)
+
+    def raw(name: str) -> torch.Tensor:  # read where it is used, so a bar moves as the work does
+        tensor = ckpt.get(name)
+        done(ckpt.tensors[name].nbytes)
+        return tensor
+
     sd: dict[str, torch.Tensor] = {}
     input_scales: dict[str, torch.Tensor] = {}
     # fused expert tensor -> expert -> its dequantized linears in table order ((gate, up) or (down,))
     experts: dict[str, dict[int, list[torch.Tensor]]] = {}
     # A name the table does not list is passed on as stored, for the load to report.
-    sd |= {name: raw[name] for name in sorted(raw) if name not in layout.by_name}
+    sd |= {name: raw(name) for name in sorted(present) if name not in layout.by_name}
     for t in layout.tensors:
-        if t.name not in raw:
+        if t.name not in present:
             continue
         if t.role == Role.KEPT:
-            sd[t.name] = raw[t.name]
+            sd[t.name] = raw(t.name)
         elif t.role == Role.INPUT_SCALE:
-            input_scales[t.linear.input_key] = raw[t.name]
+            input_scales[t.linear.input_key] = raw(t.name)
         elif t.role == Role.WEIGHT:
             lin = t.linear
-            w = q.dequantize_tensors(raw[t.name], raw[lin.name(Role.WEIGHT_SCALE)], raw[lin.name(Role.WEIGHT_SCALE_2)],
+            w = q.dequantize_tensors(raw(t.name), raw(lin.name(Role.WEIGHT_SCALE)), raw(lin.name(Role.WEIGHT_SCALE_2)),
                                      dtype)
             if lin.expert is None:
                 sd[lin.hf_name] = w
             else:
                 experts.setdefault(lin.hf_name, {}).setdefault(lin.expert, []).append(w)
+        elif t.role in (Role.K_SCALE, Role.V_SCALE):  # transformers' model has no KV cache scales
+            done(ckpt.tensors[t.name].nbytes)
 
     def take(by_expert: dict[int, list[torch.Tensor]], e: int) -> torch.Tensor:  # dropped once taken
         ws = by_expert.pop(e)
@@ -335,11 +351,14 @@ def eos_token_ids(root: Path) -> list[int]:
 
 
 def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> VerifyReport:
+                 dtype: torch.dtype = torch.bfloat16, progress: bool = False) -> VerifyReport:
     """Compare the NVFP4 checkpoint ``out`` with its source ``src`` on held-out prompts.
 
     ``act_quant``: emulate W4A4 activation quantization with OUT's ``input_scale``s; None
     (default) = exactly when OUT is W4A4, as ``g4serve check`` and vLLM on Blackwell compute.
+    ``progress``: a bar on stderr counting decoder layers run (each generated token is one pass
+    over SRC's layers, the comparison one pass over both models', each fact's answer token one
+    pass over OUT's), with the phase it is in.
 
     Prompts come from ``src/facts.json`` (``heldout``; the embedded model ships one) or
     :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model.
@@ -366,13 +385,30 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
         data = json.loads(facts_path.read_text())
         facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
     prompt_ids = [_chat_ids(tokenizer, p)[0].tolist() for p in prompts]
-    continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
-                                    eos_token_ids=eos_token_ids(src))
-    stats = compare_streamed(src_model, q_model, [p + c for p, c in zip(prompt_ids, continuations)],
-                             [len(p) for p in prompt_ids])
-    report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
-    questions = [_chat_ids(tokenizer, q)[0].tolist() for q, _ in facts]
-    replies = streamed_greedy(q_model, questions, max_new_tokens=ANSWER_TOKENS, eos_token_ids=eos_token_ids(out))
+    layers = src_model.num_layers
+    phases = [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
+    phases += [("facts", ANSWER_TOKENS * layers)] if facts else []
+    with progress_bar(sum(n for _, n in phases), f"verify {out.name}", enabled=progress, unit="layer") as bar:
+        src_model.on_layer = q_model.on_layer = lambda: bar.update(1)
+        ends = iter(itertools.accumulate(n for _, n in phases))
+
+        def phase(name: str) -> None:
+            if bar.n:  # a phase that ended early (every prompt reached EOS) moves the bar to its end
+                bar.update(next(ends) - bar.n)
+            bar.set_postfix_str(name)
+
+        phase("SRC greedy")
+        continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
+                                        eos_token_ids=eos_token_ids(src))
+        phase("comparing")
+        stats = compare_streamed(src_model, q_model, [p + c for p, c in zip(prompt_ids, continuations)],
+                                 [len(p) for p in prompt_ids])
+        report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
+        questions = [_chat_ids(tokenizer, q)[0].tolist() for q, _ in facts]
+        if facts:
+            phase("facts")
+        replies = streamed_greedy(q_model, questions, max_new_tokens=ANSWER_TOKENS, eos_token_ids=eos_token_ids(out))
+        bar.update(bar.total - bar.n)
     for (question, expected), ids in zip(facts, replies):
         reply = tokenizer.decode(ids, skip_special_tokens=True).strip()
         ok = reply.startswith(expected)

@@ -24,7 +24,7 @@ import logging
 import re
 from pathlib import Path
 
-from .errors import G4Error
+from .errors import G4Error, OptionError
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
 """The embedded tiny Gemma 4 (``SRC`` ``embedded``; trained by ``g4.convert.embedded_model``)."""
@@ -72,11 +72,14 @@ def resolve_source(text: str, *, config_only: bool = False) -> Path:
         not exist is returned as it is, for the caller to report.
 
     Raises:
+        OptionError: ``text`` is empty or blank (``""`` would otherwise be the working directory).
         G4Error: a repo id whose repo or revision the Hub does not have (or that is private or
             gated and no token with access was given: the message says how to log in), a repo
             without safetensors weights, or a repo that is not (fully) in the cache while
             ``HF_HUB_OFFLINE=1`` is set or the Hub cannot be reached. One line each.
     """
+    if not text.strip():  # Path("") is the working directory: never read it as SRC
+        raise OptionError(f"SRC is empty ({text!r}): give {SRC_FORMS}")
     if text == EMBEDDED:
         return EMBEDDED_DIR
     ref = parse_repo_ref(text)
@@ -103,12 +106,21 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
     quiet_http_logs()
     top_level_only = ["*/*"]  # fnmatch's * crosses "/": allow-listed names must not match inside folders
     where = f"{repo_id}@{revision}" if revision else repo_id
+    offline = "HF_HUB_OFFLINE=1 is set" if huggingface_hub.is_offline_mode() else None
+    if offline is None:
+        why = hub_unreachable()
+        if why is not None:  # once, in one line; every request below then reads the cache only
+            offline = f"the Hub ({constants.ENDPOINT}) cannot be reached"
+            log.warning("the Hub (%s) cannot be reached (%s): using the Hugging Face cache (%s); "
+                        "HF_HUB_OFFLINE=1 skips this check", constants.ENDPOINT, why, constants.HF_HUB_CACHE)
+    cache_only = offline is not None
     try:
         # config.json alone first: a gated, unknown or uncached repo fails here, before any progress bar
-        root = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent  # snapshots/<commit>
+        root = Path(hf_hub_download(repo_id, "config.json", revision=revision,
+                                    local_files_only=cache_only)).parent  # snapshots/<commit>
         if not config_only:
             root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=list(SOURCE_META_FILES),
-                                          ignore_patterns=top_level_only))
+                                          ignore_patterns=top_level_only, local_files_only=cache_only))
             try:
                 config = json.loads((root / "config.json").read_text())
             except (OSError, ValueError):
@@ -123,11 +135,12 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
                               "model.safetensors or the shards model.safetensors.index.json names; pickle files "
                               "are never downloaded)")
             # exactly the named shards (a subfolder shard too, as the index may name one), glob-escaped
-            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=[glob.escape(f) for f in weights]))
+            root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=[glob.escape(f) for f in weights],
+                                          local_files_only=cache_only))
             missing = [f for f in weights if not (root / f).is_file()]
             if missing:
                 raise G4Error(f"{where}: {missing[0]} is not in the cached snapshot and " + (
-                    "HF_HUB_OFFLINE=1 is set; unset it to download it" if huggingface_hub.is_offline_mode() else
+                    f"{offline}; {_online_hint(offline)}" if offline else
                     "could not be downloaded (is the Hub reachable?)"))
     except GatedRepoError as e:  # a subclass of RepositoryNotFoundError: first
         raise G4Error(f"{where} is a gated repo and this request has no access: accept its terms at "
@@ -140,11 +153,7 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
         raise G4Error(f"{text}: no such local path, and no repo {repo_id} on {constants.ENDPOINT} that this request "
                       f"may read (if it is private or gated, {_LOGIN})") from e
     except LocalEntryNotFoundError as e:  # IncompleteSnapshotError too
-        if huggingface_hub.is_offline_mode():
-            raise G4Error(f"{where}: not (fully) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                          "HF_HUB_OFFLINE=1 is set; unset it to download") from e
-        raise G4Error(f"{where}: the Hub ({constants.ENDPOINT}) cannot be reached and the repo is not (fully) in the "
-                      f"Hugging Face cache ({constants.HF_HUB_CACHE}): {_first_line(e)}") from e
+        raise G4Error(_not_cached(where, repo_id, revision, offline, e)) from e
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
         hint = f"; {_LOGIN} (a token of an account with access)" if status in (401, 403) else ""
@@ -153,6 +162,61 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
         raise G4Error(f"{text}: no such local path, and not a Hub repo id ({_first_line(e)})") from e
     log.info("SRC %s: %s", where, root)
     return root
+
+
+#: Seconds :func:`hub_unreachable` waits for the Hub's answer.
+PROBE_TIMEOUT_S = 5.0
+
+
+def hub_unreachable(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hub (``HF_ENDPOINT``, default https://huggingface.co) cannot be reached, or None
+    when it answers at all (any HTTP status). One HEAD request through huggingface_hub's own
+    HTTP client (its proxies and headers), without retries, at most ``timeout_s`` seconds: so a
+    machine without network falls back to the cache at once, not after huggingface_hub's retries
+    (five per request, about 50 s for a snapshot)."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout_s, follow_redirects=False)
+    except httpx2.TransportError as e:  # connect, DNS, proxy, timeout
+        return _first_line(e) if str(e).strip() else type(e).__name__
+    return None
+
+
+def _online_hint(offline: str) -> str:
+    return "unset it to download" if offline.startswith("HF_HUB_OFFLINE") else "connect to download"
+
+
+def _not_cached(where: str, repo_id: str, revision: str | None, offline: str | None, e: Exception) -> str:
+    """The message for a repo id the Hugging Face cache cannot resolve: the repo is not cached at
+    all, the revision is not one the cache knows (a branch or tag never fetched, or a commit id
+    shorter than 40 hex digits, which only the Hub resolves: the full id is named when one cached
+    commit starts with it), or the snapshot is incomplete."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    cache = constants.HF_HUB_CACHE
+    reason = offline or f"the Hub ({constants.ENDPOINT}) cannot be reached ({_first_line(e)})"
+    hint = f"; {_online_hint(offline)}" if offline else ""
+    folder = Path(cache) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshots = sorted(p.name for p in (folder / "snapshots").glob("*") if p.is_dir())
+    if not snapshots:
+        return f"{where}: not in the Hugging Face cache ({cache}) and {reason}{hint}"
+    refs_dir = folder / "refs"
+    refs = sorted(p.relative_to(refs_dir).as_posix() for p in refs_dir.rglob("*") if p.is_file()) \
+        if refs_dir.is_dir() else []
+    rev = revision or "main"
+    if rev not in refs and rev not in snapshots:
+        matches = [c for c in snapshots if re.fullmatch(r"[0-9a-f]{4,39}", rev) and c.startswith(rev)]
+        known = ", ".join([*refs, *(c[:12] for c in snapshots)])
+        fix = (f"; pass the full commit id: {repo_id}@{matches[0]}" if len(matches) == 1 else
+               f"; give a branch, a tag or a full 40-hex commit id the cache holds, or {_online_hint(offline)}"
+               if offline else "")
+        return (f"{where}: unknown revision {rev!r}: the Hugging Face cache ({cache}) holds {repo_id} at {known} "
+                f"and {reason}{fix}")
+    return f"{where}: not fully in the Hugging Face cache ({cache}) and {reason}{hint}"
 
 
 def _cached_listing(repo_id: str, commit: str) -> set[str] | None:

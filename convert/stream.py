@@ -57,6 +57,9 @@ class StreamedModel:
         CheckpointError: transformers cannot build a Gemma 4 config from ``config.json``.
     """
 
+    #: Called each time :meth:`layer` builds a decoder layer (a progress bar counts passes over the layers).
+    on_layer: Callable[[], None] | None = None
+
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu"):
         self._setup(ckpt.root, dtype, device)
         self.ckpt = ckpt
@@ -117,6 +120,8 @@ class StreamedModel:
         module.to(self.device).eval()
         if input_scales:
             _install_activation_quant(module, {k: v.to(self.device) for k, v in input_scales.items()})
+        if self.on_layer is not None:
+            self.on_layer()
         return module
 
     def head(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, parse_size
+from g4.exporters.safetensors_writer import (
+    SYNTH_MARKER,
+    ShardedSafetensorsWriter,
+    TensorSpec,
+    atomic_output_dir,
+    parse_size,
+)
 
 from .errors import G4Error
 from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
@@ -143,7 +149,7 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite, need_bytes=sum(spec.nbytes for spec in specs)) as tmp:
         marker = {"converter": {"name": "g4"}, "format": "g4-synthetic", "layers": layers, "seed": seed}
-        (tmp / "g4_synth.json").write_text(json.dumps(marker) + "\n")
+        (tmp / SYNTH_MARKER).write_text(json.dumps(marker) + "\n")
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=parse_size(max_shard_size))
         with progress_bar(writer.total_bytes, "synth", enabled=progress) as bar:
             for spec in specs:

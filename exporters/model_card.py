@@ -15,9 +15,11 @@ Hub's model tree reads it).
 
     {"g4_conversion": 1, "format": "nvfp4" | "int8-neuron", "g4_version": "0.1.0",
      "base_model": "org/name" | null,
-     "source": {"name", "repo_id" | null, "revision" (HF cache commit) | null, "weight_bytes", "weight_files", "dtype",
+     "source": {"name", "repo_id" | null, "revision" (HF cache commit) | null, "weight_bytes", "weight_files",
+                "dtype" (the stored dtypes of its tensors, e.g. "bfloat16" or "bfloat16, float32"),
                 "card": {license, license_name, license_link, library_name, tags,
-                         pipeline_tag, language} (only keys the source README has)},
+                         pipeline_tag, language} (only keys the source README has),
+                "synthetic": {"layers", "seed"} (only for a source `g4convert synth` wrote)},
      "options": {...the result-affecting options of the conversion...}}
 """
 
@@ -449,6 +451,19 @@ With g4 {{ g4_version }}:
 """
 
 
+def _synthetic_note(src: dict) -> str:
+    """The card's warning for a source ``g4convert synth`` wrote (``source.synthetic``), else ``""``."""
+    synth = src.get("synthetic")
+    if synth is None:
+        return ""
+    made = ", ".join(f"{v} {k}" if k == "layers" else f"{k} {v}" for k, v in
+                     (("layers", synth.get("layers")), ("seed", synth.get("seed"))) if v is not None)
+    return ("\n\n**Synthetic source, random weights: not a usable model.** The source was written by "
+            f"`g4convert synth`{f' ({made})' if made else ''}: the real model's tensor names, shapes and dtypes "
+            "with random values, for benchmarks and dry runs of the conversion. What this checkpoint generates "
+            "means nothing.")
+
+
 def render_card(inputs: CardInputs) -> str:
     """The model card text of a g4 result (deterministic: the same inputs give the same bytes;
     no file is read).
@@ -504,6 +519,7 @@ def render_card(inputs: CardInputs) -> str:
             ([shlex.join(["hf", "download", repo_id, "--local-dir", local])] if repo_id else []) +
             [shlex.join(["g4serve", local if repo_id else f"./{name}", "--backend", "neuron"])])
         ctx["neuron_verified"] = bool(verification and verification["backend"] == "neuron" and verification["passed"])
+    ctx["intro"] += _synthetic_note(src)
     card = ModelCard.from_template(_card_data(facts, repo_id), template_str=_TEMPLATE, **ctx)
     text = card.content
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"

@@ -370,7 +370,10 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 # Files that mark a directory as a g4 result, which --overwrite may replace (their JSON
 # has converter.name "g4" or a format starting with "g4-").
-G4_OUTPUT_MARKERS = ("hf_quant_config.json", "manifest.json", "g4_synth.json")  # neuron_int8.MANIFEST
+#: ``g4convert synth``'s marker: ``{"converter": {"name": "g4"}, "format": "g4-synthetic", "layers", "seed"}``;
+#: a conversion of such a checkpoint says on its card that the weights are random.
+SYNTH_MARKER = "g4_synth.json"
+G4_OUTPUT_MARKERS = ("hf_quant_config.json", "manifest.json", SYNTH_MARKER)  # neuron_int8.MANIFEST
 
 
 def _is_g4_output(path: Path) -> bool:
@@ -584,12 +587,25 @@ def _signals_held() -> Iterator[list[int]]:
                 signal.raise_signal(arrived[0])
 
 
+def _not_writable(out: Path, e: OSError | None = None) -> str:
+    """The message for an OUT whose parent directory cannot be written: it names the parent
+    (where OUT and its temporary directory would go), never the temporary directory."""
+    why = f" ({e.strerror or e})" if e is not None else ""
+    return (f"{out.parent}: the parent directory of OUT is not writable{why}; g4 writes {out.name} there "
+            "(through a temporary directory beside it): choose an OUT in a directory you can write")
+
+
 def _new_partial(out: Path) -> tuple[Path, int]:
     """Create and lock ``.OUT.partial-<pid>-<random>`` beside ``out``: (path, lock descriptor)."""
     for _ in range(10):
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             tmp.mkdir()
+        except (FileExistsError, FileNotFoundError):
+            continue
+        except OSError as e:  # read-only file system, or permissions os.access could not see (ACLs, root squash)
+            raise ExportError(_not_writable(out, e)) from e
+        try:
             fd = _lock(tmp)
         except (FileExistsError, FileNotFoundError):
             continue
@@ -726,7 +742,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     Raises:
         ExportError: ``out`` exists without ``overwrite``; ``out`` is, is inside or contains a
             source, or is or contains the working directory; ``out`` exists, is not empty and is
-            not a g4 result; another run is replacing it; its parent is missing; not enough free
+            not a g4 result; another run is replacing it; its parent is missing or not writable; not enough free
             disk space; at the end, ``out`` appeared or changed meanwhile (result kept beside).
     """
     out = Path(out).absolute()
@@ -742,6 +758,8 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
         raise ExportError(f"{out}: is a symbolic link (to {out.resolve()}); give the real path as OUT")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: parent directory of OUT does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):  # before the temporary directory is named in any error
+        raise ExportError(_not_writable(out))
     _clean_up_after_killed_runs(out)
     if os.path.lexists(out) and not overwrite:
         raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")

@@ -30,6 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from g4.convert.errors import a_or_an
 from g4.convert.prompt import ChatError, chat_ids, text_ids
 
 # Control tokens by their text; ids come from the tokenizer (real Gemma 4: 100, 101, 106, 98).
@@ -432,7 +433,7 @@ def message_text(content) -> str:
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ChatError(f"only text message content is served (got a {kind!r} part)")
+            raise ChatError(f"only text message content is served (got {a_or_an(repr(kind))} part)")
         parts.append(part["text"])
     return "".join(parts)
 

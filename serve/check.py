@@ -44,7 +44,8 @@ from typing import Callable, Iterator
 
 from g4.convert.card import source_label as pushable_source_label
 from g4.convert.checkpoint import read_json_object, weight_fingerprints
-from g4.convert.errors import G4Error
+from g4.convert.errors import G4Error, a_or_an
+from g4.convert.options import text_file_suffix
 from g4.exporters.formats import ResultFormat, check_result, detect_format
 
 from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
@@ -79,6 +80,15 @@ def normalise_ids(ids: list[int], stop_ids: frozenset[int], stopped: bool) -> li
     return ids
 
 
+def check_prompts_file(path: Path) -> str:
+    """How :func:`load_prompts` reads ``path``: ``".txt"`` or ``".jsonl"``.
+
+    Raises:
+        OptionError: any other suffix (:func:`g4.convert.options.text_file_suffix`).
+    """
+    return text_file_suffix(path, "--prompts", "one prompt per line", '{"prompt": ...} per line')
+
+
 def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """The prompt set, the facts and where each prompt came from.
 
@@ -93,6 +103,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
         counted), ``"SRC/facts.json"`` or ``"built-in"``.
 
     Raises:
+        OptionError: a prompts file whose suffix is neither ``.txt`` nor ``.jsonl``.
         G4Error: an unreadable or empty prompts file, or a malformed line.
     """
     from g4.convert.reference import DEFAULT_PROMPTS
@@ -107,13 +118,14 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
         prompts = [q for q, _ in facts] + list(data.get("heldout") or [])
         labels = [str(facts_path)] * len(prompts)
     if prompts_file is not None:
+        suffix = check_prompts_file(prompts_file)
         try:
             numbered = [(n, ln) for n, ln in enumerate(Path(prompts_file).read_text().splitlines(), 1) if ln.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise G4Error(f"{prompts_file}: cannot read prompts ({type(e).__name__})") from e
         lines = [ln for _, ln in numbered]
         labels = [f"{prompts_file} line {n}" for n, _ in numbered]
-        if str(prompts_file).endswith(".jsonl"):
+        if suffix == ".jsonl":
             try:
                 prompts = [json.loads(ln)["prompt"] for ln in lines]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -300,9 +312,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 @contextlib.contextmanager
 def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_name: str,
                    act_quant: bool | None = None, dtype: str = "bfloat16",
-                   vllm_timeout_s: float = 900.0) -> Iterator[str]:
+                   vllm_timeout_s: float = 900.0, progress: bool = False) -> Iterator[str]:
     """Serve ``out`` on a free loopback port for the duration of the block; yields the base URL
-    (``http://127.0.0.1:PORT``, without ``/v1``).
+    (``http://127.0.0.1:PORT``, without ``/v1``). ``progress``: the CPU engine's load bar.
 
     Raises:
         G4Error: the backend cannot start (e.g. vLLM exits early or is not ready in time).
@@ -323,7 +335,7 @@ def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_n
     else:
         from .engine import load_cpu_engine
 
-        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
+        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=progress)
     app = create_app(engine, served_model_name=served_model_name)
     with BackgroundServer(app) as srv:
         yield srv.url
@@ -419,7 +431,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
               min_agreement: float = 0.9, url: str | None = None, max_tokens: int = 16,
               chat_max_tokens: int = 256, backend: str = "auto", act_quant: bool | None = None,
               dtype: str = "bfloat16", served_model_name: str | None = None,
-              echo: Callable[[str], None] = print) -> dict:
+              echo: Callable[[str], None] = print, progress: bool = False) -> dict:
     """Check the result ``out`` against its source ``src`` through an OpenAI-compatible server
     (started here on a free loopback port, or the one at ``url``) and write
     ``out/verification.json``.
@@ -429,6 +441,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         chat_max_tokens: budget of each P13 chat request (thinking needs room).
         backend: as ``g4serve --backend`` (ignored with ``url``; the report then names the
             backend from ``/v1/models`` ``owned_by``).
+        progress: a bar on stderr while the CPU engine loads a whole model.
 
     Returns:
         The report (see the module docstring); ``report["passed"]`` says whether it passed.
@@ -457,7 +470,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     else:
         chosen, why = choose_backend(fmt, backend)
         ctx = running_server(out, fmt, chosen, served_model_name=served_model_name or out.resolve().name,
-                             act_quant=act_quant, dtype=dtype)
+                             act_quant=act_quant, dtype=dtype, progress=progress)
     echo(f"backend {chosen or 'external'}: {why}")
     with ctx as base:
         client, model, listed_extra, owned = _served_model(base, out, url, served_model_name, lengths)
@@ -505,7 +518,8 @@ def _check_pair(out: Path, src: Path) -> None:
     except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
         src_fmt = None
     if src_fmt is not None and src_fmt.format != "bf16":
-        raise G4Error(f"--against {src}: that is a {src_fmt.detail} result, not the source checkpoint it came from")
+        raise G4Error(f"--against {src}: that is {a_or_an(src_fmt.detail)} result, not the source checkpoint "
+                      "it came from")
     Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
     check_converted_from(out, src)  # the rule verify applies too
     if not os.access(out, os.W_OK):

@@ -16,7 +16,17 @@ from pathlib import Path
 import click
 
 from g4.convert.errors import G4Error, exit_on_user_error
-from g4.convert.options import COUNT, PORT, SECONDS, act_quant_option, min_agreement_option
+from g4.convert.options import (
+    COUNT,
+    PORT,
+    SECONDS,
+    act_quant_option,
+    configure_output,
+    is_quiet,
+    is_verbose,
+    min_agreement_option,
+    verbosity_options,
+)
 from g4.convert.resolve import SRC_FORMS, resolve_source
 
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
@@ -30,8 +40,11 @@ class _OutFirstGroup(click.Group):
     group's own --help/--version) is routed to ``serve``."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
-            args = ["serve", *args]
+        i = 0  # the group's own flags (-q, -v) may come first: g4serve -q OUT, g4serve -q check OUT
+        while i < len(args) and args[i] in ("-q", "--quiet", "-v", "--verbose"):
+            i += 1
+        if i < len(args) and args[i] not in self.commands and args[i] not in ("-h", "--help", "--version"):
+            args = [*args[:i], "serve", *args[i:]]
         return super().parse_args(ctx, args)
 
     def format_usage(self, ctx, formatter):
@@ -44,6 +57,7 @@ def _terminate(signum, frame):
 
 @click.group(cls=_OutFirstGroup, context_settings={"help_option_names": ["-h", "--help"]}, no_args_is_help=True)
 @click.version_option(package_name="g4", prog_name="g4serve")
+@verbosity_options
 def main() -> None:
     """Serve a converted Gemma 4 result (NVFP4, int8-neuron, or a bf16 checkpoint) behind an
     OpenAI-compatible API (/v1/chat/completions, /v1/models, /health), or check it end to end.
@@ -63,16 +77,19 @@ def main() -> None:
     # the start-up guard (g4.serve.entry) is done: Ctrl-C is a KeyboardInterrupt again, SIGTERM the default
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    configure_output(logging.WARNING)  # -q / -v given after the subcommand apply when it parses them
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging() -> None:
+    """Serving output: transformers' and huggingface_hub's own lines and bars off (g4serve prints
+    its own; model loading has g4's bar unless -q), then -q / -v as given."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "huggingface_hub" in sys.modules:  # already imported (SRC downloaded): the variable came too late
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    configure_output()
 
 
 _out_arg = click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -98,15 +115,15 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @click.option("--shutdown-timeout", type=SECONDS, default=30, show_default=True,
               metavar="SECONDS", help="On SIGTERM or Ctrl-C, requests in flight get this long to finish; then "
               "they are answered 503 (a second Ctrl-C: at once). CPU and neuron backends.")
-@click.option("-v", "--verbose", is_flag=True, help="Log every request (DEBUG).")
+@verbosity_options
 @exit_on_user_error
 def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
-          compiled_dir, shutdown_timeout, verbose):
+          compiled_dir, shutdown_timeout):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     from .engine import choose_backend
     from g4.exporters.formats import check_result
 
-    _setup_logging(verbose)
+    _setup_logging()
     fmt = check_result(out)  # before anything loads or listens
     chosen, why = choose_backend(fmt, backend)
     click.echo(f"backend {chosen}: {why}")
@@ -127,7 +144,7 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     else:
         from .engine import load_cpu_engine
 
-        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt)
+        engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=not is_quiet())
     from .server import create_app, run_server
 
     app = create_app(engine, served_model_name=name)
@@ -138,7 +155,7 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     # this handler both end in the except below, with "stopped" and exit code 0.
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        run_server(app, sock, drain_s=shutdown_timeout, log_level="info" if verbose else "warning")
+        run_server(app, sock, drain_s=shutdown_timeout, log_level="info" if is_verbose() else "warning")
     except KeyboardInterrupt:
         pass
     click.echo("stopped")
@@ -196,23 +213,25 @@ def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_ca
 @click.option("--served-model-name", help="Model id to request (default: the server's first model).")
 @act_quant_option
 @_dtype_opt
-@click.option("-v", "--verbose", is_flag=True)
+@verbosity_options
 @exit_on_user_error
 def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_tokens, backend, served_model_name,
-          act_quant, dtype, verbose):
+          act_quant, dtype):
     """Serve OUT (or use --url), send the prompt set through /v1/chat/completions with the
     openai client, compare with SRC in transformers (greedy token agreement, first divergence,
     facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
-    from .check import run_check
+    from .check import check_prompts_file, run_check
 
+    if prompts_file is not None:
+        check_prompts_file(prompts_file)  # before SRC is fetched or a server started
     src_dir = resolve_source(src)  # a repo id not in the HF cache downloads here, with its progress bar
     if not src_dir.is_dir():
         raise G4Error(f"--against {src}: not a directory ({SRC_FORMS})")
-    _setup_logging(verbose)
+    _setup_logging()
     report = run_check(out, src_dir, source_label=src, prompts_file=prompts_file,
                        min_agreement=min_agreement, url=url, max_tokens=max_tokens, chat_max_tokens=chat_max_tokens,
                        backend=backend, act_quant=act_quant, dtype=dtype, served_model_name=served_model_name,
-                       echo=click.echo)
+                       echo=click.echo, progress=not is_quiet())
     if report["passed"]:
         click.echo("PASS")
     else:

@@ -33,13 +33,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from g4.convert.errors import CheckpointError
+from g4.convert.errors import CheckpointError, a_or_an
 from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
 from g4.exporters.model_card import EVAL_FILE
 
@@ -410,26 +411,42 @@ def _no_input_scales(path: Path) -> CheckpointError:
                            "(weight-only W4A16)")
 
 
-def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant: bool):
+def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant: bool, *, progress: bool = False):
     """transformers model of an NVFP4 result (dequantized) or a bf16 checkpoint, built from
-    the directory's own config.json.
+    the directory's own config.json. ``progress``: a bar on stderr while the weights load (NVFP4:
+    g4's, over the stored bytes read and dequantized; bf16: transformers' own, per tensor).
 
     Raises:
         CheckpointError: tensors that do not cover the model exactly.
     """
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.progress import progress_bar
     from g4.convert.reference import (_install_activation_quant, empty_model, load_nvfp4_as_hf, load_source_model,
                                       missing_weights)
 
     if fmt.format == BF16:
-        return load_source_model(path, dtype)
+        was = hf_logging.is_progress_bar_enabled()
+        if progress:  # g4serve turns the libraries' bars off; this one is the load's
+            with warnings.catch_warnings():  # huggingface_hub warns that HF_HUB_DISABLE_PROGRESS_BARS keeps its own off
+                warnings.simplefilter("ignore", UserWarning)
+                hf_logging.enable_progress_bar()
+        try:
+            return load_source_model(path, dtype)
+        finally:
+            if not was:
+                hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(path, experts_implementation="eager")
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
     raw_config = _read_json_if(path / "config.json")
     model = empty_model(config, raw_config, dtype)
-    sd, input_scales = load_nvfp4_as_hf(path, dtype)
+    ckpt = Checkpoint(path)
+    with progress_bar(sum(info.nbytes for info in ckpt.tensors.values()), f"loading {path.name}",
+                      enabled=progress) as bar:
+        sd, input_scales = load_nvfp4_as_hf(ckpt, dtype, on_read=bar.update)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = missing_weights(missing, raw_config)
     if missing or unexpected:
@@ -444,7 +461,7 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
 
 
 def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: str = "bfloat16",
-                    fmt: ResultFormat | None = None, stream: bool | None = None) -> Engine:
+                    fmt: ResultFormat | None = None, stream: bool | None = None, progress: bool = False) -> Engine:
     """The CPU engine for the result in ``path`` (format detected from its files).
 
     Args:
@@ -454,6 +471,7 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
             the int8-neuron emulator always computes in fp32.
         stream: NVFP4 and bf16: run one decoder layer at a time (:class:`StreamedEngine`);
             ``None`` = exactly when the whole model does not fit (:func:`whole_model_fits`).
+        progress: a bar on stderr while a whole model loads (:func:`build_hf_model`).
 
     Raises:
         CheckpointError: unknown format, unreadable files, ``act_quant=True`` on a W4A16 result.
@@ -487,7 +505,7 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
         else:
             model = SourceStream(path, DTYPES[dtype])
         return StreamedEngine(path, model, tokenizer, f"{what}, {dtype}, one decoder layer at a time")
-    model = build_hf_model(path, fmt, DTYPES[dtype], bool(act_quant))
+    model = build_hf_model(path, fmt, DTYPES[dtype], bool(act_quant), progress=progress)
     return HFEngine(path, model, tokenizer, f"{what}, {dtype}")
 
 
@@ -534,7 +552,7 @@ def choose_backend(fmt: ResultFormat, requested: str = "auto") -> tuple[str, str
     if requested == "vllm" and fmt.format == INT8_NEURON:
         raise G4Error(f"{fmt.path}: an int8-neuron result is served by the neuron or cpu backend, not vllm")
     if requested == "neuron" and fmt.format != INT8_NEURON:
-        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is a {kind}")
+        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is {a_or_an(kind)}")
     ok, why = _backend_status(requested)
     if not ok:
         raise G4Error(f"backend {requested} unavailable: {why}")

@@ -74,6 +74,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from g4.convert.errors import a_or_an
 from g4.convert.prompt import completion_ids
 
 from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, openai_tools, render_prompt, tool_prefill_ids
@@ -113,7 +114,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _content_required(self):
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"{a_or_an(str(self.role))} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         if self.role == "tool" and not self.tool_call_id:

@@ -59,3 +59,81 @@ def test_an_unknown_hidden_activation_is_one_error_line_on_every_command(tmp_pat
     assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
     assert "hidden_activation 'swiglu_typo'" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def _one_error_line(r, *needles):
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", [
+    ["g4convert", "nvfp4", "", "{tmp}/o"], ["g4convert", "int8-neuron", " ", "{tmp}/o"], ["g4convert", "plan", ""],
+    ["g4convert", "verify", "{out}", "--against", ""], ["g4convert", "eval", "{out}", "--against", ""],
+    ["g4serve", "check", "{out}", "--against", ""],
+], ids=lambda a: " ".join(a[:2]))
+def test_an_empty_src_says_so_on_every_command(tmp_path, args):
+    """Fresh-user finding: SRC "" was the working directory, reported as `config.json: missing`."""
+    from test_serve_fixtures import embedded_result
+
+    from g4.serve.cli import main as g4serve
+
+    cli = {"g4convert": main, "g4serve": g4serve}[args[0]]
+    argv = [a.format(tmp=tmp_path, out=embedded_result("nvfp4")) for a in args[1:]]
+    line = _one_error_line(CliRunner().invoke(cli, argv), "SRC is empty", "'embedded'")
+    assert "config.json" not in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["nvfp4", "embedded", "{parent}/o", "--weight-only"], ["int8-neuron", "embedded", "{parent}/o", "--tp", "1"],
+    ["synth", "{parent}/o", "--layers", "1"],
+], ids=lambda a: a[0])
+@pytest.mark.parametrize("how", ["permissions", "mkdir fails"])
+def test_an_out_parent_that_is_not_writable_is_named_not_the_temporary_directory(tmp_path, monkeypatch, args, how):
+    """Fresh-user finding: a read-only OUT parent named `.o.partial-<pid>-<hex>: Permission denied`.
+    Both ways it shows: os.access says so (a user without write permission), or creating the
+    temporary directory fails although os.access passed (root on a read-only mount, ACLs)."""
+    import os
+    from pathlib import Path
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    if how == "permissions":
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == parent else real_access(p, mode, **kw))
+    else:
+        real_mkdir = Path.mkdir
+
+        def mkdir(self, *a, **kw):
+            if self.parent == parent:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_mkdir(self, *a, **kw)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+    r = CliRunner().invoke(main, [a.format(parent=parent) for a in args])
+    line = _one_error_line(r, f"{parent}: the parent directory of OUT is not writable")
+    assert ".partial" not in line
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [
+    ["g4convert", "nvfp4", "embedded", "{tmp}/o", "--calib-data", "{csv}"],
+    ["g4convert", "eval", "{out}", "--text", "{csv}"],
+    ["g4serve", "check", "{out}", "--against", "embedded", "--prompts", "{csv}"],
+], ids=lambda a: a[-2])
+def test_a_text_file_of_another_kind_is_refused_not_read_as_plain_text(tmp_path, args):
+    """Fresh-user finding: --calib-data x.csv was read as plain text without a word."""
+    from test_serve_fixtures import embedded_result
+
+    from g4.serve.cli import main as g4serve
+
+    csv = tmp_path / "x.csv"
+    csv.write_text("question,answer\nWhat is the capital of France?,Paris\n")
+    cli = {"g4convert": main, "g4serve": g4serve}[args[0]]
+    argv = [a.format(tmp=tmp_path, out=embedded_result("nvfp4"), csv=csv) for a in args[1:]]
+    _one_error_line(CliRunner().invoke(cli, argv), f"{csv}: {args[-2]} takes .txt (", ".jsonl (", "not .csv")
+    assert not (tmp_path / "o").exists()

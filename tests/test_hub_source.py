@@ -146,7 +146,34 @@ def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
     r = g4("g4.convert.cli", "nvfp4", "google/not-cached", cache=cache, cwd=tmp_path, offline=True)
     one_error_line(r, "google/not-cached", "HF_HUB_OFFLINE=1")
     r = g4("g4.convert.cli", "nvfp4", f"{REPO}@v2", cache=cache, cwd=tmp_path, offline=True)
-    one_error_line(r, f"{REPO}@v2", "HF_HUB_OFFLINE=1")
+    one_error_line(r, f"{REPO}@v2: unknown revision 'v2'", f"holds {REPO} at main, {commit[:12]}", "HF_HUB_OFFLINE=1")
+    # a short commit id: only the Hub resolves those; the cache's one commit that starts with it is named
+    r = g4("g4.convert.cli", "plan", f"{REPO}@{commit[:7]}", cache=cache, cwd=tmp_path, offline=True)
+    one_error_line(r, f"unknown revision '{commit[:7]}'", f"pass the full commit id: {REPO}@{commit}")
+    assert "not (fully) in the" not in r.stderr
+
+
+def test_an_unreachable_hub_is_said_once_and_the_cache_is_used(tiny_mm, tmp_path):
+    """Fresh-user finding: with no network and no HF_HUB_OFFLINE a cached repo id took ~50 s of
+    huggingface_hub retries, 12 "Retrying" lines even with -q. HF_ENDPOINT here is a closed port."""
+    cache = tmp_path / "cache"
+    commit = "c0ffee" * 6 + "c0ff"
+    snapshot = cache / "models--google--gemma-4-tiny-test" / "snapshots" / commit
+    shutil.copytree(tiny_mm, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    for quiet in (["-q"], []):
+        r = g4("g4.convert.cli", *quiet, "int8-neuron", REPO, "--tp", "1", "--overwrite", cache=cache, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        said = [line for line in r.stderr.splitlines() if "cannot be reached" in line]
+        assert len(said) == 1 and "using the Hugging Face cache" in said[0] and "http://127.0.0.1:9" in said[0], r.stderr
+        assert "Retrying" not in r.stderr and "thrown while requesting" not in r.stderr
+        if quiet:
+            assert r.stderr.strip() == said[0]
+    r = g4("g4.convert.cli", "plan", f"{REPO}@v9", cache=cache, cwd=tmp_path)
+    said, error = r.stderr.strip().splitlines()
+    assert said.startswith("the Hub (http://127.0.0.1:9) cannot be reached") and r.returncode == 2
+    assert error.startswith(f"error: {REPO}@v9: unknown revision 'v9'") and "cannot be reached" in error
 
 
 def test_revision(hub, tiny_mm, tmp_path):

@@ -283,6 +283,11 @@ def test_an_f32_or_f16_source_gives_the_bf16_layout_g4serve_loads(tmp_path, dtyp
     convert_int8_neuron(src, tmp_path / "out", tp=2, progress=False)
     manifest, _, _ = check_rank_files(tmp_path / "out")  # what the server start and push check
     assert manifest.embed_scale == 11.3125 and KEPT_DTYPE == torch.bfloat16
+    # the card states what is stored: the source's dtype from its tensors (config.json still says
+    # bfloat16), the kept tensors in bf16 as the rank files hold them
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| source ({str(dtype).removeprefix('torch.')}, 1 file) |" in card
+    assert "- kept bf16: attention, router, norms, layer_scalar, embed_tokens (host)" in card
     if dtype == torch.float32:
         convert_int8_neuron(EMBEDDED_DIR, tmp_path / "ref", tp=2, progress=False)
         assert weights(tmp_path / "out") == weights(tmp_path / "ref")

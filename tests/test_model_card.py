@@ -93,6 +93,7 @@ def test_nvfp4_card_is_written_at_conversion_and_reads_out(tiny_mm_nvfp4, tiny_m
     assert "--moe-backend marlin --linear-backend marlin" in text
     assert "VLLM_NVFP4_GEMM_BACKEND=marlin vllm serve" in text
     assert "Not verified yet" in text and "has not been loaded in vLLM by g4 yet" in text
+    assert "Synthetic source" not in text  # only a `g4convert synth` source is called synthetic
     src_bytes = sum(p.stat().st_size for p in tiny_mm.glob("*.safetensors"))
     assert load_conversion_facts(tiny_mm_nvfp4)["source"]["weight_bytes"] == src_bytes
     out_bytes = (tiny_mm_nvfp4 / "model.safetensors").stat().st_size
@@ -230,3 +231,27 @@ def test_one_layer_and_missing_values_read_as_english(tmp_path):
     assert "| What is the capital of France? \\| pipes | 1.0 | none (replies agree) |" in text
     assert "| prompts with identical replies | - |" in text
     assert "None" not in text and "1 layers" not in text
+
+
+def test_an_f32_source_is_named_f32_and_its_kept_tensors_as_stored(tmp_path):
+    """Fresh-user finding: an F32 source keeps norms and embeddings in F32 in the NVFP4 result while
+    the card called the source bf16 (from config.json's dtype). The card now reads the tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.convert.nvfp4 import convert_nvfp4
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "f32")
+    sd = load_file(src / "model.safetensors")
+    save_file({k: v.float() for k, v in sd.items()}, src / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((src / "config.json").read_text())["dtype"] == "bfloat16"  # unchanged
+    out = tmp_path / "out"
+    convert_nvfp4(src, out, weight_only=True, progress=False)
+    card = (out / CARD_FILE).read_text()
+    assert "| source (float32, 1 file) |" in card and "bfloat16, 1 file" not in card
+    ckpt = Checkpoint(out)
+    kept = {i.dtype for n, i in ckpt.tensors.items() if "norm" in n or "embed_tokens" in n}
+    assert kept == {torch.float32}
+    assert "| norms | 37 | F32 |" in card and "| token embedding | 1 | F32 |" in card

@@ -391,3 +391,54 @@ def test_neuron_weights_are_the_bytes_the_exporter_writes(tmp_path, attention):
     # the embedded model cannot be split over 8 ranks (4 query heads); the plan says so
     with pytest.raises(G4Error, match="cannot be mapped"):
         plan_memory(Checkpoint(EMBEDDED_DIR).config, fmt="int8-neuron", tp=8)
+
+
+def test_a_g4_result_is_planned_as_the_result_it_is():
+    """Fresh-user finding: `plan` refused an NVFP4 result as already quantized although it only
+    plans, and planned an int8-neuron result at TP 1 whatever TP its rank files were written for."""
+    from test_serve_fixtures import embedded_result
+
+    nvfp4, int8 = embedded_result("nvfp4"), embedded_result("int8-neuron")  # int8-neuron: TP 2
+    r = run(str(nvfp4), "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    config = json.loads((nvfp4 / "config.json").read_text())
+    source = plan_memory(json.loads((EMBEDDED_DIR / "config.json").read_text()), fmt="nvfp4")
+    assert d["inputs"]["fmt"] == "nvfp4" and d["inputs"]["attention"] == "nvfp4" and "NVFP4 W4A4" in d["inputs"]["model"]
+    assert d["weights_per_rank"] == source.weights_per_rank == plan_memory(config, fmt="nvfp4").weights_per_rank
+    d = json.loads(run(str(int8), "--json").output)
+    assert (d["inputs"]["fmt"], d["inputs"]["tp"], d["inputs"]["target"], d["inputs"]["enable_bucketing"]) == (
+        "int8-neuron", 2, "inf2.xlarge", True)
+    assert d["inputs"]["seq_len"] == json.loads((int8 / "manifest.json").read_text())["max_length"]
+    assert json.loads(run(str(int8), "--target", "inf2.8xlarge", "--json").output)["inputs"]["target"] == "inf2.8xlarge"
+    for src, args, fix in [(nvfp4, ["--format", "int8-neuron"], "pass --format nvfp4 (or leave --format out)"),
+                           (nvfp4, ["--attention", "bf16"], "pass --attention nvfp4"),
+                           (int8, ["--tp", "1"], "its rank files are one per TP rank; pass --tp 2")]:
+        r = run(str(src), *args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and fix in r.output, r.output
+        assert r.output.startswith(f"error: {src}: an ") and "or plan the source it was converted from" in r.output
+
+
+def test_a_quantized_checkpoint_that_is_not_a_g4_result_names_the_config_to_plan(tmp_path):
+    import shutil
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "gptq")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "gptq"}}))
+    r = run(str(src))
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "quant_method 'gptq'" in r.output and f"pass {src / 'config.json'} to plan the model" in r.output
+    assert run(str(src / "config.json")).exit_code == 0
+
+
+def test_check_exits_1_when_something_does_not_fit():
+    """Fresh-user finding: DOES NOT FIT exited 0. With --check: 1 for the device or the host."""
+    host_short = ["gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2"]  # device FITS, host DOES NOT FIT
+    assert run(*host_short).exit_code == 0
+    r = run(*host_short, "--check")
+    assert r.exit_code == 1 and "host:   DOES NOT FIT" in r.output
+    assert run(*host_short, "--check", "--json").exit_code == 1
+    assert run("gemma-4-26B-A4B", "--target", "inf2.8xlarge", "--tp", "2", "--check").exit_code == 0
+    r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "24GiB", "--check")
+    assert r.exit_code == 1 and "device: DOES NOT FIT" in r.output
+    assert run("embedded", "--check").exit_code == 0  # no target: nothing to check

@@ -226,9 +226,9 @@ def test_auth_errors_are_one_line(hub, out, case):
 
 
 def test_incomplete_or_oversized_result_is_refused_before_sending(hub, out):
-    big = max(out.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    big = max((p for p in out.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
     r = g4push(hub, "push", str(out), REPO, "--max-file-size", "100kB")
-    assert r.returncode == 2 and big.name in r.stderr and "per-file limit" in r.stderr
+    assert r.returncode == 2 and f"{big}:" in r.stderr and "per-file limit" in r.stderr
     shard = out / "model-00002-of-00003.safetensors"
     whole = shard.read_bytes()
     shard.write_bytes(whole[:-1000])  # a truncated shard is never published
@@ -294,3 +294,45 @@ def test_push_refuses_a_result_that_differs_from_its_table(hub, kind, tmp_path):
     assert_one_error_line(r.stderr, bad / "model.safetensors", expected)
     assert not hub.repos and hub.lfs_uploads == 0
     assert local_files(bad) == before
+
+
+@pytest.mark.parametrize("limit", ["1MB", "1kB", "1B"])
+def test_a_file_over_the_users_limit_names_that_limit_and_shows_the_sizes(tmp_path, limit):
+    """Fresh-user finding: `--max-file-size 1MB` said "0.00 GB is over the per-file limit of
+    0.001 GB (HUB_MAX_FILE_BYTES: the Hub's limit)", and with 1kB it blamed README.md."""
+    from click.testing import CliRunner
+
+    from g4.convert.cli import main
+    from g4.exporters.safetensors_writer import format_bytes, parse_size
+
+    out = shutil.copytree(embedded_result("nvfp4"), tmp_path / "r")
+    largest = max((p for p in out.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    assert largest.name == "model.safetensors" and largest.stat().st_size > 10**6
+    r = CliRunner().invoke(main, ["push", str(out), REPO, "--dry-run", "--max-file-size", limit])
+    assert r.exit_code == 2
+    line = r.stderr.strip().splitlines()[-1]
+    size = format_bytes(largest.stat().st_size)
+    assert line.startswith(f"error: {largest}: {size} is over the per-file limit of "
+                           f"{format_bytes(parse_size(limit))} that --max-file-size sets"), line
+    assert f"raise --max-file-size to at least {size}" in line
+    assert "Hub" not in line and "GB" not in line
+    # a smaller --max-shard-size helps only when every file over the limit is a shard and a shard can meet it
+    assert ("--max-shard-size" in line) == (limit == "1MB"), line
+
+
+def test_a_file_over_the_hubs_limit_says_what_helps(tmp_path):
+    from g4.convert.push import HUB_MAX_FILE_BYTES, LocalFile, check_file_sizes
+
+    def files(*named):
+        return [LocalFile(rel, tmp_path / rel, size) for rel, size in named]
+
+    big = HUB_MAX_FILE_BYTES + 1
+    with pytest.raises(HubError, match=r"model-00001-of-00002.safetensors: 200.000 GB \(200,000,000,001 bytes\) is over "
+                                       r"the Hub's per-file limit of 200.000 GB \(200,000,000,000 bytes\); convert "
+                                       r"again with a smaller --max-shard-size$"):
+        check_file_sizes(tmp_path, files(("README.md", 10), ("model-00001-of-00002.safetensors", big)), None, "nvfp4")
+    with pytest.raises(HubError, match=r"tp0_sharded_checkpoint.safetensors: .* the Hub's per-file limit .*: convert "
+                                       r"again with a larger --tp$"):
+        check_file_sizes(tmp_path, files(("weights/tp0_sharded_checkpoint.safetensors", 300 * 10**9)), None,
+                         "int8-neuron")
+    check_file_sizes(tmp_path, files(("model.safetensors", HUB_MAX_FILE_BYTES)), None, "nvfp4")  # at the limit: fine

@@ -139,3 +139,29 @@ def test_available_memory_is_the_memory_cgroups_room_where_that_is_less(tmp_path
     assert available_memory_bytes(tmp_path) == 20 * gib
     (tmp_path / "proc/meminfo").write_text("MemTotal: 1 kB\n")
     assert available_memory_bytes(tmp_path) is None
+
+
+def test_the_whole_model_load_shows_a_bar_over_the_stored_bytes(capfd):
+    """Fresh-user finding: g4serve printed nothing during a 170 s load. The NVFP4 load counts
+    every stored byte it reads and dequantizes (KV cache scales included, unread); -q (progress
+    False) draws nothing."""
+    from test_serve_fixtures import embedded_result
+
+    from g4.convert.checkpoint import Checkpoint
+    from g4.convert.reference import load_nvfp4_as_hf
+    from g4.exporters.formats import detect_format
+    from g4.serve.engine import build_hf_model
+
+    out = embedded_result("nvfp4")
+    total = sum(info.nbytes for info in Checkpoint(out).tensors.values())
+    counted = []
+    sd, scales = load_nvfp4_as_hf(out, on_read=counted.append)
+    assert sum(counted) == total and len(counted) == len(Checkpoint(out).tensors)
+    capfd.readouterr()
+    build_hf_model(out, detect_format(out), torch.bfloat16, act_quant=False, progress=True)
+    err = capfd.readouterr().err
+    assert f"loading {out.name}:" in err and "100%" in err
+    build_hf_model(out, detect_format(out), torch.bfloat16, act_quant=False)
+    assert capfd.readouterr().err == ""
+    build_hf_model(EMBEDDED_DIR, detect_format(EMBEDDED_DIR), torch.bfloat16, act_quant=False, progress=True)
+    assert "Loading weights" in capfd.readouterr().err  # transformers' own bar for a bf16 checkpoint

@@ -5,6 +5,7 @@ import math
 import torch
 
 from g4.convert.checkpoint import Checkpoint
+from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.synth import synthetic_config, synthetic_specs, write_synthetic
 
@@ -44,5 +45,10 @@ def test_write_small_synthetic_and_convert_it(tmp_path):
     assert len({i.file for i in ck.tensors.values()}) > 1
     assert all(i.dtype == torch.bfloat16 for i in ck.tensors.values())
     report = convert_nvfp4(src, tmp_path / "out", calib_samples=2, calib_seq_len=32, progress=False)
+    # the card of a conversion of random weights says so (a fresh-user finding: it did not)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "**Synthetic source, random weights: not a usable model.**" in card and "(2 layers, seed 0)" in card
+    convert_int8_neuron(src, tmp_path / "int8", tp=1, progress=False)
+    assert "**Synthetic source, random weights" in (tmp_path / "int8" / "README.md").read_text()
     # experts (2 layers x 4 x 3) + dense mlp (2 x 3) + q,k,v,o (sliding) + q,k,o (full, k_eq_v)
     assert report.linears_quantized == 2 * 4 * 3 + 2 * 3 + 4 + 3

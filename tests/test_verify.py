@@ -207,10 +207,17 @@ def test_streamed_metrics_equal_whole_model_metrics(embedded_nvfp4):
     assert same["layer_rel_error"] == [0.0] * 4 and same["all_mean_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_verify_reports_layer_errors(embedded_nvfp4):
+def test_verify_reports_layer_errors(embedded_nvfp4, capfd):
     import json
 
-    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=False, max_new_tokens=2)
+    report = verify_nvfp4(embedded_nvfp4, EMBEDDED_DIR, act_quant=False, max_new_tokens=2, progress=True)
+    # the progress bar (a fresh user saw nothing for 7 minutes): decoder layers run, 2 tokens of SRC
+    # greedy + both sides compared + 8 answer tokens per fact, over 4 layers
+    bar = capfd.readouterr().err.split("\r")
+    total = (2 + 2 + 8) * 4
+    assert any(f"verify {embedded_nvfp4.name}:" in b and f" 0/{total} " in b for b in bar), bar[:3]
+    assert f"{total}/{total}" in bar[-1] or f"{total}/{total}" in bar[-2]
+    assert any("SRC greedy" in b for b in bar) and any("comparing" in b for b in bar) and any("facts" in b for b in bar)
     assert len(report.layer_rel_error) == 4 and all(0 < e < 1 for e in report.layer_rel_error)
     assert json.loads(report.to_json())["layer_rel_error"] == report.layer_rel_error
     assert "hidden-state relative error per layer: 0:" in report.summary()
