@@ -189,9 +189,8 @@ class Int8NeuronStream(StreamedModel):
     Face layout by the layout table's own rules (:func:`g4.exporters.neuron_int8.unshard`), so
     no name or split is written twice. The embedding is the host table's rows times the
     manifest's ``embed_scale`` rounded to the table dtype, and the head the vocabulary-sharded
-    int8 lm_head, as ``g4.serve.neuron_emulator`` (which loads every rank whole, in fp32)
-    computes them; the unsharded forward differs from the emulator's per-rank partial sums
-    only by summation order.
+    int8 lm_head, as ``g4.serve.neuron_emulator`` computes them; the unsharded forward differs
+    from the emulator's per-rank partial sums only by summation order.
 
     Memory: one layer of every rank (int8) and its dequantized whole in ``dtype``; the head
     phase the ``[V, H]`` lm_head.
@@ -255,13 +254,9 @@ class Int8NeuronStream(StreamedModel):
         return self._gathered(entries, layer_prefix(layer), layer), {}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        from safetensors import safe_open
+        from g4.exporters.neuron_int8 import host_rows
 
-        table = self.manifest.host_embedding
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        with safe_open(self.root / table["file"], framework="pt") as f:
-            rows = f.get_slice(table["tensor"])
-            picked = torch.cat([rows[i : i + 1] for i in unique.tolist()])[inverse]
+        picked = host_rows(self.root, self.manifest.host_embedding, ids)
         scaled = picked * torch.tensor(self.manifest.embed_scale).to(picked.dtype)
         return scaled.to(self.dtype).unsqueeze(0).to(self.device)
 

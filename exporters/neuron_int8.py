@@ -559,24 +559,66 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
     return [p for p in e.rule.take(w, s, g, layer, rank) if p is not None]
 
 
-def dequantized_local(e: Entry, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> torch.Tensor:
+DEQUANT_BLOCK_BYTES = 64 << 20  # fp32 output written per product, so torch's fp32 copy of q stays this small
+
+
+def dequantized_local(e: Entry, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, *,
+                      transpose: bool = False) -> torch.Tensor:
     """One rank's tensor of entry ``e`` (``tensors``: that rank file's tensors by name) in ``dtype``:
     an int8 entry dequantized as ``q * scale`` in fp32 (the product NxD's quantized layers
     compute, aws-neuron/neuronx-distributed ``quantization/quantization_layers.py``), then cast.
+    The product is written into the fp32 result :data:`DEQUANT_BLOCK_BYTES` at a time along the
+    first dimension (torch converts ``q`` to fp32 for each product, so a whole-tensor product
+    would briefly hold a second fp32 copy of it); elementwise, so the values are the same.
+
+    Args:
+        transpose: return the last two dimensions swapped, contiguous (an expert of the NxD
+            layout ``[H, 2I/T]`` as Hugging Face's ``[2I/T, H]``), written in the same pass.
 
     Raises:
         KeyError: the rank file lacks one of the entry's tensors.
     """
     names = e.names(prefix)
-    if e.int8:
-        return (tensors[names[0]].float() * tensors[names[1]]).to(dtype)
-    return tensors[names[0]].to(dtype)
+    t = tensors[names[0]]
+    if not e.int8:
+        return (t.mT.contiguous() if transpose else t).to(dtype)
+    scale = tensors[names[1]]
+    if transpose:
+        t, scale = t.mT, scale.mT
+    shape = torch.broadcast_shapes(t.shape, scale.shape)
+    t, scale = t.expand(shape), scale.expand(shape)
+    out = torch.empty(shape, dtype=torch.float32)  # int8 weights are [..., out, in]: at least 2-D
+    step = max(1, DEQUANT_BLOCK_BYTES // max(1, out[0].numel() * 4))
+    for a in range(0, shape[0], step):
+        torch.mul(t[a : a + step], scale[a : a + step], out=out[a : a + step])
+    return out.to(dtype)
 
 
 def unshard(e: Entry, parts: list[torch.Tensor], g: Geometry, layer: int | None) -> torch.Tensor:
     """The whole source tensor (Hugging Face layout) of entry ``e`` from every rank's local
     tensor (:func:`dequantized_local`, rank order): the inverse of :func:`shard`."""
     return e.rule.gather(parts, g, layer)
+
+
+def host_rows(out_dir: str | Path, host_embedding: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the host embedding table (``manifest.host_embedding``: file and tensor under
+    ``out_dir``) for int64 token ``ids`` of any shape: ``[*ids.shape, H]`` in the table's dtype,
+    unscaled. Only the rows of the distinct ids are read from the file.
+
+    Raises:
+        CheckpointError: the table cannot be read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(out_dir) / host_embedding["file"]
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    try:
+        with safe_open(path, framework="pt") as f:
+            rows = f.get_slice(host_embedding["tensor"])
+            picked = torch.cat([rows[i : i + 1] for i in unique.tolist()])
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: unreadable host embedding table ({type(e).__name__}: {e})") from e
+    return picked[inverse]
 
 
 # --------------------------------------------------------------------------- manifest

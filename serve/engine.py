@@ -12,7 +12,9 @@
   (:func:`whole_model_fits`).
 * :class:`EmulatorEngine`: an int8-neuron result through
   :class:`g4.serve.neuron_emulator.NeuronEmulator` (tensor-parallel ranks emulated on the
-  CPU; no KV cache, every step recomputes the whole sequence).
+  CPU; no KV cache, every step recomputes the whole sequence). Its weights stay int8 and are
+  dequantized on use, a layer at a time; the rank files are held in RAM, or, when they would
+  not fit (:func:`whole_model_fits`), read from disk one layer at a time on every step.
 
 An engine only turns prompt ids into generated ids (:meth:`Engine.generate`); chat
 rendering and reply parsing live in ``g4.serve.chat``, HTTP in ``g4.serve.server``. Other
@@ -334,20 +336,39 @@ def available_memory_bytes(root: Path = Path("/")) -> int | None:
     return available
 
 
-def whole_model_fits(path: Path, dtype: torch.dtype) -> bool:
-    """Whether the whole model in ``path``, dequantized to ``dtype``, fits twice into the memory
-    this process can still allocate (:func:`available_memory_bytes`: ``MemAvailable``, or a
-    memory cgroup's room where that is less; True where neither can be read). Twice: loading
-    holds the stored and the dequantized tensors side by side."""
+def whole_model_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes the whole-model CPU engine of the result in ``path`` needs, computed from its headers:
+
+    * NVFP4 or bf16 (:class:`HFEngine`): twice the model dequantized to ``dtype`` (loading holds
+      the model's own parameters and the dequantized state dict side by side; on the 2-layer
+      NVFP4 synthetic 26B this says 11.39 GiB, the anonymous memory peaked at 11.49 GiB; the
+      result's memory-mapped pages, 3.4 GiB more of resident set, are reclaimable page cache);
+    * int8-neuron (:class:`EmulatorEngine` with ``stream=False``): the rank files' tensors as
+      stored plus one rank's lm_head slice in ``dtype``
+      (:func:`g4.serve.neuron_emulator.whole_model_bytes`; layers are dequantized on use).
+
+    Raises:
+        CheckpointError: unreadable headers, or an int8-neuron result that differs from its layout.
+    """
     from g4.convert.checkpoint import Checkpoint
 
-    available = available_memory_bytes()
-    if available is None:
-        return True
+    if detect_format(path).format == INT8_NEURON:
+        from .neuron_emulator import whole_model_bytes as emulator_bytes
+
+        return emulator_bytes(path, dtype)
     # an NVFP4 uint8 byte holds two weights
     params = sum(info.nbytes * 2 if info.dtype == torch.uint8 else info.nbytes // info.dtype.itemsize
                  for info in Checkpoint(path).tensors.values())
-    return 2 * params * dtype.itemsize <= available
+    return 2 * params * dtype.itemsize
+
+
+def whole_model_fits(path: Path, dtype: torch.dtype) -> bool:
+    """Whether the whole-model CPU engine of the result in ``path`` (:func:`whole_model_bytes`)
+    fits into the memory this process can still allocate (:func:`available_memory_bytes`:
+    ``MemAvailable``, or a memory cgroup's room where that is less; True where neither can be
+    read). :func:`load_cpu_engine` runs the model one decoder layer at a time when it does not."""
+    available = available_memory_bytes()
+    return available is None or whole_model_bytes(path, dtype) <= available
 
 
 class EmulatorEngine(Engine):
@@ -469,8 +490,10 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
             the result is W4A4 (see the module docstring).
         dtype: ``"bfloat16"`` (what vLLM computes in) or ``"float32"`` for the transformers model;
             the int8-neuron emulator always computes in fp32.
-        stream: NVFP4 and bf16: run one decoder layer at a time (:class:`StreamedEngine`);
-            ``None`` = exactly when the whole model does not fit (:func:`whole_model_fits`).
+        stream: run one decoder layer at a time, reading it from the files on every step
+            (NVFP4 and bf16: :class:`StreamedEngine`; int8-neuron: the emulator with
+            ``stream=True``); ``None`` = exactly when the whole model does not fit
+            (:func:`whole_model_fits`).
         progress: a bar on stderr while a whole model loads (:func:`build_hf_model`).
 
     Raises:
@@ -484,9 +507,12 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
     if fmt.format == INT8_NEURON:
         from .neuron_emulator import NeuronEmulator
 
-        emulator = NeuronEmulator(path, dtype=torch.float32)
+        if stream is None:
+            stream = not whole_model_fits(path, torch.float32)
+        emulator = NeuronEmulator(path, dtype=torch.float32, stream=stream)
         tp = emulator.manifest.tp_degree
-        return EmulatorEngine(path, emulator, tokenizer, f"{fmt.detail}, TP={tp} emulated on CPU, float32")
+        return EmulatorEngine(path, emulator, tokenizer, f"{fmt.detail}, TP={tp} emulated on CPU, float32"
+                                                         + (", one decoder layer at a time" if stream else ""))
     if fmt.format == NVFP4:
         act_quant = fmt.w4a4 if act_quant is None else act_quant
         what = f"{fmt.detail} dequantized, {'W4A4 activation emulation' if act_quant else 'weight-only arithmetic'}"

@@ -185,6 +185,52 @@ def test_emulator_answers_facts_and_catches_a_dropped_embed_scale(outputs):
     assert kl(NeuronEmulator(outputs[2], embed_scale=1.0)) > 20 * max(kl(model), 1e-3)
 
 
+def _live_float_bytes(dtype) -> int:
+    """Bytes of the distinct storages of every live ``dtype`` tensor the garbage collector sees."""
+    import gc
+
+    storages = {}
+    # type(), not isinstance(): a dead weak proxy raises on __class__; and not the fake tensors
+    # torch.compile leaves behind (no data)
+    for o in gc.get_objects():
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype == dtype and o.device.type == "cpu":
+            st = o.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_emulator_holds_at_most_one_layer_of_dequantized_weights(outputs, monkeypatch, stream):
+    """Issue 24: the int8 weights stay int8 (the rank files' tensors as stored, or, streamed, not
+    held at all) and are dequantized on use: while any layer runs, the live fp32 tensors are less
+    than one decoder layer of every rank dequantized whole (the emulator used to hold every
+    layer and the lm_head in fp32), and the streamed forward gives the held one's logits bit for bit."""
+    out = outputs[2]
+    ranks = [load_file(out / rank_file(r)) for r in range(2)]
+    one_layer = max(sum(t.numel() * 4 for sd in ranks for n, t in sd.items()
+                        if n.startswith(f"layers.{L}.") and not n.endswith((".scale", ".rank")))
+                    for L in range(TEXT["num_hidden_layers"]))
+    del ranks
+    ids = torch.tensor([[2, 105, 300, 301, 302, 7, 106, 107, 105, 400, 11, 200, 201]])
+    before = _live_float_bytes(torch.float32)
+    model = NeuronEmulator(out, **({"stream": True} if stream else {}))
+    resident = _live_float_bytes(torch.float32) - before
+    seen = []
+    run_layer = NeuronEmulator._layer
+
+    def spy(shares, h, *args):
+        seen.append(_live_float_bytes(torch.float32) - before)
+        return run_layer(shares, h, *args)
+
+    monkeypatch.setattr(NeuronEmulator, "_layer", staticmethod(spy))
+    got = model(ids)
+    assert len(seen) == TEXT["num_hidden_layers"]
+    assert resident < one_layer / 10, (resident, one_layer)  # the fp32 scales and the final norm
+    assert max(seen) < one_layer, (seen, one_layer)
+    if stream:
+        assert torch.equal(got, NeuronEmulator(out)(ids))
+
+
 def test_bad_tp_and_existing_out(outputs, tmp_path):
     with pytest.raises(G4Error, match="tensor parallel degree 3 cannot be used"):
         convert_int8_neuron(EMBEDDED_DIR, tmp_path / "x", tp=3, progress=False)

@@ -162,11 +162,12 @@ def _int8_reference(out_dir: Path, prompt: list[int]) -> tuple[list[int], torch.
     ``row * bf16(sqrt(H))`` to bf16 (the int8-neuron runtime contract); the NxDI class in fp32 computes
     ``row * sqrt(H)`` in fp32 as transformers does, so the reference takes that lookup here (with the
     contract's lookup the logits differ by up to 5e-3, all of it from that rounding)."""
+    from g4.exporters.neuron_int8 import host_rows
     from g4.serve.neuron_emulator import NeuronEmulator
 
     model = NeuronEmulator(out_dir)
     scale = torch.tensor(model.config.hidden_size ** 0.5)
-    model.embed = lambda ids: model.embed_table[ids].float() * scale
+    model.embed = lambda ids: host_rows(out_dir, model.manifest.host_embedding, ids).float() * scale
     tokens, logits = [], []
     for _ in range(NEW_TOKENS):
         step = model(torch.tensor([prompt + tokens]))[0, -1].float()

@@ -108,6 +108,38 @@ def test_streamed_engine_generates_what_the_whole_model_engine_generates(monkeyp
     assert isinstance(load_cpu_engine(out, stream=False), HFEngine)
 
 
+def test_int8_result_runs_a_layer_at_a_time_when_its_rank_files_do_not_fit(monkeypatch):
+    """Issue 24: the int8-neuron emulator is chosen by the same rule as the NVFP4 engines
+    (whole_model_fits): whole when the rank files' tensors as stored plus one rank's fp32 lm_head
+    slice fit the available memory, otherwise reading one layer at a time; both give the same
+    logits bit for bit and the same ids."""
+    from safetensors.torch import load_file
+    from test_serve_fixtures import embedded_result
+
+    import g4.serve.engine as engine
+    from g4.exporters.neuron_int8 import rank_file
+    from g4.serve.engine import EmulatorEngine, whole_model_bytes
+
+    out = embedded_result("int8-neuron")
+    ranks = [load_file(out / rank_file(r)) for r in range(2)]
+    held = sum(t.nbytes for sd in ranks for n, t in sd.items() if n != "embed_tokens.weight" and not n.endswith(".rank"))
+    need = held + ranks[0]["lm_head.weight"].numel() * 4
+    assert whole_model_bytes(out, torch.float32) == need
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: need)
+    whole = load_cpu_engine(out)
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: need - 1)
+    streamed = load_cpu_engine(out)
+    assert isinstance(streamed, EmulatorEngine) and streamed.emulator.stream and not whole.emulator.stream
+    assert "one decoder layer at a time" in streamed.description and "one decoder" not in whole.description
+    prompt = render_prompt(whole.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    ids = torch.tensor([prompt])
+    assert torch.equal(streamed.emulator(ids), whole.emulator(ids))
+    want = list(whole.generate(prompt, SamplingParams(max_tokens=6)))
+    assert list(streamed.generate(prompt, SamplingParams(max_tokens=6))) == want
+    assert whole.tokenizer.decode(want).startswith("Paris")
+    assert not load_cpu_engine(out, stream=False).emulator.stream
+
+
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_available_memory_is_the_memory_cgroups_room_where_that_is_less(tmp_path, version):
     """A 16 GiB container on a 24 GiB host: /proc/meminfo shows the host, the memory cgroup its
