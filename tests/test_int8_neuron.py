@@ -445,11 +445,11 @@ def _captured_inputs(samples: int, seq_len: int):
     return x, src
 
 
-def _dequantized(out, L, e, prefix):
-    """Entry ``e``'s whole weight in the Hugging Face layout, dequantized, from a TP-1 result."""
+def _dequantized(tensors, L, e, prefix):
+    """Entry ``e``'s whole weight in the Hugging Face layout, dequantized, from a TP-1 rank file's tensors."""
     from g4.exporters.neuron_int8 import dequantized_local, unshard
 
-    return unshard(e, [dequantized_local(e, load_file(out / rank_file(0)), prefix, torch.float32)], geom(1), L)
+    return unshard(e, [dequantized_local(e, tensors, prefix, torch.float32)], geom(1), L)
 
 
 @pytest.fixture(scope="module")
@@ -467,12 +467,13 @@ def test_gptq_lowers_every_linears_output_error_on_its_calibration_inputs(algori
     from g4.convert.calibrate import GPTQ_MIN_TOKENS
 
     x, src = captured
+    files = {a: load_file(algorithms[a] / rank_file(0)) for a in ("max", "gptq")}
     ratios, few = {}, []
     for L in (*range(geom(1).num_layers), None):
         for e, prefix in _int8_entries(L):
             name = (f"model.language_model.layers.{L}." if L is not None else "model.language_model.") + e.source
             w = src[name].float()
-            qmax, qgptq = (_dequantized(algorithms[a], L, e, prefix) for a in ("max", "gptq"))
+            qmax, qgptq = (_dequantized(files[a], L, e, prefix) for a in ("max", "gptq"))
             key = (L, "lm_head" if L is None else e.source)
             if isinstance(x[key], list):  # experts: each on its own tokens
                 cases = [(xe, w[i], qmax[i], qgptq[i]) for i, xe in enumerate(x[key])]
