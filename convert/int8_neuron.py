@@ -286,9 +286,9 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
                       f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "
                       f"{plan.device_mem_per_rank / 1e9:.2f} GB; choose a larger target or TP, or pass --force")
     if plan.host_fits is False:
-        log.warning("host RAM: %s needs %.2f GB to load every rank file at once, %s has %.2f GB; "
-                    "load the rank files memory-mapped", target, plan.host_ram_need / 1e9, target,
-                    plan.host_ram / 1e9)
+        log.warning("host RAM: loading the result on %s needs %.2f GB (the load's anonymous memory and the "
+                    "OS/runtime allowance, g4convert plan), %s has %.2f GB", target, plan.host_ram_need / 1e9,
+                    target, plan.host_ram / 1e9)
     return plan
 
 

@@ -251,7 +251,8 @@ def _int8_body(i8: dict) -> dict:
                        f"{'FITS' if plan.get('fits') else 'DOES NOT FIT'} (margin {_size(plan.get('margin'))}; "
                        f"KV cache for {inputs.get('seq_len')} tokens x batch {inputs.get('batch')})")
         if plan.get("host_ram") is not None:
-            summary.append(f"host RAM to load every rank file at once: {_size(plan.get('host_ram_need'))} of "
+            summary.append(f"host RAM of the load (anonymous memory, page cache kept, OS/runtime allowance; the "
+                           f"rank files are memory-mapped): {_size(plan.get('host_ram_need'))} of "
                            f"{_size(plan.get('host_ram'))}: {'fits' if plan.get('host_fits') else 'DOES NOT FIT'}")
     return {"tp": m.tp_degree, "quantized": qz.get("quantized", []), "kept": qz.get("kept_bf16", []),
             "not_exported": qz.get("not_exported", []), "scale": qz.get("scale", ""),
