@@ -32,7 +32,8 @@ from g4.convert.resolve import SRC_FORMS, resolve_source
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
          "            [--shutdown-timeout 30]\n"
          "       g4serve check OUT --against SRC [--prompts FILE] [--min-agreement 0.9] [--url URL] "
-         "[--max-tokens N]")
+         "[--max-tokens N]\n"
+         "       g4serve compile OUT [--compiled-dir DIR]")
 
 
 class _OutFirstGroup(click.Group):
@@ -159,6 +160,32 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
     except KeyboardInterrupt:
         pass
     click.echo("stopped")
+
+
+@main.command("compile")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--compiled-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the compiled model (default: OUT/neuron_compiled).")
+@verbosity_options
+@exit_on_user_error
+def compile_(out, compiled_dir):
+    """Compile the int8-neuron result OUT for NeuronCores (NxDI 0.8), without serving it.
+
+    Runs on any x86 machine with the Neuron SDK 2.28 packages (neuronx-distributed,
+    neuronx-distributed-inference, torch-neuronx); NeuronCores are not needed. The compile takes
+    far more host RAM than serving: do it on a large box, then copy the folder to the serving
+    box as OUT/neuron_compiled (or pass it there with --compiled-dir); g4serve --backend neuron
+    loads it without compiling while its g4_compiled.json matches OUT.
+    """
+    from g4.exporters.formats import INT8_NEURON, check_result
+
+    from .neuron_backend import compile_neuron
+
+    _setup_logging()
+    fmt = check_result(out)
+    if fmt.format != INT8_NEURON:
+        raise G4Error(f"{out}: {fmt.detail}; g4serve compile takes an int8-neuron result (g4convert int8-neuron)")
+    compile_neuron(out, compiled_dir=compiled_dir, log=click.echo)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -17,7 +17,9 @@ with its usual ``context_length_exceeded``) and the context-encoding and token-g
 ladders.
 
 On Neuron, :func:`load_neuron_engine` compiles once into ``OUT/neuron_compiled`` (or
-``compiled_dir``) with NxDI's ``compile`` and loads it with ``load`` on later starts. The folder
+``compiled_dir``) with NxDI's ``compile`` and loads it with ``load`` on later starts.
+:func:`compile_neuron` (``g4serve compile OUT``) does the compile alone, on any x86 machine with
+the Neuron SDK and enough host RAM for it, so the serving box only loads. The folder
 carries ``g4_compiled.json``: a sha256 over the result's ``manifest.json`` and ``config.json`` and
 the NxDI settings g4 compiled with; a folder whose stamp differs (another result, another
 conversion, other settings) is compiled again, never silently used; a folder without the stamp is
@@ -55,12 +57,18 @@ COMPILED_STAMP = "g4_compiled.json"
 COMPILED_MODEL = "model.pt"
 
 
-def neuron_status() -> tuple[bool, str]:
-    """Whether the neuron backend can run here: ``(available, reason in words)``."""
+def neuron_status(*, need_device: bool = True) -> tuple[bool, str]:
+    """Whether the neuron backend can run here: ``(available, reason in words)``. With
+    ``need_device=False`` (``g4serve compile``): only the Neuron SDK's Python packages; a compile
+    runs on any x86 machine that has them (aws-neuron/aws-neuron-sdk
+    ``devflows/inference/ec2-then-ec2-devflow-inf2.rst``: "Model compilation can be executed on
+    a non-inf2 instance")."""
     missing = [m for m in ("neuronx_distributed", "neuronx_distributed_inference", "torch_neuronx")
                if importlib.util.find_spec(m) is None]
     if missing:
         return False, f"{' and '.join(missing)} not installed (Neuron SDK 2.28 for inf2)"
+    if not need_device:
+        return True, "neuronx-distributed(-inference) and torch-neuronx installed"
     if not glob.glob("/dev/neuron*"):
         return False, "neuronx-distributed is installed but no NeuronCore device (/dev/neuron*) is present"
     return True, "neuronx-distributed(-inference), torch-neuronx and NeuronCore devices present"
@@ -180,6 +188,62 @@ def build_nxdi_model(path: Path, settings: dict):
     return NeuronGemma4MoEForCausalLM(str(path), config)
 
 
+def _result_settings(path: Path, *, on_cpu: bool) -> dict:
+    """:func:`nxdi_settings` of the int8-neuron result ``path`` from its manifest and config.
+
+    Raises:
+        CheckpointError: no manifest (not an int8-neuron result) or an unreadable ``config.json``.
+    """
+    manifest = Manifest.from_dir(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/config.json: unreadable ({e})") from e
+    return nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16")
+
+
+def _ensure_compiled(path: Path, model, settings: dict, compiled: Path, log) -> str:
+    """Compile ``model`` into ``compiled`` unless it holds this result's compile already
+    (:func:`compiled_state`); returns the state found (``current``, ``stale``, ``absent``)."""
+    stamp = compile_stamp(path, settings)
+    state = compiled_state(compiled, stamp)
+    if state != "current":
+        log(f"compiling for Neuron into {compiled} ({'replacing a stale compile' if state == 'stale' else 'none there yet'};"
+            " buckets " + ", ".join(f"{k} {settings[k]}" for k in ("context_encoding_buckets", "token_generation_buckets"))
+            + ")")
+        _what_the_class_cannot_load(path, lambda: _compile(model, compiled, stamp, replace=state == "stale"))
+    return state
+
+
+def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, log=print) -> Path:
+    """``g4serve compile``: compile the int8-neuron result ``path`` for NeuronCores with NxDI's
+    ``compile`` (``models/application_base.py``: ``get_builder().trace(initialize_model_weights=False)``,
+    no weights loaded) into ``compiled_dir`` (default ``PATH/neuron_compiled``), with exactly the
+    settings ``g4serve --backend neuron`` loads with (:func:`nxdi_settings`), so the folder copied to
+    the serving box's ``PATH/neuron_compiled`` (or passed there as ``--compiled-dir``) is reused by
+    its stamp check (:func:`compiled_state`) instead of compiling again. NeuronCores are not needed
+    (:func:`neuron_status` with ``need_device=False``); the Neuron SDK 2.28 packages are. A folder
+    that holds this compile already is left as it is. Returns the folder.
+
+    Raises:
+        G4Error: no Neuron SDK here (one line), a ``compiled_dir`` that is not g4's, a result the
+            class cannot load yet; ``CheckpointError`` for a result that is not int8-neuron.
+    """
+    path = Path(path)
+    settings = _result_settings(path, on_cpu=False)  # the result's own errors first
+    ok, why = neuron_status(need_device=False)
+    if not ok:
+        raise G4Error(f"cannot compile for Neuron here: {why}")
+    compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
+    if compiled_state(compiled, compile_stamp(path, settings)) == "current":
+        log(f"{compiled} already holds this result's compile (g4_compiled.json matches): nothing to do")
+        return compiled
+    _ensure_compiled(path, build_nxdi_model(path, settings), settings, compiled, log)
+    log(f"compiled into {compiled}; copy that folder to the serving box as OUT/{COMPILED_DIR} (or pass "
+        "--compiled-dir): g4serve --backend neuron then loads it without compiling")
+    return compiled
+
+
 def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = None, on_cpu: bool = False,
                        log=print) -> NeuronEngine:
     """The :class:`NeuronEngine` of the int8-neuron result ``path``.
@@ -203,27 +267,16 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
         ok, why = neuron_status()
         if not ok:
             raise G4Error(f"neuron backend unavailable: {why}")
-    manifest = Manifest.from_dir(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}/config.json: unreadable ({e})") from e
+    settings = _result_settings(path, on_cpu=on_cpu)
     tokenizer = load_tokenizer(path)
-    settings = nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16")
     model = build_nxdi_model(path, settings)
-    where = f"TP={manifest.tp_degree}, max_length {settings['max_length']}"
+    where = f"TP={settings['tp_degree']}, max_length {settings['max_length']}"
     if on_cpu:
         _what_the_class_cannot_load(path, model.to_cpu)
         return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
                             description=f"int8-neuron through NxDI's CPU mode, {where}, float32")
     compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
-    stamp = compile_stamp(path, settings)
-    state = compiled_state(compiled, stamp)
-    if state != "current":
-        log(f"compiling for Neuron into {compiled} ({'replacing a stale compile' if state == 'stale' else 'first start'};"
-            " buckets " + ", ".join(f"{k} {settings[k]}" for k in ("context_encoding_buckets", "token_generation_buckets"))
-            + ")")
-        _what_the_class_cannot_load(path, lambda: _compile(model, compiled, stamp, replace=state == "stale"))
+    _ensure_compiled(path, model, settings, compiled, log)  # on the serving box: better done apart (compile_neuron)
     log(f"loading the compiled model from {compiled}")
     _what_the_class_cannot_load(path, lambda: model.load(str(compiled)))
     return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],

@@ -151,3 +151,48 @@ def test_g4serve_neuron_without_neuron_is_one_error_line(int8_out):
 def test_load_neuron_engine_refuses_without_neuron(int8_out):
     with pytest.raises(G4Error, match="neuron backend unavailable"):
         nb.load_neuron_engine(int8_out)
+
+
+def test_g4serve_compile_writes_the_folder_serving_reuses(int8_out, tmp_path, monkeypatch):
+    """``g4serve compile OUT --compiled-dir DIR``: NxDI's ``compile`` (here a stand-in model: the
+    Neuron SDK is not installed) with exactly the settings the neuron backend loads with, so the
+    serving path finds DIR ``current`` and would not compile again; a second run compiles nothing;
+    no Neuron SDK, or a result that is not int8-neuron, is one ``error:`` line."""
+    from g4.serve.cli import main
+
+    r = CliRunner().invoke(main, ["compile", str(int8_out), "--compiled-dir", str(tmp_path / "c")])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
+        "error: cannot compile for Neuron here: ") and not (tmp_path / "c").exists(), r.output
+    models, asked = [], []
+
+    def build(path, settings):
+        asked.append(settings)
+        models.append(_Compiles())
+        return models[-1]
+
+    monkeypatch.setattr(nb, "neuron_status", lambda need_device=True: (not need_device, "no NeuronCore device"))
+    monkeypatch.setattr(nb, "build_nxdi_model", build)
+    r = CliRunner().invoke(main, ["compile", str(int8_out), "--compiled-dir", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert "compiling for Neuron into" in r.output and "copy that folder to the serving box" in r.output
+    serving = nb._result_settings(int8_out, on_cpu=False)
+    assert asked == [serving] and models[0].calls == 1
+    assert nb.compiled_state(tmp_path / "c", nb.compile_stamp(int8_out, serving)) == "current"
+    r = CliRunner().invoke(main, ["compile", str(int8_out), "--compiled-dir", str(tmp_path / "c")])
+    assert r.exit_code == 0 and "nothing to do" in r.output and len(models) == 1, r.output
+    # the serving box has no SDK check to pass here; on one, load_neuron_engine skips the compile
+    calls = []
+    monkeypatch.setattr(nb, "_compile", lambda *a, **k: calls.append(a))
+    assert nb._ensure_compiled(int8_out, None, serving, tmp_path / "c", print) == "current" and calls == []
+    nvfp4 = tmp_path / "nvfp4"
+    nvfp4.mkdir()
+    r = CliRunner().invoke(main, ["compile", str(_nvfp4_result(nvfp4))])
+    assert r.exit_code == 2 and "g4serve compile takes an int8-neuron result" in r.output, r.output
+
+
+def _nvfp4_result(out: Path) -> Path:
+    """A W4A16 NVFP4 result of the embedded model (no calibration: fast)."""
+    from g4.convert.nvfp4 import convert_nvfp4
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    return convert_nvfp4(EMBEDDED_DIR, out / "r", weight_only=True, progress=False).out
