@@ -440,6 +440,53 @@ def nvfp4_dir(work, e2e_src) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def modelopt_dir(work, e2e_src) -> Path:
+    """modelopt 0.47's own NVFP4 export (``NVFP4_DEFAULT_CFG``, bf16 model, g4's default
+    calibration text and sizes) of the same source as :func:`nvfp4_dir`: the independent oracle
+    of the ``input_scale``s the W4A4 reference runs with, so a wrong scale in g4's export cannot
+    pass by being in the reference too."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
+
+    from g4.convert.calibrate import CALIB_SAMPLES, CALIB_SEQ_LEN, make_calibration_ids, read_calibration_texts
+
+    tok = AutoTokenizer.from_pretrained(e2e_src)
+    ids = make_calibration_ids(tok, read_calibration_texts(None), samples=CALIB_SAMPLES, seq_len=CALIB_SEQ_LEN)
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        e2e_src, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="eager").eval()
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: [m(input_ids=ids[i:i + 8]) for i in range(0, len(ids), 8)])
+    export_hf_checkpoint(model, export_dir=work / "modelopt")
+    return work / "modelopt"
+
+
+def test_input_scales_are_modelopts_calibration(nvfp4_dir, modelopt_dir, work):
+    """Every ``input_scale`` of g4's export (fp32 calibration forward, the default) is modelopt's
+    own calibration of the same model (bf16 forward) to within 10% (measured 4.8% at worst on
+    this model: the bf16 and fp32 calibration forwards differ that much), the same names; a
+    copy with every ``input_scale`` doubled, which vLLM loads without a word and which passes the
+    end-to-end rule when the reference takes its scales from the export under test, fails it."""
+    import torch
+
+    from g4.convert.checkpoint import Checkpoint
+
+    def scales(path):
+        ck = Checkpoint(path)
+        return {n: ck.get(n).float() for n in ck.tensors if n.endswith(".input_scale")}
+
+    def worst(ours):
+        return max(((ours[n] - theirs[n]).abs() / theirs[n]).max().item() for n in theirs)
+
+    ours, theirs = scales(nvfp4_dir), scales(modelopt_dir)
+    assert set(ours) == set(theirs) and len(theirs) > 100, sorted(set(ours) ^ set(theirs))[:5]
+    doubled = worst({n: 2 * v for n, v in ours.items()})
+    print(f"\n[vllm-cpu input scales] {len(theirs)} input_scales, largest relative difference from modelopt's "
+          f"{worst(ours):.4f}; with every one doubled {doubled:.2f}")
+    assert worst(ours) < 0.1 and doubled > 0.9  # the doubled copy: 10x past the tolerance
+
+
 def _with_bf16_experts(src: Path, dst: Path) -> Path:
     """Copy of the NVFP4 result ``src`` whose routed experts are dequantized to bf16
     (``e2m1 * weight_scale * weight_scale_2``, per-expert 2-D ``experts.E.*_proj.weight``,
@@ -753,11 +800,12 @@ def generated(vllm_info, plugin, work, nvfp4_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(nvfp4_dir, e2e_src) -> dict[str, list]:
+def references(nvfp4_dir, e2e_src, modelopt_dir) -> dict[str, list]:
     """g4's CPU reference runs of the NVFP4 export (module doc of the rule):
 
     - ``w4a4``: as vLLM runs the ``w4a4`` form: dense linears W4A4 (weights dequantized,
-      activations fake-quantized against the calibrated ``input_scale``), experts W4
+      activations fake-quantized against modelopt's own calibrated ``input_scale`` of the same
+      source, :func:`modelopt_dir`, not the export's), experts W4
       dequantized with bf16 inputs; in bf16 and fp32, each with input scales x 1, 1 + 2^-7,
       1 - 2^-7 (bf16 x 1 first: the one vLLM is compared with);
     - ``w4a16``: every weight dequantized, no activation quantization; fp32 (first: vLLM's
@@ -766,7 +814,7 @@ def references(nvfp4_dir, e2e_src) -> dict[str, list]:
     import torch
 
     ref = _reference()
-    _, input_scales = ref.load_nvfp4_as_hf(nvfp4_dir, torch.bfloat16)
+    _, input_scales = ref.load_nvfp4_as_hf(modelopt_dir, torch.bfloat16)
     dense = {k: v for k, v in input_scales.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert 0 < len(dense) < len(input_scales)
     out: dict[str, list] = {"w4a4": [], "w4a16": []}
