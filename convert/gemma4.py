@@ -32,6 +32,8 @@ import json
 import copy
 from dataclasses import dataclass
 
+from g4.quantizers.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK  # inputs per E4M3 block scale, re-exported
+
 from .errors import G4Error
 
 MODEL_TYPES = ("gemma4", "gemma4_text")  # Gemma4Config (multimodal) and Gemma4TextConfig
@@ -473,7 +475,6 @@ def read_architecture(config: dict) -> Architecture:
         sliding_window=tc["sliding_window"], max_positions=tc.get("max_position_embeddings"))
 
 
-NVFP4_BLOCK = 16  # inputs per float8_e4m3 block scale (quantizers/nvfp4.py BLOCK_SIZE)
 
 
 def tp_problems(arch: Architecture, tp: int, *, fmt: str = "bf16") -> list[str]:
