@@ -38,6 +38,7 @@ from .errors import G4Error
 
 MODEL_TYPES = ("gemma4", "gemma4_text")  # Gemma4Config (multimodal) and Gemma4TextConfig
 MULTIMODAL_PREFIX = "model.language_model."  # Gemma4ForConditionalGeneration's language model
+LM_HEAD = "lm_head.weight"  # an untied model's output projection [V, H] (transformers' and NxDI's name)
 TEXT_PREFIX = "model."  # Gemma4ForCausalLM
 # The seven RMSNorms of a Gemma 4 MoE decoder layer (Gemma4TextDecoderLayer), in its order:
 # input/post attention, the dense MLP's pre/post (post_..._1), the experts' pre/post (_2), and
@@ -405,7 +406,7 @@ class Architecture:
         model's ``lm_head.weight`` is top level in the checkpoint, listed here under that name)."""
         shapes = {"embed_tokens.weight": (self.vocab, self.hidden), "norm.weight": (self.hidden,)}
         if not self.tied:
-            shapes["lm_head.weight"] = (self.vocab, self.hidden)
+            shapes[LM_HEAD] = (self.vocab, self.hidden)
         return shapes
 
     def kv_per_rank(self, layer: int, tp: int) -> int:

@@ -72,7 +72,7 @@ from .calibrate import (
 from .card import write_model_card
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import G4Error
-from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, VISION_PREFIXES, release_config, tower_of
+from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, VISION_PREFIXES, release_config, tower_of
 from .nvfp4 import peak_rss_bytes
 from .pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
 from .progress import progress_bar
@@ -129,7 +129,7 @@ def _layer_jobs(ckpt: Checkpoint, g: Geometry, quantize_attention: bool):
         layers.append((ls.index, ls.tensors, entries))
     model_sources = {"norm.weight": ckpt.prefix + "norm.weight", "embed_tokens.weight": ckpt.prefix + "embed_tokens.weight"}
     if smap.lm_head:
-        model_sources["lm_head.weight"] = smap.lm_head
+        model_sources[LM_HEAD] = smap.lm_head
     model = [(e, None if e.source is None else model_sources[e.source]) for e in model_entries(tied=g.arch.tied)]
     return smap, layers, model
 

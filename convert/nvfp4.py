@@ -61,7 +61,7 @@ from .calibrate import (
 )
 from .checkpoint import Checkpoint, copy_side_files
 from .errors import CheckpointError, ExportError
-from .gemma4 import split_gate_up
+from .gemma4 import LM_HEAD, split_gate_up
 from .pipeline import overlapped
 from .progress import progress_bar
 from .sources import checked_sources
@@ -457,4 +457,4 @@ def _log_tensor_kinds(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
         log.info("%-22s x%-3d kept as stored: %s", "layer tensors", len(layout.layers),
                  ", ".join(t.name[len(layout.layers[0].prefix):] for t in layout.layers[0].kept))
     log.info("%-22s      kept as stored: %d tensors (embed_tokens, final norm, towers)", "model tensors",
-             sum(t.name != "lm_head.weight" for t in layout.model))
+             sum(t.name != LM_HEAD for t in layout.model))

@@ -29,7 +29,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.convert.checkpoint import Checkpoint, check_converted_from
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import fuse_gate_up, is_tied
+from g4.convert.gemma4 import LM_HEAD, fuse_gate_up, is_tied
 from g4.convert.progress import progress_bar
 from g4.convert.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
@@ -184,7 +184,7 @@ def missing_weights(missing: list[str], config: dict) -> list[str]:
     """The weights a transformers load left uninitialised: ``missing`` without ``lm_head.weight``
     when the model is tied (it is ``embed_tokens``), with it when the model is untied."""
     tied = is_tied(config)
-    return [k for k in missing if not (tied and k == "lm_head.weight")]
+    return [k for k in missing if not (tied and k == LM_HEAD)]
 
 
 def _model_class(config: dict):

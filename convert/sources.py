@@ -14,7 +14,7 @@ from g4.exporters.nvfp4_names import SourceMap, map_sources
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, G4Error, MappingError
-from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, release_config
+from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, release_config
 
 
 def checked_sources(ckpt: Checkpoint) -> SourceMap:
@@ -39,7 +39,7 @@ def checked_sources(ckpt: Checkpoint) -> SourceMap:
         raise CheckpointError(f"{ckpt.root / 'config.json'}: {e}") from e
     arch = ckpt.arch
     for rel, want in arch.model_tensor_shapes().items():  # embedding, final norm, an untied lm_head
-        name = smap.lm_head if rel == "lm_head.weight" else f"{ckpt.prefix}{rel}"
+        name = smap.lm_head if rel == LM_HEAD else f"{ckpt.prefix}{rel}"
         info = ckpt.tensors.get(name)
         if info is None:
             raise MappingError(f"tensor {name}: missing")

@@ -37,7 +37,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError
-from .gemma4 import embed_scale
+from .gemma4 import LM_HEAD, embed_scale
 from .reference import _install_activation_quant, load_nvfp4_as_hf
 from .sources import checked_sources
 
@@ -65,7 +65,7 @@ class StreamedModel:
         self.ckpt = ckpt
         self.num_layers = ckpt.num_layers
         self.embed_name = ckpt.prefix + "embed_tokens.weight"
-        self.head_name = self.embed_name if ckpt.arch.tied else "lm_head.weight"
+        self.head_name = self.embed_name if ckpt.arch.tied else LM_HEAD
 
     def _setup(self, root: Path, dtype: torch.dtype, device: str | torch.device) -> None:
         """The transformers text config of ``root/config.json``, compute dtype, device and RoPE."""

@@ -24,7 +24,7 @@ from g4.exporters.safetensors_writer import (
 )
 
 from .errors import G4Error
-from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
+from .gemma4 import LM_HEAD, MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
 from .progress import progress_bar
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
@@ -101,7 +101,7 @@ def synthetic_specs(config: dict) -> list[TensorSpec]:
     with torch.device("meta"):
         model = cls(hf)
     specs = [TensorSpec(name, torch.bfloat16, tuple(t.shape)) for name, t in model.state_dict().items()
-             if not (arch.tied and name == "lm_head.weight")]
+             if not (arch.tied and name == LM_HEAD)]
     prefix = _lm_prefix(arch)
     shapes = {s.name: s.shape for s in specs}
     for L in range(arch.num_layers):  # transformers' model and g4's inventory of it agree

@@ -26,7 +26,7 @@ import torch
 
 from g4.convert.checkpoint import SOURCE_DTYPES, Checkpoint, read_json_object
 from g4.convert.errors import ExportError
-from g4.convert.gemma4 import is_tied, tower_of
+from g4.convert.gemma4 import LM_HEAD, is_tied, tower_of
 from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
@@ -133,7 +133,7 @@ def output_layout(ckpt: Checkpoint) -> Nvfp4Layout:
               for n in shapes}
     return Nvfp4Layout.build(arch, prefix=prefix, parts=frozenset(parts), act_quant=declares_input_activations(ckpt.config),
                              layer_sources=layer_sources, model_sources=sorted([prefix + r for r in MODEL_KEEP] + towers),
-                             lm_head=None if arch.tied else "lm_head.weight", dtypes=dtypes, shapes=shapes,
+                             lm_head=None if arch.tied else LM_HEAD, dtypes=dtypes, shapes=shapes,
                              kv_cache=declares_kv_cache(ckpt.config))
 
 

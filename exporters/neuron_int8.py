@@ -68,6 +68,7 @@ from g4.convert.gemma4 import (
     EXPERT_GATE_UP as EXPERT_GATE_UP_SOURCE,
     LAYER_MODULE_KINDS,
     LAYER_NORMS,
+    LM_HEAD,
     MODEL_MODULE_KINDS,
     Architecture,
     embed_scale,
@@ -442,7 +443,7 @@ def model_entries(*, tied: bool, lm_head: str = "int8-sharded") -> list[Entry]:
     return [Entry("rank_util.rank", None, RANK_INDEX, False, suffix=""),
             DEVICE_EMBEDDING,
             Entry("norm", "norm.weight", REPLICATED, False),
-            Entry("lm_head", EMBED_TENSOR if tied else "lm_head.weight", rule, q)]
+            Entry("lm_head", EMBED_TENSOR if tied else LM_HEAD, rule, q)]
 
 
 def entry_of(source: str, *, has_v: bool = True, quantize_attention: bool = False) -> Entry:

@@ -31,6 +31,7 @@ from g4.convert.gemma4 import (
     EXPERT_GATE_UP,
     LAYER_MODULE_KINDS,
     LAYER_NORMS,
+    LM_HEAD,
     MODEL_MODULE_KINDS,
     TOWER_PREFIXES,
     TOWERS_KIND,
@@ -158,7 +159,7 @@ def map_sources(names: list[str], *, prefix: str, num_layers: int) -> SourceMap:
             layers[layer].tensors[suffix] = name
         elif rel in MODEL_KEEP or tower_of(name) is not None:
             model_keep.append(name)
-        elif name == "lm_head.weight":
+        elif name == LM_HEAD:
             lm_head = name
         else:
             raise MappingError(f"tensor {name}: no rule maps it (unknown Gemma 4 tensor; refusing to pass it through)")
@@ -435,7 +436,7 @@ class Nvfp4Layout:
             model.append(OutputTensor(name, dtypes[name], shapes[name], Role.KEPT, kind, name, name.rpartition(".")[0],
                                       excludable=excludable))
         if lm_head is not None:
-            model.append(OutputTensor("lm_head.weight", dtypes[lm_head], shapes[lm_head], Role.KEPT,
+            model.append(OutputTensor(LM_HEAD, dtypes[lm_head], shapes[lm_head], Role.KEPT,
                                       MODEL_MODULE_KINDS["lm_head"], lm_head, "lm_head", excludable=True))
         return cls(arch, prefix, frozenset(parts) | {Part.EXPERTS}, act_quant, towers, tuple(layers), tuple(model),
                    kv_cache)

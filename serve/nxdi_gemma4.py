@@ -104,7 +104,7 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
 
 from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import ATTENTION_CONFIG_KEYS, attention_layers, kv_cache_layers, kv_heads_per_rank
+from g4.convert.gemma4 import ATTENTION_CONFIG_KEYS, LM_HEAD, attention_layers, kv_cache_layers, kv_heads_per_rank
 from g4.exporters.neuron_int8 import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -842,13 +842,13 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
             for e in layer_entries(has_v=True, quantize_attention=False):
                 if is_rank_index(e):
                     out[e.names(layer_prefix(layer))[0]] = ranks
-        if not config.tie_word_embeddings and "lm_head.weight" not in out:
+        if not config.tie_word_embeddings and LM_HEAD not in out:
             raise KeyError("tie_word_embeddings is false but the checkpoint has no lm_head.weight")
         return out
 
     @staticmethod
     def update_state_dict_for_tied_weights(state_dict):
-        state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"].clone()
+        state_dict[LM_HEAD] = state_dict["embed_tokens.weight"].clone()
 
 
 def is_g4_int8_neuron(path: str) -> bool:
