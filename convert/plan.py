@@ -713,6 +713,9 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
                      "once (neuronx-distributed trace/spmd.py); measured at the real 26B-A4B TP 2 size, the load "
                      "completes in a 4 GiB memory cgroup (bench/bench_inf2_deploy.py); the 2 GiB for the OS, the "
                      "runtime and the server is an allowance")
+        notes.append("not counted: the compile (g4serve compile, NxDI's trace and neuronx-cc), which runs apart "
+                     "from serving on any x86 box with the Neuron SDK; its host memory is not measured here (the "
+                     "trace needs the SDK)")
         notes.append("inf2/trn1 need Neuron SDK 2.28 (NxDI 0.8); later NxDI supports only Trn2 and newer")
     replicated = [layer for layer in g.layers if layer.kv_heads < tp]
     if replicated:
