@@ -132,19 +132,31 @@ def build(work: Path) -> Path:
 # ---------------------------------------------------------------------------------------- cgroup
 
 class MemoryCgroup:
-    """A fresh memory cgroup (v2 where mounted, else v1) of ``limit`` bytes, swap off, below the
-    caller's own; removed by :meth:`close`.
+    """A fresh memory cgroup (v2 where mounted, else v1) of ``limit`` bytes, swap off: v1 a child
+    of the caller's memory cgroup, v2 a sibling of the caller's (a v2 cgroup with processes cannot
+    have children that take controllers); removed by :meth:`close`.
 
     Raises:
-        OSError: no writable memory cgroup hierarchy here.
+        OSError: no writable memory cgroup hierarchy here (the half-made cgroup removed).
     """
 
     def __init__(self, limit: int):
+        self.dir: Path | None = None
+        try:
+            self._make(limit)
+        except OSError:
+            self.close()
+            raise
+
+    def _make(self, limit: int) -> None:
         root = Path("/sys/fs/cgroup")
         name = f"g4-bench-inf2-{os.getpid()}-{time.monotonic_ns()}"
         if (root / "cgroup.controllers").is_file():  # v2
             own = Path(open("/proc/self/cgroup").read().strip().split("::", 1)[1].lstrip("/"))
-            self.v2, self.dir = True, root / own.parent / name if own != Path(".") else root / name
+            parent = root / own.parent if own != Path(".") else root
+            if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                raise OSError(f"the memory controller is not enabled for children of {parent}")
+            self.v2, self.dir = True, parent / name
             self.dir.mkdir()
             (self.dir / "memory.max").write_text(str(limit))
             if (self.dir / "memory.swap.max").exists():
@@ -173,12 +185,16 @@ class MemoryCgroup:
         return sum(int(v) for k, v in (line.split() for line in text.splitlines()) if k == "oom_kill")
 
     def close(self) -> None:
+        """Remove the cgroup (its processes have exited; retried for 5 s, then said)."""
+        if self.dir is None or not self.dir.exists():
+            return
         for _ in range(50):
             try:
                 self.dir.rmdir()
                 return
             except OSError:
                 time.sleep(0.1)
+        print(f"warning: could not remove the cgroup {self.dir}", file=sys.stderr)
 
 
 def evict(paths: list[Path]) -> None:
@@ -263,9 +279,9 @@ def child(result: Path, report: Path) -> None:
 
 def measure(result: Path, limit: int, work: Path) -> dict:
     """One cold load of ``result`` in a memory cgroup of ``limit`` bytes (module docstring)."""
-    from g4.exporters.neuron_int8 import rank_file
+    from g4.exporters.neuron_int8 import Manifest, rank_file
 
-    files = [result / rank_file(r) for r in range(TP)]
+    files = [result / rank_file(r) for r in range(Manifest.from_dir(result).tp_degree)]
     evict(files)
     report = work / f"measure-{limit}.json"
     report.unlink(missing_ok=True)
@@ -295,7 +311,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=REPO / "bench" / "_work" / "inf2-deploy")
     ap.add_argument("--limit-gib", type=float, nargs="+", default=[HOST_GIB - RESERVE_GIB, 4.0],
                     help=f"memory cgroup limits to load in (default: {HOST_GIB} - {RESERVE_GIB} GiB, and a tight 4)")
-    ap.add_argument("--result", type=Path, help="measure this int8-neuron result (TP 2) instead of building one")
+    ap.add_argument("--result", type=Path, help="measure this int8-neuron result (any TP) instead of building one")
     ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -308,14 +324,23 @@ def main() -> int:
             return 2
     args.work.mkdir(parents=True, exist_ok=True)
     if args.result:
+        from g4.convert.errors import G4Error
+        from g4.exporters.neuron_int8 import Manifest
+
+        try:
+            tp = Manifest.from_dir(args.result).tp_degree
+        except G4Error as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         result = args.result
     else:
         print(f"building the real-size TP-{TP} int8-neuron result of gemma-4-26B-A4B in {args.work} (random values)")
         result = build(args.work)
     from g4.exporters.neuron_int8 import rank_file
 
-    files = sum((result / rank_file(r)).stat().st_size for r in range(TP))
-    print(f"rank files: {files / 1e9:.2f} GB ({files / GiB:.2f} GiB) for {TP} ranks; host RAM of an inf2.xlarge "
+    tp = tp if args.result else TP
+    files = sum((result / rank_file(r)).stat().st_size for r in range(tp))
+    print(f"rank files: {files / 1e9:.2f} GB ({files / GiB:.2f} GiB) for {tp} ranks; host RAM of an inf2.xlarge "
           f"{HOST_GIB} GiB, limit = what is left for g4serve's process")
     failed = False
     for gib in args.limit_gib:
@@ -328,16 +353,16 @@ def main() -> int:
         ok = r["rc"] == 0 and r.get("read", {}).get("bytes") is not None
         failed |= not ok
         verdict = "completed" if ok else ("OOM-killed" if r["killed"] or r["oom_kills"] else f"failed (rc {r['rc']})")
-        print(f"\nlimit {gib:.1f} GiB: {verdict}; {r['wall_s']:.0f} s; oom_kill events {r['oom_kills']}")
+        print(f"\nlimit {gib:g} GiB: {verdict}; {r['wall_s']:.0f} s; oom_kill events {r['oom_kills']}")
         if not ok:
             print("  " + r["stderr"].strip().replace("\n", "\n  ")[-1500:])
             continue
         p, read = r["peaks"], r["read"]
         print(f"  peak RSS {_g(p['Rss'])} = anonymous {_g(p['RssAnon'])} (peak) + file-backed up to "
-              f"{_g(p['RssFile'])}; VmHWM {_g(r['VmHWM'])}; cgroup peak charge {_g(r['cgroup_peak'])} "
-              f"({r['cgroup_peak'] / files:.2f}x the rank files)")
+              f"{_g(p['RssFile'])}; VmHWM {_g(r['VmHWM'])}; cgroup peak charge {_g(r['cgroup_peak'])}"
+              + (f" ({r['cgroup_peak'] / files:.2f}x the rank files)" if r["cgroup_peak"] is not None else ""))
         print(f"  stand-in initialize read {read['bytes'] / 1e9:.2f} GB in {read['tensors']} tensors of "
-              f"{read['ranks']} ranks ({read['bytes'] / files:.4f}x the rank files' bytes)")
+              f"{read['ranks']} ranks ({read['bytes'] / files:.4f}x the rank files' sizes, headers included)")
         for name, ph in r["phases"].items():
             print(f"  {name:>22}: {ph['s']:6.1f} s, anonymous {_g(ph['RssAnon'])}, file-backed {_g(ph['RssFile'])}")
     return 1 if failed else 0

@@ -269,7 +269,7 @@ def _finish(tmp: Path, ckpt: Checkpoint, out, options: dict) -> None:
 def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
                   seq_len: int):
     """The memory plan for ``target`` at ``seq_len`` tokens (None without a target); a result that does not fit is refused
-    unless ``force``, and host RAM that cannot hold every rank file at once is warned about.
+    unless ``force``, and a host RAM short of what loading needs (the plan's host rows) is warned about.
 
     Raises:
         G4Error: does not fit ``target`` and not ``force``.

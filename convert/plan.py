@@ -460,17 +460,21 @@ class MemoryPlan:
         margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
         fits: device verdict (``margin >= 0``); None without a target.
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
-        host_rank_files: bytes of all local ranks' weight files, handed to the Neuron runtime's
-            ``initialize`` memory-mapped (aws-neuron/neuronx-distributed-inference
-            ``models/application_base.py``; g4's ``load_weights``): page cache, read once and
-            dropped by the kernel under pressure, so not part of the need; 0 for a GPU.
+        host_rank_files: bytes of all local ranks' weights. int8-neuron: its rank files, handed to
+            the Neuron runtime's ``initialize`` memory-mapped (g4's ``load_weights``): page cache,
+            read once and dropped by the kernel under pressure, so not part of the need. Another
+            format on a Neuron target: sharded in host memory by NxDI's own load before
+            ``initialize`` (aws-neuron/neuronx-distributed-inference ``models/application_base.py``),
+            part of the need. 0 for a GPU.
         host_page_cache_kept: the part of those pages the load must keep resident
             (:data:`HOST_PAGE_CACHE_KEPT`, measured: none).
-        host_anonymous: anonymous memory of the serving process's weight load
-            (:data:`HOST_LOAD_ANON_BYTES`, measured at the real size); 0 for a GPU.
-        host_reserve: the OS, the Neuron runtime and the server beside it
-            (:data:`HOST_RESERVE_BYTES`, an allowance); 0 for a GPU.
-        host_ram_need: ``host_anonymous + host_page_cache_kept + host_reserve + host_embedding``.
+        host_anonymous: int8-neuron on Neuron: anonymous memory of the serving process's weight
+            hand-over (:data:`HOST_LOAD_ANON_BYTES`, measured on the 26B-A4B at TP 2 and used as the
+            figure for every int8-neuron plan: the embedded model's was 0.26 GiB); else 0.
+        host_reserve: int8-neuron on Neuron: the OS, the Neuron runtime and the server beside it
+            (:data:`HOST_RESERVE_BYTES`, an allowance); else 0.
+        host_ram_need: int8-neuron: ``host_anonymous + host_page_cache_kept + host_reserve +
+            host_embedding``; another format on Neuron: ``host_rank_files + host_embedding``.
         host_ram: the instance's RAM (Neuron targets); None when not known.
         host_margin, host_fits: the host verdict; None when not checked.
         layout: group -> how it is stored and split.
@@ -544,13 +548,17 @@ class MemoryPlan:
         lines += _table("per rank (device)", rows)
         if self.host_ram_need or self.host_ram is not None:
             host = []
-            if self.host_rank_files:
+            if self.host_rank_files and p.fmt == "int8-neuron":
                 host += [("rank files", self.host_rank_files, f"{p.tp} local rank(s), memory-mapped: page cache, "
                           "read once by initialize, not counted"),
                          ("  page cache kept", self.host_page_cache_kept, "measured (bench/bench_inf2_deploy.py)"),
-                         ("load, anonymous", self.host_anonymous, "measured peak at 26B-A4B TP 2 "
-                          "(bench/bench_inf2_deploy.py)"),
-                         ("OS, runtime, server", self.host_reserve, "an allowance, not measured on inf2")]
+                         ("weight hand-over", self.host_anonymous, "anonymous memory, measured peak at 26B-A4B "
+                          "TP 2 (bench/bench_inf2_deploy.py)"),
+                         ("OS, runtime, server", self.host_reserve, "an allowance, not measured on inf2 (also "
+                          "covers NxDI's load of the compiled graphs and warmup)")]
+            elif self.host_rank_files:
+                host += [("rank weights", self.host_rank_files, f"{p.tp} local rank(s), sharded in host memory "
+                          "by NxDI's own load before initialize")]
             host += [("embedding table", self.host_embedding,
                       "bf16, looked up on the host" if self.host_embedding else ""),
                      ("need", self.host_ram_need, "")]
@@ -709,10 +717,11 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
         if tp not in t.tp_degrees:
             notes.append(f"NxDI documents TP degrees {', '.join(map(str, t.tp_degrees))} for {t.name.split('.')[0]}; "
                          f"{tp} is not one of them")
-        notes.append("host RAM: the rank files reach the Neuron runtime's initialize memory-mapped, each byte read "
-                     "once (neuronx-distributed trace/spmd.py); measured at the real 26B-A4B TP 2 size, the load "
-                     "completes in a 4 GiB memory cgroup (bench/bench_inf2_deploy.py); the 2 GiB for the OS, the "
-                     "runtime and the server is an allowance")
+        notes.append("host RAM (int8-neuron): g4's load_weights hands the rank files to the Neuron runtime's "
+                     "initialize memory-mapped; with a stand-in initialize that reads each byte once, the hand-over "
+                     "of the real 26B-A4B at TP 2 completes in a 4 GiB memory cgroup (bench/bench_inf2_deploy.py); "
+                     "the 2 GiB for the OS, the runtime (its own copy, NxDI's graph load and warmup) and the server "
+                     "is an allowance")
         notes.append("not counted: the compile (g4serve compile, NxDI's trace and neuronx-cc), which runs apart "
                      "from serving on any x86 box with the Neuron SDK; its host memory is not measured here (the "
                      "trace needs the SDK)")
@@ -840,8 +849,12 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     margin = None if device is None else device - weights - kv - logits
     host_embedding = table if embedding == "host" else 0
     host_files = tp * weights if t else 0
-    host_load = (HOST_PAGE_CACHE_KEPT, HOST_LOAD_ANON_BYTES, HOST_RESERVE_BYTES) if t else (0, 0, 0)
-    host_need = sum(host_load) + host_embedding
+    # int8-neuron: g4's pre-sharded rank files, memory-mapped (measured rule, HOST_LOAD_ANON_BYTES);
+    # another format on Neuron goes through NxDI's own load, which shards the checkpoint in host
+    # memory before initialize: every rank's weights counted, as before the measurement
+    mapped = t is not None and fmt == "int8-neuron"
+    host_load = (HOST_PAGE_CACHE_KEPT, HOST_LOAD_ANON_BYTES, HOST_RESERVE_BYTES) if mapped else (0, 0, 0)
+    host_need = sum(host_load) + host_embedding + (0 if mapped else host_files)
     host_ram = t.host_ram_bytes if t else None
     host_margin = None if host_ram is None else host_ram - host_need
     return MemoryPlan(

@@ -231,6 +231,11 @@ def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, 
     """
     path = Path(path)
     settings = _result_settings(path, on_cpu=False)  # the result's own errors first
+    if Manifest.from_dir(path).quantize_attention:
+        # the class refuses it only when the weights are loaded (nxdi_gemma4._check_g4_int8_neuron),
+        # which NxDI's compile skips: refused here, before hours of compile for a box that cannot use it
+        raise G4Error(f"{path}: the neuron backend cannot load this result yet: it has int8 attention "
+                      "(--quantize-attention), which g4's NxDI class does not take so far; convert without it")
     ok, why = neuron_status(need_device=False)
     if not ok:
         raise G4Error(f"cannot compile for Neuron here: {why}")

@@ -180,10 +180,27 @@ def test_g4serve_compile_writes_the_folder_serving_reuses(int8_out, tmp_path, mo
     assert nb.compiled_state(tmp_path / "c", nb.compile_stamp(int8_out, serving)) == "current"
     r = CliRunner().invoke(main, ["compile", str(int8_out), "--compiled-dir", str(tmp_path / "c")])
     assert r.exit_code == 0 and "nothing to do" in r.output and len(models) == 1, r.output
-    # the serving box has no SDK check to pass here; on one, load_neuron_engine skips the compile
-    calls = []
-    monkeypatch.setattr(nb, "_compile", lambda *a, **k: calls.append(a))
-    assert nb._ensure_compiled(int8_out, None, serving, tmp_path / "c", print) == "current" and calls == []
+    # the serving start on a Neuron box (NeuronCores present): loads the folder, compiles nothing
+    monkeypatch.setattr(nb, "neuron_status", lambda need_device=True: (True, "NeuronCores present"))
+
+    class Loads(_Compiles):
+        def load(self, path):
+            self.loaded = path
+
+    monkeypatch.setattr(nb, "build_nxdi_model", lambda path, settings: models.append(Loads()) or models[-1])
+    lines = []
+    engine = nb.load_neuron_engine(int8_out, compiled_dir=tmp_path / "c", log=lines.append)
+    assert engine.model is models[-1] and models[-1].calls == 0 and models[-1].loaded == str(tmp_path / "c")
+    assert lines == [f"loading the compiled model from {tmp_path / 'c'}"], lines
+    # a result the class cannot load is refused before the compile, not after it on the serving box
+    from g4.convert.int8_neuron import convert_int8_neuron
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    qa = convert_int8_neuron(EMBEDDED_DIR, tmp_path / "qa", tp=1, quantize_attention=True, target=None,
+                             progress=False, seq_len=64).out
+    assert Manifest.from_dir(qa).quantize_attention
+    r = CliRunner().invoke(main, ["compile", str(qa)])
+    assert r.exit_code == 2 and "int8 attention (--quantize-attention)" in r.output and not (qa / "neuron_compiled").exists()
     nvfp4 = tmp_path / "nvfp4"
     nvfp4.mkdir()
     r = CliRunner().invoke(main, ["compile", str(_nvfp4_result(nvfp4))])

@@ -82,6 +82,14 @@ def test_inf2_xlarge_fits_on_device_and_host():
     assert p.host_anonymous == HOST_LOAD_ANON_BYTES and p.host_reserve == HOST_RESERVE_BYTES
     assert p.host_ram_need == HOST_LOAD_ANON_BYTES + HOST_RESERVE_BYTES < 4 * GiB
     assert p.host_ram == 16 * GiB and p.host_fits is True and p.host_margin == 16 * GiB - p.host_ram_need
+    # a GPU plan has no host rows; bf16 on Neuron goes through NxDI's own load, which shards every
+    # rank's weights in host memory: counted
+    gpu = plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=80 * GiB)
+    assert (gpu.host_rank_files, gpu.host_anonymous, gpu.host_reserve, gpu.host_ram_need) == (0, 0, 0, 0)
+    assert gpu.host_fits is None and "\nhost " not in gpu.summary()
+    bf16 = plan_memory(GEMMA4_26B_A4B, fmt="bf16", tp=8, target="inf2.48xlarge")
+    assert bf16.host_anonymous == bf16.host_reserve == 0 and bf16.host_ram_need == bf16.host_rank_files == 8 * bf16.weights_per_rank
+    assert "sharded in host memory by NxDI's own load" in bf16.summary()
     assert int8_neuron_tp2(seq_len=1024 * 1024).fits is False  # a 1M-token cache does not fit
     big = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.8xlarge")
     assert big.fits and big.host_fits
