@@ -332,13 +332,19 @@ def _header(path: Path) -> list[_Tensor]:
 def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str, int]]:
     """(posix path relative to ``out``, size in bytes) of every file a Hub repo of this
     result holds, sorted; hidden files and folders (``.cache``, temp files) are not part of
-    it, nor is ``README.md`` unless ``include_card``."""
+    it, nor is ``README.md`` unless ``include_card``, nor a Neuron compile inside OUT (a folder
+    holding ``g4_compiled.json``: machine-specific, with this machine's paths in NxDI's
+    ``neuron_config.json``)."""
+    from g4.exporters.neuron_int8 import COMPILED_STAMP
+
     out = Path(out)
+    compiled = {p.parent for p in out.rglob(COMPILED_STAMP)}
     rows = []
     for p in sorted(out.rglob("*")):
         rel = p.relative_to(out).as_posix()
         if p.is_file() and (include_card or rel != CARD_FILE) and not any(part.startswith(".")
-                                                                           for part in rel.split("/")):
+                                                                           for part in rel.split("/")) \
+                and not any(c in p.parents for c in compiled):
             rows.append((rel, p.stat().st_size))
     return rows
 

@@ -87,6 +87,11 @@ EMBED_TENSOR = "embed_tokens.weight"
 # runtime's rank-file check and embed_scale = bf16(sqrt(hidden_size)) assume it.
 KEPT_DTYPE = torch.bfloat16
 MANIFEST = "manifest.json"
+# g4serve's Neuron compile of a result (serve/neuron_backend.py): its default folder inside OUT and the
+# stamp file that marks a folder as g4's compile. Machine-specific and not part of the result: never
+# pushed (convert/card.py repo_files); NxDI writes this machine's paths into it (neuron_config.json).
+COMPILED_DIR = "neuron_compiled"
+COMPILED_STAMP = "g4_compiled.json"
 # Tokens (prompt plus reply) an int8-neuron result is served with when neither the conversion
 # (``g4convert int8-neuron --seq-len``) nor an older manifest says otherwise: the length the
 # memory plan sizes the KV cache for; capped at the model's ``max_position_embeddings``.

@@ -47,11 +47,9 @@ from pathlib import Path
 import torch
 
 from g4.convert.errors import CheckpointError, G4Error
-from g4.exporters.neuron_int8 import MANIFEST, Manifest
+from g4.exporters.neuron_int8 import COMPILED_DIR, COMPILED_STAMP, MANIFEST, Manifest
 from g4.serve.engine import Engine
 
-COMPILED_DIR = "neuron_compiled"
-COMPILED_STAMP = "g4_compiled.json"
 # NxDI's compiled model file inside the compiled folder
 # (models/application_base.py: COMPILED_MODEL_FILE_NAME)
 COMPILED_MODEL = "model.pt"

@@ -213,3 +213,20 @@ def _nvfp4_result(out: Path) -> Path:
     from g4.convert.resolve import EMBEDDED_DIR
 
     return convert_nvfp4(EMBEDDED_DIR, out / "r", weight_only=True, progress=False).out
+
+
+def test_a_compile_inside_out_is_never_pushed(int8_out, tmp_path):
+    """OUT/neuron_compiled (g4serve compile's default) holds NxDI's neuron_config.json with this
+    machine's paths and a machine-specific graph: not a file of the Hub repo, wherever in OUT it is."""
+    from g4.convert.card import repo_files
+
+    out = shutil.copytree(int8_out, tmp_path / "out")
+    before = repo_files(out)
+    for folder in (out / nb.COMPILED_DIR, out / "elsewhere"):
+        folder.mkdir()
+        (folder / nb.COMPILED_STAMP).write_text("{}")
+        (folder / "neuron_config.json").write_text(json.dumps({"quantized_checkpoints_path": str(out)}))
+        (folder / nb.COMPILED_MODEL).write_bytes(b"graph")
+    (out / "notes").mkdir()
+    (out / "notes" / "neuron_config.json").write_text("{}")  # not a compile: still the user's file, pushed
+    assert repo_files(out) == sorted(before + [("notes/neuron_config.json", 2)])
