@@ -124,14 +124,21 @@ def test_download_fetches_only_what_g4_reads_and_converts(hub, repo_files, tmp_p
     assert len(hub.requests) == before
 
 
-def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
-    """A cache laid out as huggingface_hub writes it (refs/main -> snapshots/<commit>), no Hub at all."""
+def _prefilled_cache(tiny_mm, tmp_path):
+    """A Hub cache laid out as huggingface_hub writes it (refs/main -> snapshots/<commit>) holding
+    ``tiny_mm`` as REPO; returns (cache, commit)."""
     cache = tmp_path / "cache"
     commit = "c0ffee" * 6 + "c0ff"
     snapshot = cache / "models--google--gemma-4-tiny-test" / "snapshots" / commit
     shutil.copytree(tiny_mm, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    return cache, commit
+
+
+def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
+    """A cache laid out as huggingface_hub writes it (refs/main -> snapshots/<commit>), no Hub at all."""
+    cache, commit = _prefilled_cache(tiny_mm, tmp_path)
     r = g4("g4.convert.cli", "-q", "nvfp4", REPO, "--weight-only", cache=cache, cwd=tmp_path, offline=True)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "gemma-4-tiny-test-nvfp4"
@@ -156,12 +163,7 @@ def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
 def test_an_unreachable_hub_is_said_once_and_the_cache_is_used(tiny_mm, tmp_path):
     """Fresh-user finding: with no network and no HF_HUB_OFFLINE a cached repo id took ~50 s of
     huggingface_hub retries, 12 "Retrying" lines even with -q. HF_ENDPOINT here is a closed port."""
-    cache = tmp_path / "cache"
-    commit = "c0ffee" * 6 + "c0ff"
-    snapshot = cache / "models--google--gemma-4-tiny-test" / "snapshots" / commit
-    shutil.copytree(tiny_mm, snapshot)
-    (snapshot.parent.parent / "refs").mkdir()
-    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    cache, commit = _prefilled_cache(tiny_mm, tmp_path)
     for quiet in (["-q"], []):
         r = g4("g4.convert.cli", *quiet, "int8-neuron", REPO, "--tp", "1", "--overwrite", cache=cache, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
