@@ -32,8 +32,8 @@ what cannot be dropped.
 
 The limit: 16 GiB (inf2.xlarge, aws-neuron/aws-neuron-sdk ``general/arch/neuron-hardware/inf2-arch``)
 minus 2 GiB for the OS, the Neuron runtime's host-side state and g4serve's HTTP server and
-tokenizer: an allowance, not a measurement on inf2 (nothing here runs there). A second, tight
-limit shows how far below it the load still completes.
+tokenizer: an allowance, not a measurement on inf2 (nothing here runs there); both figures are
+g4.convert.plan's (``NEURON_TARGETS``, ``HOST_RESERVE_BYTES``). A second, tight limit shows how far below it the load still completes.
 
 Needs NxD 2.28 and NxDI 0.8 source (``../shared/vendor`` beside the checkout, or ``G4_NXD_SRC`` /
 ``G4_NXDI_SRC``) and the transformers-4.57 overlay the NxDI lane builds (``.venv-nxdi/tf457``,
@@ -60,8 +60,7 @@ NXD_SRC = Path(os.environ.get("G4_NXD_SRC", VENDOR / "neuronx-distributed-v2.28.
 NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-inference-v0.8.0" / "src"))
 OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 TP = 2
-HOST_GIB = 16  # inf2.xlarge
-RESERVE_GIB = 2  # OS + Neuron runtime + g4serve (an allowance; see the module docstring)
+TARGET = "inf2.xlarge"  # its host RAM and the OS/runtime/server allowance: g4.convert.plan's
 STAGING_BYTES = 64 * 2**20
 GiB = 2**30
 
@@ -307,10 +306,13 @@ def _g(b) -> str:
 
 
 def main() -> int:
+    from g4.convert.plan import HOST_RESERVE_BYTES, NEURON_TARGETS
+
+    host_gib, reserve_gib = NEURON_TARGETS[TARGET].host_ram_bytes / GiB, HOST_RESERVE_BYTES / GiB
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=REPO / "bench" / "_work" / "inf2-deploy")
-    ap.add_argument("--limit-gib", type=float, nargs="+", default=[HOST_GIB - RESERVE_GIB, 4.0],
-                    help=f"memory cgroup limits to load in (default: {HOST_GIB} - {RESERVE_GIB} GiB, and a tight 4)")
+    ap.add_argument("--limit-gib", type=float, nargs="+", default=[host_gib - reserve_gib, 4.0],
+                    help=f"memory cgroup limits to load in (default: {host_gib:g} - {reserve_gib:g} GiB, and a tight 4)")
     ap.add_argument("--result", type=Path, help="measure this int8-neuron result (any TP) instead of building one")
     ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -340,8 +342,8 @@ def main() -> int:
 
     tp = tp if args.result else TP
     files = sum((result / rank_file(r)).stat().st_size for r in range(tp))
-    print(f"rank files: {files / 1e9:.2f} GB ({files / GiB:.2f} GiB) for {tp} ranks; host RAM of an inf2.xlarge "
-          f"{HOST_GIB} GiB, limit = what is left for g4serve's process")
+    print(f"rank files: {files / 1e9:.2f} GB ({files / GiB:.2f} GiB) for {tp} ranks; host RAM of an {TARGET} "
+          f"{host_gib:g} GiB, limit = what is left for g4serve's process")
     failed = False
     for gib in args.limit_gib:
         try:
