@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--write-threads", type=int, default=None,
                     help="threads writing the floor's bytes (default: g4.convert.pipeline.WRITE_THREADS)")
     args = ap.parse_args()
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.synth import synthetic_config, synthetic_specs
 
     src = args.work / f"synth-26b-{args.layers}L"

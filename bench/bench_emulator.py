@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--stream", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--pythonpath", type=Path, help="measure the g4 package found here (e.g. an older checkout)")
     args = ap.parse_args()
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.serve.neuron_emulator import whole_model_bytes
 
     g4convert = [sys.executable, "-m", "g4.convert.cli", "-q"]

@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--ctx", type=int, default=512)
     args = ap.parse_args()
-    from g4.convert.checkpoint import Checkpoint
-    from g4.convert.gemma4 import read_architecture
+    from g4.core.checkpoint import Checkpoint
+    from g4.core.gemma4 import read_architecture
 
     g4convert = [sys.executable, "-m", "g4.convert.cli", "-q"]
     src = args.work / f"synth-26b-{args.layers}L"

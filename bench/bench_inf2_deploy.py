@@ -83,7 +83,8 @@ def build(work: Path) -> Path:
         rank_file,
         serving_max_length,
     )
-    from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir
+    from g4.exporters.output_dir import atomic_output_dir
+    from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 
     config = GEMMA4_26B_A4B
     specs = expected_rank_specs(config, TP, quantize_attention=False)
@@ -326,7 +327,7 @@ def main() -> int:
             return 2
     args.work.mkdir(parents=True, exist_ok=True)
     if args.result:
-        from g4.convert.errors import G4Error
+        from g4.core.errors import G4Error
         from g4.exporters.neuron_int8 import Manifest
 
         try:

@@ -61,7 +61,7 @@ def run_modelopt(src: Path, out: Path, cfg_name: str, ids: torch.Tensor) -> floa
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
 
-    from g4.convert.checkpoint import read_json_object
+    from g4.core.checkpoint import read_json_object
 
     cls = AutoModelForImageTextToText if read_json_object(src / "config.json").get("model_type") == "gemma4" \
         else AutoModelForCausalLM
@@ -88,7 +88,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from g4.convert.calibrate import make_calibration_ids, read_calibration_texts
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.evaluate import DEFAULT_TEXT_FILE, compare_on_chunks, eval_chunks, summarize
     from g4.convert.nvfp4 import convert_nvfp4
     from g4.convert.resolve import EMBEDDED_DIR

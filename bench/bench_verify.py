@@ -43,8 +43,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--pythonpath", type=Path, help="measure the g4 package found here (e.g. an older checkout)")
     args = ap.parse_args()
-    from g4.convert.checkpoint import Checkpoint
-    from g4.convert.gemma4 import read_architecture
+    from g4.core.checkpoint import Checkpoint
+    from g4.core.gemma4 import read_architecture
     from g4.convert.synth import synthetic_config, synthetic_specs
 
     g4convert = [sys.executable, "-m", "g4.convert.cli", "-q"]

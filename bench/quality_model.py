@@ -57,7 +57,7 @@ from torch import nn
 from transformers import AutoTokenizer, Gemma4ForConditionalGeneration, PreTrainedTokenizerBase
 
 from g4.convert import embedded_model as em
-from g4.convert.errors import G4Error
+from g4.core.errors import G4Error
 
 logger = logging.getLogger(__name__)
 

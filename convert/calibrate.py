@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from g4.convert.options import text_file_suffix
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError, G4Error
+from g4.core.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, embed_scale
 from g4.exporters.nvfp4_names import DENSE_GROUPS, KV_AMAX_KEYS, Role
-
-from .checkpoint import Checkpoint
-from .errors import CheckpointError, G4Error
-from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, embed_scale
 
 _DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)  # the dense linears calibrated
 
@@ -63,8 +63,6 @@ def check_text_file(path: str | Path, option: str = "--calib-data") -> str:
     Raises:
         OptionError: a suffix other than ``.txt`` / ``.jsonl``.
     """
-    from .options import text_file_suffix
-
     return text_file_suffix(path, option, "documents separated by blank lines",
                             "one object per line with 'text' or chat 'messages'")
 
@@ -454,7 +452,6 @@ class LayerCalibrator:
         log.info("layer %d: calibrated on %d tokens (%s) in %.2f s, %.1f us per token", layer, self.tokens,
                  self.device, seconds, seconds / max(self.tokens, 1) * 1e6)
         return stats
-
 
     @torch.no_grad()
     def final_norm_hessian(self, norm_weight: torch.Tensor) -> torch.Tensor:

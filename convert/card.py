@@ -27,6 +27,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from g4.convert.resolve import EMBEDDED_DIR, REPO_ID_PATTERN
+from g4.core.checkpoint import Checkpoint, weight_fingerprints
+from g4.core.errors import a_or_an
 from g4.exporters.model_card import (
     CARD_FILE,
     EVAL_FILE,
@@ -44,10 +47,11 @@ from g4.exporters.model_card import (
     check_repo_id,
     render_card,
 )
-
-from .checkpoint import Checkpoint
-from .errors import a_or_an
-from .resolve import EMBEDDED_DIR, REPO_ID_PATTERN
+from g4.exporters.modelopt_nvfp4 import CONVERTER, declares_input_activations, declares_kv_cache, output_layout
+from g4.exporters.neuron_int8 import COMPILED_STAMP, Manifest, parse_rank_name
+from g4.exporters.nvfp4_names import Role
+from g4.exporters.output_dir import SYNTH_MARKER
+from g4.exporters.vllm_command import vllm_command
 
 _REPO_ID = re.compile(rf"^{REPO_ID_PATTERN}$")
 _HF_CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
@@ -140,8 +144,7 @@ def stored_dtypes(ckpt: Checkpoint) -> str:
 
 def synthetic_source(root: str | Path) -> dict:
     """``{"synthetic": {"layers", "seed"}}`` when ``root`` was written by ``g4convert synth``
-    (its :data:`~g4.exporters.safetensors_writer.SYNTH_MARKER`: random weights), else ``{}``."""
-    from g4.exporters.safetensors_writer import SYNTH_MARKER
+    (its :data:`~g4.exporters.output_dir.SYNTH_MARKER`: random weights), else ``{}``."""
 
     path = Path(root) / SYNTH_MARKER
     if not path.is_file():
@@ -226,8 +229,6 @@ def g4_version() -> str:
     try:
         return metadata.version("g4")
     except metadata.PackageNotFoundError:
-        from g4.exporters.modelopt_nvfp4 import CONVERTER  # noqa: PLC0415
-
         return CONVERTER["version"]
 
 
@@ -335,8 +336,6 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
     it, nor is ``README.md`` unless ``include_card``, nor a Neuron compile inside OUT (a folder
     holding ``g4_compiled.json``: machine-specific, with this machine's paths in NxDI's
     ``neuron_config.json``)."""
-    from g4.exporters.neuron_int8 import COMPILED_STAMP
-
     out = Path(out)
     compiled = {p.parent for p in out.rglob(COMPILED_STAMP)}
     rows = []
@@ -352,10 +351,6 @@ def repo_files(out: str | Path, *, include_card: bool = False) -> list[tuple[str
 def _nvfp4_facts(out: Path, layout=None) -> dict:
     """What the NVFP4 files hold, classified by the output table (``exporters/nvfp4_names.py``;
     ``layout``: the converter's, default rebuilt from OUT), and the serve commands for OUT."""
-    from g4.exporters.modelopt_nvfp4 import declares_input_activations, declares_kv_cache, output_layout
-    from g4.exporters.nvfp4_names import Role
-    from g4.exporters.vllm_command import vllm_command
-
     layout = layout or output_layout(Checkpoint(out))
     weight_files = _weight_files(out)
     tensors = [t for f in weight_files for t in _header(out / f)]
@@ -396,8 +391,6 @@ def _nvfp4_facts(out: Path, layout=None) -> dict:
 
 
 def _int8_facts(out: Path) -> dict:
-    from g4.exporters.neuron_int8 import Manifest, parse_rank_name
-
     manifest = Manifest.from_dir(out)
     rank_files = manifest.rank_files
     tensors = _header(out / rank_files[0])
@@ -441,8 +434,6 @@ def _check_file(out: Path, name: str, key: str, version: int) -> dict | None:
 def _stale_reason(out: Path, files, *, what: str = VERIFICATION_FILE) -> str | None:
     """Why a verification (or evaluation, ``what``) is not about OUT's current weights (None when
     it is): the ``files`` fingerprints it recorded, compared by size, then sha256."""
-    from g4.convert.checkpoint import weight_fingerprints
-
     if not isinstance(files, dict) or not files:
         return f"{what} does not record which weights it checked"
     now = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}

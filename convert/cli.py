@@ -10,14 +10,25 @@ from pathlib import Path
 
 import click
 
-from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
-
-from .calibrate import CALIB_BATCH_SIZE, CALIB_DEVICE, CALIB_DTYPE, CALIB_DTYPES, CALIB_SAMPLES, CALIB_SEQ_LEN
-from .errors import G4Error, exit_on_user_error, install_signal_handlers
-from .int8_neuron import ALGORITHMS as INT8_ALGORITHMS
-from .int8_neuron import DEFAULT_ALGORITHM as INT8_DEFAULT_ALGORITHM
-from .nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM
-from .options import (
+from g4.convert.calibrate import (
+    CALIB_BATCH_SIZE,
+    CALIB_DEVICE,
+    CALIB_DTYPE,
+    CALIB_DTYPES,
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    calibration_device,
+    check_text_file,
+)
+from g4.convert.card import set_base_model
+from g4.convert.evaluate import eval_device, evaluate, summary
+from g4.convert.int8_neuron import (
+    ALGORITHMS as INT8_ALGORITHMS,
+    DEFAULT_ALGORITHM as INT8_DEFAULT_ALGORITHM,
+    convert_int8_neuron,
+)
+from g4.convert.nvfp4 import ALGORITHMS, DEFAULT_ALGORITHM, convert_nvfp4
+from g4.convert.options import (
     COUNT,
     FRACTION,
     SEED,
@@ -29,8 +40,26 @@ from .options import (
     min_agreement_option,
     verbosity_options,
 )
-from .plan import ATTENTIONS, EMBEDDINGS, FORMATS, LM_HEADS, NEURON_TARGETS
-from .resolve import EMBEDDED, SRC_FORMS, resolve_source, source_name
+from g4.convert.plan import (
+    ATTENTIONS,
+    EMBEDDINGS,
+    FORMATS,
+    LM_HEADS,
+    NEURON_TARGETS,
+    apply_result_shape,
+    load_source,
+    plan_memory,
+)
+from g4.convert.push import echo_report, hub_token, push_result
+from g4.convert.resolve import EMBEDDED, quiet_http_logs, resolve_source, source_name
+from g4.convert.synth import write_synthetic
+from g4.convert.verify import verify_nvfp4
+from g4.core.checkpoint import SRC_FORMS
+from g4.core.errors import G4Error, OptionError, exit_on_user_error, install_signal_handlers
+from g4.core.sizes import parse_size
+from g4.exporters.formats import check_result
+from g4.exporters.model_card import check_repo_id
+from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 
 def _default_out(src: str, suffix: str) -> Path:
@@ -51,25 +80,17 @@ def _hub_options(fn):
 
 def _hub_preflight(push_to_hub: str | None, base_model: str | None) -> None:
     """Fail before a long conversion when the push could not happen (bad ids, no token)."""
-    from g4.exporters.model_card import check_repo_id
-
     if base_model:
         check_repo_id(base_model, what="--base-model")
     if push_to_hub:
-        from .push import _token
-
         check_repo_id(push_to_hub)
-        _token()
+        hub_token()
 
 
 def _hub_after(out: Path, push_to_hub: str | None, private: bool, base_model: str | None) -> None:
-    from g4.convert.card import set_base_model
-
     if base_model and not push_to_hub:
         set_base_model(out, base_model)
     if push_to_hub:
-        from .push import echo_report, push_result, quiet_http_logs
-
         quiet_http_logs()
         echo_report(push_result(out, push_to_hub, private=private, base_model=base_model), out)
 # --- end of Hub publishing ---
@@ -109,7 +130,6 @@ def _check_calibration(ctx: click.Context, calibrates: bool, why: str, what_cali
             flags = " / ".join("--" + o.replace("_", "-") for o in _CALIB_OPTIONS)
             raise G4Error(f"{why} does not calibrate: drop {flags} (or add {what_calibrates})")
         return
-    from .calibrate import calibration_device, check_text_file
 
     calibration_device(ctx.params["calib_device"])  # a bad device is an error before SRC is fetched
     if ctx.params.get("calib_data"):
@@ -170,7 +190,6 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
     (`vllm serve OUT --quantization modelopt`); a GPU load has not been run by this project yet.
     """
     _hub_preflight(push_to_hub, base_model)
-    from .nvfp4 import convert_nvfp4
 
     # calibration runs for W4A4, for FP8 KV cache scales and for GPTQ's Hessians
     _check_calibration(ctx, not weight_only or kv_cache_dtype == "fp8" or algorithm == "gptq", "--weight-only",
@@ -222,7 +241,6 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, a
     int8 codes by GPTQ on calibration inputs (same scales and layout; calibrates as nvfp4 does).
     """
     _hub_preflight(push_to_hub, base_model)
-    from .int8_neuron import convert_int8_neuron
 
     _check_calibration(ctx, algorithm == "gptq", "--algorithm max", "--algorithm gptq, which calibrates")
     src_dir = resolve_source(src)
@@ -257,9 +275,6 @@ def verify(out, src, max_new_tokens, act_quant, min_agreement, as_json):
     emulation, as g4serve check does (--no-act-quant: weight-only arithmetic, as Hopper serves
     it). NVFP4 only: an int8-neuron result is checked with g4serve check OUT --against SRC.
     """
-    from g4.exporters.formats import check_result
-
-    from .reference import verify_nvfp4
 
     src_dir = resolve_source(src)  # SRC's own errors first, as g4serve check reports them
     check_result(out)  # against its format's table before the reference trusts it
@@ -300,11 +315,7 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
     """
     import torch
 
-    from .evaluate import eval_device, evaluate, summary
-
     if text is not None:
-        from .calibrate import check_text_file
-
         check_text_file(text, "--text")  # before SRC is fetched
     src_dir = resolve_source(src)
     eval_device(device)  # a bad device before any model is read
@@ -330,8 +341,6 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
 def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
     """Write a synthetic checkpoint with the real model's key names, shapes and dtypes
     (random bf16 weights) for benchmarks and dry runs on real shapes."""
-    from .synth import write_synthetic
-
     path = write_synthetic(out, like=preset, layers=layers, vision=not no_vision, seed=seed,
                            max_shard_size=max_shard_size, overwrite=overwrite, progress=not is_quiet())
     click.echo(f"wrote {path}")
@@ -387,16 +396,11 @@ def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tok
       g4convert plan gemma-4-26B-A4B --format nvfp4 --gpu-mem 32GiB --seq-len 32768
       g4convert plan ./gemma-4-26B-A4B-it --format bf16 --gpu-mem 80GB --tp 2 --json
     """
-    from g4.exporters.safetensors_writer import parse_size
-
-    from .plan import load_source, plan_memory
 
     gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
     name, config, directory, shape = load_source(src)
     options = dict(fmt=fmt, tp=tp, seq_len=seq_len, attention=attention, target=target, bucketing=bucketing)
     if shape is not None:
-        from .plan import apply_result_shape
-
         given = {k for k in options if ctx.get_parameter_source(k).name != "DEFAULT"}
         options = apply_result_shape(src, shape, options, given)
         name = f"{name} ({shape.detail} result)"
@@ -435,15 +439,24 @@ def push(out, repo_id, private, revision, commit_message, dry_run, allow_existin
     files are then compared with OUT (names, sizes, hashes). The model card (README.md)
     is re-rendered first. Token: HF_TOKEN or `hf auth login`.
     """
-    from .push import _parse_limit, echo_report, push_result, quiet_http_logs
-
     quiet_http_logs()
     report = push_result(out, repo_id, private=private, revision=revision, commit_message=commit_message,
                          dry_run=dry_run, allow_existing=allow_existing, base_model=base_model,
-                         max_file_bytes=_parse_limit(max_file_size))
+                         max_file_bytes=None if max_file_size is None else size_option("--max-file-size", max_file_size))
     echo_report(report, out)
+
+
+def size_option(option: str, text: str) -> int:
+    """``text`` as a byte size (:func:`g4.core.sizes.parse_size`), its error naming ``option``.
+
+    Raises:
+        OptionError: not a size.
+    """
+    try:
+        return parse_size(text)
+    except OptionError as e:
+        raise OptionError(f"{option}: {e}") from e
 
 
 if __name__ == "__main__":
     main()
-

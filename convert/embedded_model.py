@@ -41,7 +41,8 @@ from transformers import (
 )
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from .resolve import EMBEDDED_DIR
+from g4.convert.resolve import EMBEDDED_DIR
+from g4.core.gemma4 import release_config
 
 logger = logging.getLogger(__name__)
 
@@ -624,8 +625,6 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
 def _write_release_config(out_dir: Path) -> None:
     """Rewrite `config.json` as Gemma 4 checkpoints ship it: the full-attention overrides as
     `global_head_dim` / `num_global_key_value_heads` instead of transformers' `per_layer_config`."""
-    from .gemma4 import release_config
-
     path = out_dir / "config.json"
     config = release_config(json.loads(path.read_text()))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -47,10 +47,15 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.model_card import EVAL_FILE, EVAL_VERSION
-
-from .checkpoint import check_converted_from, weight_fingerprints
-from .errors import CheckpointError, G4Error, OptionError
+from g4.convert.calibrate import calibration_device, read_calibration_texts
+from g4.convert.card import hf_cache_repo_id, hf_cache_revision, write_card
+from g4.convert.resolve import EMBEDDED_DIR
+from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceStream, run_layer
+from g4.core.checkpoint import check_converted_from, weight_fingerprints
+from g4.core.errors import CheckpointError, G4Error, OptionError
+from g4.core.progress import progress_bar
+from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, check_result
+from g4.exporters.model_card import EVAL_FILE, EVAL_VERSION, FACTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +210,6 @@ def eval_device(name: str) -> torch.device:
     Raises:
         OptionError: an unknown device or a CUDA device torch does not see.
     """
-    from .calibrate import calibration_device
-
     try:
         return calibration_device(name)
     except G4Error as e:
@@ -226,9 +229,6 @@ def open_result(out: Path, src: Path, *, act_quant: bool | None, dtype: torch.dt
         G4Error: OUT differs from its table, its config is not SRC's, or ``act_quant`` was asked of
             a result without ``input_scale``s or of another format.
     """
-    from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, check_result
-
-    from .stream import Int8NeuronStream, Nvfp4Stream, SourceStream
 
     fmt = check_result(out)  # headers against the format's table before anything trusts OUT
     check_converted_from(out, src)  # the rule verify and g4serve check apply
@@ -260,8 +260,6 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     Returns:
         :class:`TokenStats` of the ``n * (ctx - 1 - ctx // 2)`` scored tokens, chunk order.
     """
-    from .stream import _run_layer
-
     t0 = time.perf_counter()
     n, ctx = chunks.shape
     first = ctx // 2
@@ -273,7 +271,7 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     for layer in range(src.num_layers):
         for side in (src, res):
             module = side.layer(layer)
-            hidden[side] = [_run_layer(module, layer, h, pos) for h in hidden[side]]
+            hidden[side] = [run_layer(module, layer, h, pos) for h in hidden[side]]
             del module
             if on_step:
                 on_step()
@@ -307,9 +305,6 @@ def source_identity(src: Path) -> dict:
     """How eval.json names SRC without a local path: ``embedded``, or the Hub repo id and commit
     of a Hugging Face cache snapshot, or the directory's name with the size and sha256 of every
     weight file."""
-    from .card import hf_cache_repo_id, hf_cache_revision
-    from .resolve import EMBEDDED_DIR
-
     if src.resolve() == EMBEDDED_DIR.resolve():
         return {"name": "embedded", "weight_files": weight_fingerprints(src)}
     repo, revision = hf_cache_repo_id(src), hf_cache_revision(src)
@@ -376,10 +371,6 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     """
     from transformers import AutoTokenizer
 
-    from .calibrate import read_calibration_texts
-    from .progress import progress_bar
-    from .stream import SourceStream
-
     t0 = time.perf_counter()
     out, src = Path(out), Path(src)
     on = eval_device(device)
@@ -420,9 +411,6 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
 def _rerender_card(out: Path) -> None:
     """Re-render OUT's model card with the new evaluation when OUT is a g4 result (an edited card
     is left as it is, :func:`g4.convert.card.write_card`)."""
-    from g4.exporters.model_card import FACTS_FILE
-
-    from .card import write_card
 
     if (out / FACTS_FILE).is_file():
         write_card(out)

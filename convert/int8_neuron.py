@@ -11,7 +11,7 @@ Output (layout, sharding rules and manifest: ``g4.exporters.neuron_int8``):
 - ``embed_tokens.safetensors``: the unscaled bf16 embedding table for the host lookup;
 - ``manifest.json``: TP degree, layout, dtypes, what was quantized, ``embed_scale`` as the
   runtime must apply it, KV-head placement, source file hashes and the memory plan;
-- ``config.json`` (SRC's in the release form, :func:`g4.convert.gemma4.release_config`),
+- ``config.json`` (SRC's in the release form, :func:`g4.core.gemma4.release_config`),
   tokenizer, chat template and generation config copied from SRC.
 
 Weights (``algorithm``): ``max`` rounds each weight to nearest under NxD's per-channel scale,
@@ -37,6 +37,28 @@ from pathlib import Path
 
 import torch
 
+from g4.convert.calibrate import (
+    CALIB_BATCH_SIZE,
+    CALIB_DEVICE,
+    CALIB_DTYPE,
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    GPTQ_MIN_TOKENS,
+    LayerCalibrator,
+    LayerHessians,
+    calibration_device,
+    make_calibrator,
+)
+from g4.convert.card import write_model_card
+from g4.convert.nvfp4 import peak_rss_bytes
+from g4.convert.pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
+from g4.convert.plan import plan_memory
+from g4.convert.sources import checked_sources
+from g4.core.checkpoint import Checkpoint, copy_side_files
+from g4.core.errors import G4Error
+from g4.core.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, VISION_PREFIXES, release_config, tower_of
+from g4.core.progress import progress_bar
+from g4.core.sizes import format_bytes
 from g4.exporters.neuron_int8 import (
     EMBED_FILE,
     EMBED_TENSOR,
@@ -54,29 +76,9 @@ from g4.exporters.neuron_int8 import (
     serving_max_length,
     shard,
 )
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, atomic_output_dir, format_bytes
+from g4.exporters.output_dir import atomic_output_dir
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 from g4.quantizers import gptq, int8
-
-from .calibrate import (
-    CALIB_BATCH_SIZE,
-    CALIB_DEVICE,
-    CALIB_DTYPE,
-    CALIB_SAMPLES,
-    CALIB_SEQ_LEN,
-    GPTQ_MIN_TOKENS,
-    LayerCalibrator,
-    LayerHessians,
-    calibration_device,
-    make_calibrator,
-)
-from .card import write_model_card
-from .checkpoint import Checkpoint, copy_side_files
-from .errors import G4Error
-from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, VISION_PREFIXES, release_config, tower_of
-from .nvfp4 import peak_rss_bytes
-from .pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
-from .progress import progress_bar
-from .sources import checked_sources
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +114,7 @@ class Int8Report:
     calibration_seconds: float = 0.0
 
     def summary(self) -> str:
-        """One line; sizes in the unit that shows them (:func:`~g4.exporters.safetensors_writer.format_bytes`)."""
+        """One line; sizes in the unit that shows them (:func:`~g4.core.sizes.format_bytes`)."""
         ranks = ", ".join(format_bytes(b) for b in self.bytes_per_rank)
         calib = (f"; {self.algorithm} on {self.calibration_tokens} calibration tokens (calibration "
                  f"{self.calibration_seconds:.1f} s)" if self.calibration_tokens else "")
@@ -274,8 +276,6 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
     Raises:
         G4Error: does not fit ``target`` and not ``force``.
     """
-    from .plan import plan_memory
-
     if target is None:
         return None
     # bucketing as g4serve compiles the result (the manifest's bucket ladder, serve/neuron_backend.py)

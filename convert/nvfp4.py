@@ -24,6 +24,26 @@ from pathlib import Path
 
 import torch
 
+from g4.convert.calibrate import (
+    CALIB_BATCH_SIZE,
+    CALIB_DEVICE,
+    CALIB_DTYPE,
+    CALIB_DTYPES,
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    LayerCalibrator,
+    LayerHessians,
+    calibration_device,
+    make_calibrator,
+)
+from g4.convert.card import write_model_card
+from g4.convert.pipeline import overlapped
+from g4.convert.sources import checked_sources
+from g4.core.checkpoint import Checkpoint, copy_side_files
+from g4.core.errors import CheckpointError, ExportError
+from g4.core.gemma4 import LM_HEAD, split_gate_up
+from g4.core.progress import progress_bar
+from g4.core.sizes import format_bytes, parse_size
 from g4.exporters import modelopt_nvfp4 as meta
 from g4.exporters.nvfp4_names import (
     EXPERT_DOWN,
@@ -36,35 +56,9 @@ from g4.exporters.nvfp4_names import (
     Part,
     Role,
 )
-from g4.exporters.safetensors_writer import (
-    ShardedSafetensorsWriter,
-    TensorSpec,
-    atomic_output_dir,
-    format_bytes,
-    parse_size,
-)
-from g4.quantizers import gptq
-from g4.quantizers import nvfp4 as q
-
-from .card import write_model_card
-from .calibrate import (
-    CALIB_BATCH_SIZE,
-    CALIB_DEVICE,
-    CALIB_DTYPE,
-    CALIB_DTYPES,
-    CALIB_SAMPLES,
-    CALIB_SEQ_LEN,
-    LayerCalibrator,
-    LayerHessians,
-    calibration_device,
-    make_calibrator,
-)
-from .checkpoint import Checkpoint, copy_side_files
-from .errors import CheckpointError, ExportError
-from .gemma4 import LM_HEAD, split_gate_up
-from .pipeline import overlapped
-from .progress import progress_bar
-from .sources import checked_sources
+from g4.exporters.output_dir import atomic_output_dir
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
+from g4.quantizers import gptq, nvfp4 as q
 
 log = logging.getLogger(__name__)
 

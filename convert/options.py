@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from .errors import OptionError
+from g4.core.errors import OptionError
+from g4.core.sizes import parse_size
 
 #: How many of something (samples, sequences, decoder layers, tokens to generate): at least 1.
 COUNT = click.IntRange(min=1)
@@ -52,7 +53,7 @@ FRACTION = _Fraction()
 class ByteSize(click.ParamType):
     """A byte size with its unit (``80GB`` = 80 * 10**9 bytes, ``128GiB`` = 128 * 2**30),
     at least ``minimum`` bytes. The value passed on is the text as given (checked), for
-    :func:`g4.exporters.safetensors_writer.parse_size`.
+    :func:`g4.core.sizes.parse_size`.
 
     A number without a unit is refused: ``--gpu-mem 80`` would otherwise be 80 bytes.
     """
@@ -64,7 +65,6 @@ class ByteSize(click.ParamType):
         self.why = why
 
     def convert(self, value, param, ctx):
-        from g4.exporters.safetensors_writer import parse_size  # imports torch: only when a command runs
 
         try:
             n = parse_size(value)

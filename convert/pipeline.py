@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .checkpoint import Checkpoint
-from .errors import CheckpointError
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError
 
 # Bytes of small source tensors read ahead beyond the next one (Prefetcher), and of outputs
 # queued for the writer thread (BackgroundWriter), in the conversions' layer loops.
@@ -254,7 +254,7 @@ class BackgroundHashes:
     time, while the caller converts: the int8-neuron manifest records its source's hashes, and
     hashing 51.6 GB after the conversion took as long as a third of it (about 1.5 GB/s).
     :meth:`close` stops it at the next 16 MiB (an aborted conversion does not wait for it).
-    Same digests as :func:`g4.convert.checkpoint.file_sha256`."""
+    Same digests as :func:`g4.core.checkpoint.file_sha256`."""
 
     _CHUNK = 16 << 20
 

@@ -15,7 +15,7 @@ Sources:
 - geometry, ``attention_k_eq_v``, the ``per_layer_config`` form and the tensors each layer
   has (hence parameter groups, bytes per format and KV cache per token): huggingface/transformers
   5.24 ``src/transformers/models/gemma4/configuration_gemma4.py`` and ``modeling_gemma4.py``
-  (read through ``g4.convert.gemma4``);
+  (read through ``g4.core.gemma4``);
 - which int8 layers split which dim, which fp32 scales are split or replicated, expert-wise
   scales ``[E, 1, out]``: aws-neuron/neuronx-distributed
   ``src/neuronx_distributed/quantization/quantization_layers.py`` and ``trace/trace.py``
@@ -35,7 +35,7 @@ rules (per rank, TP degree ``tp``):
 
 - column-parallel (q/k/v, dense gate/up, expert gate_up, lm_head): output rows split;
 - row-parallel (o_proj, dense down, expert down): input columns split;
-- KV heads: :func:`g4.convert.gemma4.kv_heads_per_rank` (whole heads replicated when
+- KV heads: :func:`g4.core.gemma4.kv_heads_per_rank` (whole heads replicated when
   ``tp > kv``, which needs ``tp % kv == 0``);
 - norms, ``layer_scalar`` and routers: replicated bf16.
 
@@ -55,14 +55,13 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.neuron_int8 import RANK_INDEX_KIND, expected_rank_specs, neuron_buckets, parse_rank_name
-from g4.exporters.safetensors_writer import format_bytes
-
-from .checkpoint import read_json_object
-from .errors import G4Error, a_or_an
-from .gemma4 import (
-    NVFP4_BLOCK as _NVFP4_BLOCK,
+from g4.convert.resolve import EMBEDDED, resolve_source, source_name
+from g4.convert.synth import PRESETS
+from g4.core.checkpoint import Checkpoint, quantized_reason, read_json_object
+from g4.core.errors import CheckpointError, G4Error, a_or_an
+from g4.core.gemma4 import (
     LAYER_NORMS,
+    NVFP4_BLOCK as _NVFP4_BLOCK,
     VISION_PREFIXES,
     Architecture,
     KvCacheLayer,
@@ -71,7 +70,9 @@ from .gemma4 import (
     tower_of,
     tp_problems,
 )
-from .resolve import EMBEDDED, resolve_source, source_name
+from g4.core.sizes import format_bytes
+from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
+from g4.exporters.neuron_int8 import RANK_INDEX_KIND, Manifest, expected_rank_specs, neuron_buckets, parse_rank_name
 
 GB = 10**9
 GiB = 2**30
@@ -197,7 +198,7 @@ def _attention_bytes(g: Architecture, dtype: str, tp: int) -> int:
     return total
 
 
-# Plan group of each model part of the int8-neuron table (g4.convert.gemma4.LAYER_MODULE_KINDS and
+# Plan group of each model part of the int8-neuron table (g4.core.gemma4.LAYER_MODULE_KINDS and
 # MODEL_MODULE_KINDS, read back through g4.exporters.neuron_int8.parse_rank_name).
 # NxD's rank indices (int32 [1], one per layer and one for the model) are counted with the norms.
 _GROUP_OF_KIND = {"experts": "experts", "lm_head": "lm_head", "dense MLP": "dense_mlp", "attention": "attention",
@@ -270,7 +271,7 @@ class KvCache:
 
 
 def _kv_bytes_per_token(layer: KvCacheLayer, dtype_bytes: int = _BF16) -> int:
-    """K and V of one layer for one token on one rank (:class:`g4.convert.gemma4.KvCacheLayer`:
+    """K and V of one layer for one token on one rank (:class:`g4.core.gemma4.KvCacheLayer`:
     K and V are both cached on full layers with ``attention_k_eq_v`` too)."""
     return layer.heads * layer.head_dim * 2 * dtype_bytes
 
@@ -310,7 +311,7 @@ def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padd
                   dtype_bytes: int = _BF16) -> KvCache:
     """The KV cache g4's NxDI model class allocates per rank, in bytes: on every layer, sliding or
     not, ``max_length`` positions for ``batch + padding`` sequences, that layer's KV heads per rank
-    and head dim (:func:`g4.convert.gemma4.kv_cache_layers`, which the class's
+    and head dim (:func:`g4.core.gemma4.kv_cache_layers`, which the class's
     ``Gemma4KVCacheManager`` reads too), K and V, ``dtype_bytes`` per element (bf16: 2).
 
     Rule: ``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel.setup_attr_for_model`` passes
@@ -371,9 +372,9 @@ def nxdi_logits_bytes(g: Architecture, batch: int, buckets: tuple[list[int], lis
 
 @functools.lru_cache(maxsize=8)
 def _vision_params_meta(config_json: str) -> int:
+    import torch
     from transformers import AutoConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
-    import torch
 
     config = json.loads(config_json)
     hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
@@ -400,8 +401,6 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
     if src_dir is not None:
         root = Path(src_dir)
         if _has_weights(root):
-            from .checkpoint import Checkpoint
-
             ckpt = Checkpoint(root, source=True)
             n = sum(math.prod(info.shape) for name, info in ckpt.tensors.items()
                     if tower_of(name) in VISION_PREFIXES)
@@ -904,17 +903,12 @@ def result_shape(directory: Path) -> ResultShape | None:
     Raises:
         CheckpointError: an int8-neuron manifest that cannot be read.
     """
-    from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
-
-    from .errors import CheckpointError
 
     try:
         fmt = detect_format(directory)
     except CheckpointError:
         return None
     if fmt.format == INT8_NEURON:
-        from g4.exporters.neuron_int8 import Manifest
-
         m = Manifest.from_dir(directory)
         facts = directory / "g4_conversion.json"
         target = None
@@ -927,7 +921,6 @@ def result_shape(directory: Path) -> ResultShape | None:
                                                "bucketing": True})
     if fmt.format != NVFP4:
         return None
-    from .checkpoint import Checkpoint
 
     try:
         tensors = Checkpoint(directory).tensors
@@ -993,8 +986,6 @@ def load_source(src: str) -> tuple[str, dict, Path | None, ResultShape | None]:
             named outside it, a tensor not BF16/F16/F32, corrupt shards).
     """
     if src in KNOWN_MODELS and not Path(src).exists():
-        from .synth import PRESETS
-
         return src, PRESETS[src], None, None
     path = resolve_source(src, config_only=True)
     directory = path if path.is_dir() else None
@@ -1008,8 +999,6 @@ def load_source(src: str) -> tuple[str, dict, Path | None, ResultShape | None]:
     if shape is not None:
         return name, config, None, shape
     if directory and _has_weights(directory):
-        from .checkpoint import Checkpoint, quantized_reason
-
         why = quantized_reason(directory, config)
         if why:
             raise G4Error(f"{why}: the checkpoint is already quantized and not a complete g4 result; plan reads only "

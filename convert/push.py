@@ -36,15 +36,22 @@ from pathlib import Path
 
 import click
 
+from g4.convert.card import (
+    card_text,
+    edited_card,
+    g4_version,
+    load_conversion_facts,
+    repo_files,
+    write_card,
+    write_facts,
+)
+from g4.convert.options import MIN_SHARD_BYTES
+from g4.core.checkpoint import file_sha256, read_safetensors_header
+from g4.core.errors import CheckpointError, G4Error
+from g4.core.sizes import format_bytes
 from g4.exporters.formats import check_result
 from g4.exporters.model_card import CARD_FILE, EVAL_FILE, FACTS_FILE, INDEX_NAME, VERIFICATION_FILE, check_repo_id
-
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
-from g4.exporters.safetensors_writer import format_bytes
-
-from .card import card_text, edited_card, g4_version, load_conversion_facts, repo_files, write_card, write_facts
-from .errors import G4Error, OptionError
-from .resolve import quiet_http_logs
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +84,6 @@ class LocalFile:
     def sha256(self) -> str:
         """Hex sha256 of the content (what the Hub stores as the LFS oid)."""
         if self._sha256 is None:
-            from g4.convert.checkpoint import file_sha256
-
             self._sha256 = file_sha256(self.path)
         return self._sha256
 
@@ -149,8 +154,6 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
     missing = [n for n in needed if n not in names]
     if missing:
         raise HubError(f"{out}: incomplete result, missing {', '.join(missing)}; nothing was sent")
-    from g4.convert.checkpoint import read_safetensors_header
-    from g4.convert.errors import CheckpointError
 
     for f in files:
         if f.rel.endswith(".safetensors"):
@@ -166,7 +169,7 @@ def check_file_sizes(out: str | Path, files: list[LocalFile], max_file_bytes: in
     or, when None, the Hub's (:data:`HUB_MAX_FILE_BYTES`).
 
     The message names the largest file over the limit and whose limit it is (the user's or the
-    Hub's), gives sizes in the unit that shows them (:func:`~g4.exporters.safetensors_writer.format_bytes`)
+    Hub's), gives sizes in the unit that shows them (:func:`~g4.core.sizes.format_bytes`)
     and says what helps: a larger ``--max-file-size``; a smaller ``--max-shard-size`` only
     when every file over the limit is an NVFP4 weight shard and the limit is one a shard can
     meet (at least :data:`~g4.convert.options.MIN_SHARD_BYTES`); a larger ``--tp`` for an
@@ -175,8 +178,6 @@ def check_file_sizes(out: str | Path, files: list[LocalFile], max_file_bytes: in
     Raises:
         HubError: ``<file>: <size> is over <which limit> of <size> (<n> files are); <what helps>``.
     """
-    from .options import MIN_SHARD_BYTES
-
     limit = HUB_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
     over = sorted((f for f in files if f.size > limit), key=lambda f: (-f.size, f.rel))
     if not over:
@@ -356,7 +357,7 @@ def push_result(out: str | Path, repo_id: str, *, private: bool = False, revisio
     files = local_files(out)
     check_complete(out, files, max_file_bytes=max_file_bytes)  # before touching OUT or the network
     check_result(out)  # against its format's table, before anything is written or sent
-    token = token or _token()
+    token = token or hub_token()
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import RevisionNotFoundError
 
@@ -483,7 +484,12 @@ def _commit_once(api, repo_id: str, revision: str, operations, message: str, des
     return None
 
 
-def _token() -> str:
+def hub_token() -> str:
+    """The Hugging Face token huggingface_hub finds (``HF_TOKEN``, then ``hf auth login``'s file).
+
+    Raises:
+        HubError: there is none.
+    """
     from huggingface_hub import get_token
 
     token = get_token()
@@ -558,17 +564,6 @@ def _plan_existing(remote: dict, files: list[LocalFile], repo_id: str, revision:
 
 
 # --------------------------------------------------------------------------- CLI
-
-
-def _parse_limit(text: str | None) -> int | None:
-    if text is None:
-        return None
-    from g4.exporters.safetensors_writer import parse_size  # imports torch: only for a given size
-
-    try:
-        return parse_size(text)
-    except OptionError as e:
-        raise OptionError(f"--max-file-size: {e}") from e
 
 
 def echo_report(report: PushReport, out: Path, echo=click.echo) -> None:

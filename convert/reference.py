@@ -10,97 +10,27 @@ quantized linear's input is also fake-quantized to NVFP4 against its ``input_sca
 (W4A4 as served on Blackwell; Hopper serves weight-only).
 
 :func:`load_source_model` / :func:`load_converted_model` hold a whole model in RAM (the
-``g4serve`` CPU engine and tests use them); :func:`verify_nvfp4` never does: it runs source
-and result one decoder layer at a time (:mod:`g4.convert.stream`), so the 26B verifies in
-about one layer of RAM beside the head.
+``g4serve`` CPU engine and tests use them); :func:`g4.convert.verify.verify_nvfp4` never does:
+it runs source and result one decoder layer at a time (:mod:`g4.convert.stream`), so the 26B
+verifies in about one layer of RAM beside the head.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from g4.convert.calibrate import experts_forward_with_input_hook
-from g4.convert.checkpoint import Checkpoint, check_converted_from
-from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import LM_HEAD, fuse_gate_up, is_tied
-from g4.convert.progress import progress_bar
-from g4.convert.prompt import chat_ids
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError
+from g4.core.gemma4 import LM_HEAD, fuse_gate_up, is_tied
+from g4.core.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
 from g4.exporters.nvfp4_names import Role
 from g4.quantizers import nvfp4 as q
-
-# Generic held-out prompts for sources that ship no facts.json.
-DEFAULT_PROMPTS = (
-    "Write one sentence about the sea.",
-    "What is the capital of Canada?",
-    "List three colours.",
-    "Explain what a verb is.",
-    "How many legs does a spider have?",
-    "Say hello in French.",
-    "What do bees make?",
-    "Name a large animal.",
-)
-
-
-@dataclass
-class VerifyReport:
-    """Agreement of a converted model with its source.
-
-    ``token_agreement``: fraction of teacher-forced positions (the source's greedy
-    continuation of each prompt) where both models' argmax agree. ``mean_kl``: mean
-    KL(source || converted) in nats over the same positions. ``all_*``: the same over
-    every position of prompt plus continuation (prompt positions are text the model
-    did not choose, so these are lower and only reported). ``layer_rel_error``: per
-    decoder layer, ``||h_converted - h_source|| / ||h_source||`` of its output hidden
-    states over the continuation positions (:func:`g4.convert.stream.compare_streamed`):
-    where along the model the result drifts.
-    """
-
-    prompts: int
-    positions: int
-    token_agreement: float
-    mean_kl: float
-    all_positions: int
-    all_token_agreement: float
-    all_mean_kl: float
-    act_quant: bool
-    facts_total: int = 0
-    facts_correct: int = 0
-    answers: list[dict] = field(default_factory=list)
-    layer_rel_error: list[float] = field(default_factory=list)
-
-    def failures(self, min_agreement: float) -> list[str]:
-        """Why the check fails at ``min_agreement`` (empty when it passes)."""
-        why = []
-        if self.token_agreement < min_agreement:
-            why.append(f"token agreement {self.token_agreement:.3f} < {min_agreement}")
-        if self.facts_correct != self.facts_total:
-            why.append(f"{self.facts_total - self.facts_correct} fact(s) answered wrong")
-        return why
-
-    def summary(self) -> str:
-        lines = [f"token agreement {self.token_agreement:.3f} over {self.positions} positions of {self.prompts} "
-                 f"held-out prompts; mean KL {self.mean_kl:.4f} nats ({'W4A4' if self.act_quant else 'W4A16'} emulation)",
-                 f"all {self.all_positions} positions incl. prompts: agreement {self.all_token_agreement:.3f}, "
-                 f"mean KL {self.all_mean_kl:.4f} nats"]
-        if self.layer_rel_error:
-            lines.append("hidden-state relative error per layer: "
-                         + " ".join(f"{i}:{e:.4f}" for i, e in enumerate(self.layer_rel_error)))
-        if self.facts_total:
-            lines.append(f"facts answered: {self.facts_correct}/{self.facts_total}")
-            lines += [f"  {'ok ' if a['ok'] else 'BAD'} {a['question']!r} -> {a['reply']!r} (expected {a['answer']!r})"
-                      for a in self.answers]
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
 
 
 def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torch.bfloat16, *, prefix: str = "",
@@ -239,11 +169,11 @@ def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bf
         raise CheckpointError(f"{out_dir}: converted tensors do not match the model: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if act_quant:
-        _install_activation_quant(model, input_scales)
+        install_activation_quant(model, input_scales)
     return model
 
 
-def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Tensor]) -> None:
+def install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Tensor]) -> None:
     """Fake-quantize (NVFP4, dynamic fp8 block scales, static global input_scale) the
     input of every quantized linear and of both expert projections."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
@@ -259,28 +189,9 @@ def _install_activation_quant(model: nn.Module, input_scales: dict[str, torch.Te
                 module, lambda kind, x, s=scales: q.fake_quantize_activation(x, s[kind]))
 
 
-def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
-    """OUT must be a modelopt NVFP4 checkpoint converted from SRC (same config otherwise).
-
-    Returns:
-        whether to emulate W4A4: ``act_quant``, or when None, whether OUT is W4A4 (the
-        rule of ``g4.serve.engine.load_cpu_engine``, so verify and ``g4serve check`` agree).
-    """
-    from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
-
-    fmt = detect_format(out)
-    if fmt.format == INT8_NEURON:
-        raise CheckpointError(f"{out}: an int8-neuron result; verify checks NVFP4 results, int8-neuron results are "
-                              f"checked with `g4serve check {out} --against SRC`")
-    if fmt.format != NVFP4:
-        raise CheckpointError(f"{out}: not a modelopt NVFP4 checkpoint (config.json has no NVFP4 quantization_config)")
-    check_converted_from(out, src)
-    if act_quant and not fmt.w4a4:
-        raise CheckpointError(f"{out}: --act-quant needs input_scale tensors, and this is a weight-only (W4A16) checkpoint")
-    return fmt.w4a4 if act_quant is None else act_quant
-
-
-def _chat_ids(tokenizer, text: str) -> torch.Tensor:
+def chat_prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    """``text`` as one user turn of the chat template, ready for generation: int64 ``[1, S]``
+    (:func:`g4.core.prompt.chat_ids`)."""
     return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
 
 
@@ -324,95 +235,10 @@ def compare_models(src_model, q_model, tokenizer, prompts, *, max_new_tokens: in
     """
     def pairs():
         for prompt in prompts:
-            ids = _chat_ids(tokenizer, prompt)
+            ids = chat_prompt_ids(tokenizer, prompt)
             seq = src_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
             lp = torch.log_softmax(src_model(seq).logits[0, :-1].float(), -1)
             lq = torch.log_softmax(q_model(seq).logits[0, :-1].float(), -1)
             yield lp, lq, ids.shape[1] - 1
 
     return compare_logprobs(pairs())
-
-
-ANSWER_TOKENS = 8  # greedy tokens of a reply to a fact question; the expected answer must start it
-
-
-def eos_token_ids(root: Path) -> list[int]:
-    """The ids ``generate`` stops at for the checkpoint in ``root``: ``generation_config.json``'s
-    ``eos_token_id`` (int or list), else the config's, as transformers' ``GenerationConfig``
-    reads them."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        gen = GenerationConfig.from_pretrained(root)
-    except OSError:  # no generation_config.json: transformers derives it from config.json
-        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(root))
-    eos = gen.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool | None = None,
-                 dtype: torch.dtype = torch.bfloat16, progress: bool = False) -> VerifyReport:
-    """Compare the NVFP4 checkpoint ``out`` with its source ``src`` on held-out prompts.
-
-    ``act_quant``: emulate W4A4 activation quantization with OUT's ``input_scale``s; None
-    (default) = exactly when OUT is W4A4, as ``g4serve check`` and vLLM on Blackwell compute.
-    ``progress``: a bar on stderr counting decoder layers run (each generated token is one pass
-    over SRC's layers, the comparison one pass over both models', each fact's answer token one
-    pass over OUT's), with the phase it is in.
-
-    Prompts come from ``src/facts.json`` (``heldout``; the embedded model ships one) or
-    :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model.
-
-    Raises:
-        CheckpointError: unreadable source/output or tensors that do not fit the model.
-    """
-    from transformers import AutoTokenizer
-
-    out, src = Path(out), Path(src)
-    act_quant = _check_pair(out, src, act_quant)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
-    except Exception as e:  # many exception types for a missing or broken tokenizer
-        raise CheckpointError(f"{src}: verify needs the source's tokenizer and it cannot be loaded "
-                              f"({type(e).__name__})") from e
-    from .stream import Nvfp4Stream, SourceStream, compare_streamed, streamed_greedy
-
-    src_model = SourceStream(src, dtype)
-    q_model = Nvfp4Stream(out, dtype, act_quant=act_quant)
-    facts_path = src / "facts.json"
-    facts, prompts = [], list(DEFAULT_PROMPTS)
-    if facts_path.is_file():
-        data = json.loads(facts_path.read_text())
-        facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
-    prompt_ids = [_chat_ids(tokenizer, p)[0].tolist() for p in prompts]
-    layers = src_model.num_layers
-    phases = [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
-    phases += [("facts", ANSWER_TOKENS * layers)] if facts else []
-    with progress_bar(sum(n for _, n in phases), f"verify {out.name}", enabled=progress, unit="layer") as bar:
-        src_model.on_layer = q_model.on_layer = lambda: bar.update(1)
-        ends = iter(itertools.accumulate(n for _, n in phases))
-
-        def phase(name: str) -> None:
-            if bar.n:  # a phase that ended early (every prompt reached EOS) moves the bar to its end
-                bar.update(next(ends) - bar.n)
-            bar.set_postfix_str(name)
-
-        phase("SRC greedy")
-        continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
-                                        eos_token_ids=eos_token_ids(src))
-        phase("comparing")
-        stats = compare_streamed(src_model, q_model, [p + c for p, c in zip(prompt_ids, continuations)],
-                                 [len(p) for p in prompt_ids])
-        report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
-        questions = [_chat_ids(tokenizer, q)[0].tolist() for q, _ in facts]
-        if facts:
-            phase("facts")
-        replies = streamed_greedy(q_model, questions, max_new_tokens=ANSWER_TOKENS, eos_token_ids=eos_token_ids(out))
-        bar.update(bar.total - bar.n)
-    for (question, expected), ids in zip(facts, replies):
-        reply = tokenizer.decode(ids, skip_special_tokens=True).strip()
-        ok = reply.startswith(expected)
-        report.answers.append({"question": question, "answer": expected, "reply": reply, "ok": ok})
-        report.facts_correct += ok
-    report.facts_total = len(facts)
-    return report

@@ -10,7 +10,7 @@
    ``snapshot_download`` asks the Hub which commit the revision is and fetches only what the
    cache lacks, resuming partial files, with huggingface_hub's progress bar; with
    ``HF_HUB_OFFLINE=1``, or when the Hub cannot be reached, the cached snapshot is used as it
-   is. Only the files g4 reads are fetched (:data:`g4.convert.checkpoint.SOURCE_META_FILES`
+   is. Only the files g4 reads are fetched (:data:`g4.core.checkpoint.SOURCE_META_FILES`
    top-level only, and exactly the safetensors shards the index names): never pickles, other
    weight formats or sub-folders such as ``original/``;
 4. anything else is returned as a path, and the command reports that it does not exist.
@@ -24,7 +24,8 @@ import logging
 import re
 from pathlib import Path
 
-from .errors import G4Error, OptionError
+from g4.core.checkpoint import SOURCE_META_FILES, SRC_FORMS, refuse_quantized, weight_files
+from g4.core.errors import G4Error, OptionError
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
 """The embedded tiny Gemma 4 (``SRC`` ``embedded``; trained by ``g4.convert.embedded_model``)."""
@@ -32,7 +33,6 @@ EMBEDDED_DIR = Path(__file__).parent / "embedded"
 EMBEDDED = "embedded"
 EMBEDDED_OUT_NAME = "gemma4-tiny"
 REPO_ID_PATTERN = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
-SRC_FORMS = "a local checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision]"
 _REPO_REF = re.compile(rf"^(?P<repo>{REPO_ID_PATTERN})(?:@(?P<rev>[^@\s]+))?$")
 _LOGIN = "log in with `hf auth login` or set HF_TOKEN"
 
@@ -101,7 +101,6 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
         RevisionNotFoundError,
     )
 
-    from .checkpoint import SOURCE_META_FILES, refuse_quantized, weight_files
 
     quiet_http_logs()
     top_level_only = ["*/*"]  # fnmatch's * crosses "/": allow-listed names must not match inside folders

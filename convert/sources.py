@@ -10,11 +10,10 @@ layer in either config form (case P17).
 
 from __future__ import annotations
 
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError, G4Error, MappingError
+from g4.core.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, release_config
 from g4.exporters.nvfp4_names import SourceMap, map_sources
-
-from .checkpoint import Checkpoint
-from .errors import CheckpointError, G4Error, MappingError
-from .gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, release_config
 
 
 def checked_sources(ckpt: Checkpoint) -> SourceMap:

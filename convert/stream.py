@@ -18,7 +18,7 @@ Two weight sources share that forward: :class:`SourceStream` reads a bf16 source
 mapped by the same table the converters use, so the pre-release ``moe.*`` names work), and
 :class:`Nvfp4Stream` reads a modelopt NVFP4 result dequantized per layer by
 :func:`g4.convert.reference.load_nvfp4_as_hf`, with W4A4 activation fake-quant installed
-on the layer by :func:`g4.convert.reference._install_activation_quant` when asked.
+on the layer by :func:`g4.convert.reference.install_activation_quant` when asked.
 
 Memory: the hidden states of every sequence (``[1, S_i, H]`` each, compute dtype) and the
 KV caches of a generation, plus one decoder layer (one side at a time: source and result
@@ -35,11 +35,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
-from .errors import CheckpointError
-from .gemma4 import LM_HEAD, embed_scale
-from .reference import _install_activation_quant, load_nvfp4_as_hf
-from .sources import checked_sources
+from g4.convert.reference import compare_logprobs, install_activation_quant, load_nvfp4_as_hf
+from g4.convert.sources import checked_sources
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError
+from g4.core.gemma4 import LM_HEAD, embed_scale
+from g4.exporters.neuron_int8 import (
+    check_rank_files,
+    dequantized_local,
+    geometry,
+    host_rows,
+    is_rank_index,
+    layer_entries,
+    layer_prefix,
+    model_entries,
+    unshard,
+)
 
 
 class StreamedModel:
@@ -119,7 +130,7 @@ class StreamedModel:
                                   f"Gemma4TextDecoderLayer: {str(e).splitlines()[-1].strip()}") from e
         module.to(self.device).eval()
         if input_scales:
-            _install_activation_quant(module, {k: v.to(self.device) for k, v in input_scales.items()})
+            install_activation_quant(module, {k: v.to(self.device) for k, v in input_scales.items()})
         if self.on_layer is not None:
             self.on_layer()
         return module
@@ -202,8 +213,6 @@ class Int8NeuronStream(StreamedModel):
     """
 
     def __init__(self, out: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
-        from g4.exporters.neuron_int8 import check_rank_files, geometry
-
         manifest, config, self._paths = check_rank_files(out)
         self._setup(Path(out), dtype, device)
         self.manifest = manifest
@@ -229,8 +238,6 @@ class Int8NeuronStream(StreamedModel):
         return ranks
 
     def _gathered(self, entries, prefix: str, layer: int | None) -> dict[str, torch.Tensor]:
-        from g4.exporters.neuron_int8 import dequantized_local, is_rank_index, unshard
-
         entries = [e for e in entries if not is_rank_index(e)]
         wanted = {n for e in entries for n in e.names(prefix)}
         ranks = self._read(wanted.__contains__)
@@ -247,22 +254,16 @@ class Int8NeuronStream(StreamedModel):
         return out
 
     def layer_tensors(self, layer: int):
-        from g4.exporters.neuron_int8 import layer_entries, layer_prefix
-
         g = self.geom
         entries = layer_entries(has_v=g.has_v[layer], quantize_attention=self.manifest.quantize_attention)
         return self._gathered(entries, layer_prefix(layer), layer), {}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        from g4.exporters.neuron_int8 import host_rows
-
         picked = host_rows(self.root, self.manifest.host_embedding, ids)
         scaled = picked * torch.tensor(self.manifest.embed_scale).to(picked.dtype)
         return scaled.to(self.dtype).unsqueeze(0).to(self.device)
 
     def head_weights(self):
-        from g4.exporters.neuron_int8 import model_entries
-
         entries = [e for e in model_entries(tied=self.geom.arch.tied) if e.key in ("norm", "lm_head")]
         got = self._gathered(entries, "", None)
         norm = next(e for e in entries if e.key == "norm")
@@ -304,7 +305,10 @@ class _Rope:
         return _Positions(position_ids, rope, masks)
 
 
-def _run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: _Positions, cache=None) -> torch.Tensor:
+def run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: _Positions, cache=None) -> torch.Tensor:
+    """Decoder layer ``layer`` (transformers' ``Gemma4TextDecoderLayer``) on ``hidden``
+    ``[1, S, hidden_size]`` at the positions ``pos`` (its layer type's mask and RoPE); ``cache``:
+    a transformers cache to extend (decode), or None. Returns the layer's output, same shape."""
     layer_type = module.config.layer_types[layer]
     return module(hidden, None, shared_kv_states={}, position_embeddings=pos.rope[layer_type],
                   attention_mask=pos.masks[layer_type], position_ids=pos.ids, cache=cache)
@@ -322,7 +326,7 @@ def streamed_logits(model: StreamedModel, sequences: Sequence[Sequence[int]]) ->
     pos = [model.rope.positions(h, 0) for h in hidden]
     for layer in range(model.num_layers):
         module = model.layer(layer)
-        hidden = [_run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
+        hidden = [run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
         del module
     head = model.head()
     return [head(h)[0] for h in hidden]
@@ -336,7 +340,7 @@ def _decode_pass(model: StreamedModel, feed: dict[int, list[int]], caches: dict,
     pos = {i: model.rope.positions(h, past[i], caches[i]) for i, h in hidden.items()}
     for layer in range(model.num_layers):
         module = model.layer(layer)
-        hidden = {i: _run_layer(module, layer, h, pos[i], caches[i]) for i, h in hidden.items()}
+        hidden = {i: run_layer(module, layer, h, pos[i], caches[i]) for i, h in hidden.items()}
         del module
     head = model.head()
     return {i: head(h[0, -1]) for i, h in hidden.items()}
@@ -408,7 +412,6 @@ def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence
         positions of every sequence (those whose logits predict a continuation token), the
         result having run on its own hidden states from the embedding on.
     """
-    from .reference import compare_logprobs
 
     seqs = [torch.tensor(list(s)) for s in sequences]
     h_src = [src.embed(s) for s in seqs]
@@ -419,7 +422,7 @@ def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence
     for layer in range(src.num_layers):
         for side, hidden in ((src, h_src), (res, h_res)):
             module = side.layer(layer)
-            hidden[:] = [_run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
+            hidden[:] = [run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
             del module
         err = sum(float((q[0, r].float() - s[0, r].float()).square().sum()) for q, s, r in zip(h_res, h_src, reply))
         ref = sum(float(s[0, r].float().square().sum()) for s, r in zip(h_src, reply))

@@ -15,17 +15,13 @@ from pathlib import Path
 
 import torch
 
-from g4.exporters.safetensors_writer import (
-    SYNTH_MARKER,
-    ShardedSafetensorsWriter,
-    TensorSpec,
-    atomic_output_dir,
-    parse_size,
-)
-
-from .errors import G4Error
-from .gemma4 import LM_HEAD, MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
-from .progress import progress_bar
+from g4.convert.resolve import EMBEDDED_DIR
+from g4.core.errors import G4Error
+from g4.core.gemma4 import LM_HEAD, MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
+from g4.core.progress import progress_bar
+from g4.core.sizes import parse_size
+from g4.exporters.output_dir import SYNTH_MARKER, atomic_output_dir
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 
 _LAYER_PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
 
@@ -139,8 +135,6 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
     Raises:
         G4Error: unknown preset, bad layer count, or ``out`` exists without ``overwrite``.
     """
-    from .embedded_model import EMBEDDED_DIR
-
     config = synthetic_config(like, layers=layers, vision=vision)
     specs = synthetic_specs(config)
     arch = read_architecture(config)

@@ -12,7 +12,7 @@ Three formats are recognised, in this order:
 * ``bf16``: a Hugging Face Gemma 4 checkpoint (``config.json`` with ``model_type`` ``gemma4``
   or ``gemma4_text``, no ``quantization_config``, safetensors weights): the source itself.
 
-Anything else is refused with a one-line :class:`g4.convert.errors.CheckpointError`.
+Anything else is refused with a one-line :class:`g4.core.errors.CheckpointError`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from g4.convert.checkpoint import read_json_object
-from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import MODEL_TYPES
-from g4.exporters.neuron_int8 import LAYOUT_NAME, MANIFEST
+from g4.core.checkpoint import HF_QUANT_CONFIG, Checkpoint, read_json_object
+from g4.core.errors import CheckpointError
+from g4.core.gemma4 import MODEL_TYPES
+from g4.exporters.modelopt_nvfp4 import check_export
+from g4.exporters.neuron_int8 import LAYOUT_NAME, MANIFEST, check_rank_files
 
 NVFP4, INT8_NEURON, BF16 = "nvfp4", "int8-neuron", "bf16"
 
@@ -64,7 +65,7 @@ def detect_format(path: str | Path) -> ResultFormat:
         raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {LAYOUT_NAME!r})")
     config_path = path / "config.json"
     config = read_json_object(config_path) if config_path.is_file() else None
-    hf_quant = path / "hf_quant_config.json"
+    hf_quant = path / HF_QUANT_CONFIG
     algo = None
     if hf_quant.is_file():
         algo = (read_json_object(hf_quant).get("quantization") or {}).get("quant_algo")
@@ -108,15 +109,11 @@ def check_result(path: str | Path) -> ResultFormat:
     * ``int8-neuron``: :func:`g4.exporters.neuron_int8.check_rank_files`: the manifest, every
       rank file against the layout table, the host embedding table.
     * ``bf16``: the index and shard headers hold together and the config is a Gemma 4 MoE
-      (:class:`g4.convert.checkpoint.Checkpoint`).
+      (:class:`g4.core.checkpoint.Checkpoint`).
 
     Raises:
         G4Error: one line naming the file (and tensor) and what differs; see :func:`detect_format`.
     """
-    from g4.convert.checkpoint import Checkpoint
-    from g4.exporters.modelopt_nvfp4 import check_export
-    from g4.exporters.neuron_int8 import check_rank_files
-
     fmt = detect_format(path)
     if fmt.format == NVFP4:
         check_export(fmt.path, values=False)

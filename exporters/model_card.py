@@ -29,7 +29,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from g4.convert.errors import G4Error
+from g4.core.errors import G4Error
+from g4.core.sizes import format_bytes
 
 FACTS_FILE = "g4_conversion.json"
 CARD_FILE = "README.md"
@@ -124,8 +125,7 @@ class CardInputs:
 
 
 def _size(n: int | float | None) -> str:
-    """:func:`~g4.exporters.safetensors_writer.format_bytes`, or "unknown"."""
-    from g4.exporters.safetensors_writer import format_bytes
+    """:func:`~g4.core.sizes.format_bytes`, or "unknown"."""
 
     return "unknown" if n is None else format_bytes(n)
 

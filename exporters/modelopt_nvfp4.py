@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from g4.convert.checkpoint import SOURCE_DTYPES, Checkpoint, read_json_object
-from g4.convert.errors import ExportError
-from g4.convert.gemma4 import LM_HEAD, is_tied, tower_of
+from g4.core.checkpoint import HF_QUANT_CONFIG, SOURCE_DTYPES, Checkpoint, read_json_object
+from g4.core.errors import ExportError
+from g4.core.gemma4 import LM_HEAD, is_tied, release_config, tower_of
 from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
 from g4.quantizers.nvfp4 import BLOCK_SIZE
 
@@ -80,14 +80,12 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
 
     Raises:
         G4Error: a ``per_layer_config`` the release form cannot express
-            (:func:`g4.convert.gemma4.release_config`).
+            (:func:`g4.core.gemma4.release_config`).
     """
-    from g4.convert.gemma4 import release_config
-
     config = release_config(src_config)
     config["quantization_config"] = quantization_config(excludes, weight_only=weight_only, kv_cache=kv_cache)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excludes, kv_cache=kv_cache), indent=2)
+    (out_dir / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant_config(excludes, kv_cache=kv_cache), indent=2)
                                                   + "\n")
 
 
@@ -178,13 +176,13 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     Raises:
         ExportError: naming the first offending tensor (and the file holding it), module or file.
         CheckpointError: unreadable metadata, or an index or shard header that does not hold
-            together (:class:`~g4.convert.checkpoint.Checkpoint`).
+            together (:class:`~g4.core.checkpoint.Checkpoint`).
     """
     out_dir = Path(out_dir)
     label = label or out_dir
     config = read_json_object(out_dir / "config.json", shown=Path(label) / "config.json", error=ExportError)
     qc = config.get("quantization_config") or {}
-    hq = read_json_object(out_dir / "hf_quant_config.json", shown=Path(label) / "hf_quant_config.json", error=ExportError).get("quantization")
+    hq = read_json_object(out_dir / HF_QUANT_CONFIG, shown=Path(label) / HF_QUANT_CONFIG, error=ExportError).get("quantization")
     if not isinstance(qc, dict) or not isinstance(hq, dict):
         raise ExportError(f"{label}: config.json quantization_config or hf_quant_config.json quantization "
                           "is not an object")

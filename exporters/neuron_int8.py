@@ -43,7 +43,7 @@ the experts ``moe.expert_mlps.mlp_op.{gate_up_proj,down_proj}`` (``experts.*``, 
 
 The host keeps the unscaled bf16 embedding table (``embed_tokens.safetensors``); the
 runtime multiplies looked-up rows by ``embed_scale = bf16(sqrt(hidden_size))``
-(:func:`g4.convert.gemma4.embed_scale`), which :meth:`Manifest.check_embed_scale` checks.
+(:func:`g4.core.gemma4.embed_scale`), which :meth:`Manifest.check_embed_scale` checks.
 
 Each sharding rule is an object with the rank-local shape of a source tensor and the
 rank's ``take`` of it (weight and int8 scale together); KV projections have their own rule
@@ -55,14 +55,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from g4.convert.checkpoint import read_json_object
-from g4.convert.errors import CheckpointError, G4Error
-from g4.convert.gemma4 import (
+from g4.core.checkpoint import read_json_object, read_safetensors_header
+from g4.core.errors import CheckpointError, G4Error
+from g4.core.gemma4 import (
     ATTENTION_NORMS,
     EXPERT_DOWN as EXPERT_DOWN_SOURCE,
     EXPERT_GATE_UP as EXPERT_GATE_UP_SOURCE,
@@ -143,7 +143,7 @@ def serving_max_length(seq_len: int | None, max_positions: int | None) -> int:
 
 @dataclass(frozen=True)
 class Geometry:
-    """A Gemma 4 MoE :class:`~g4.convert.gemma4.Architecture` split over ``tp`` ranks: the
+    """A Gemma 4 MoE :class:`~g4.core.gemma4.Architecture` split over ``tp`` ranks: the
     architecture's sizes under the names the layout uses, per-layer lists, and where the KV
     heads go. ``kv_per_rank(L)``: heads each rank holds (1 when replicated);
     ``kv_head_of_rank(L, r)``: the first source KV head rank r holds.
@@ -175,8 +175,8 @@ class Geometry:
 def geometry(config: dict, tp: int) -> Geometry:
     """``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
 
-    Parsing and the TP rules are the memory planner's (:func:`g4.convert.gemma4.read_architecture`,
-    :func:`g4.convert.gemma4.tp_problems`), so the plan and the files cannot disagree.
+    Parsing and the TP rules are the memory planner's (:func:`g4.core.gemma4.read_architecture`,
+    :func:`g4.core.gemma4.tp_problems`), so the plan and the files cannot disagree.
 
     Raises:
         G4Error: not a Gemma 4 MoE config, or a TP degree the model cannot be split over.
@@ -472,7 +472,7 @@ def is_rank_index(e: Entry) -> bool:
 @dataclass(frozen=True)
 class RankName:
     """One rank-file tensor name read back through the table: its entry, layer (None outside
-    the layers), key prefix and model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` of its
+    the layers), key prefix and model part (:data:`g4.core.gemma4.LAYER_MODULE_KINDS` of its
     source module, or :data:`RANK_INDEX_KIND`)."""
 
     entry: Entry
@@ -521,7 +521,7 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool, dtyp
                         lm_head: str = "int8-sharded") -> list[TensorSpec]:
     """Every tensor of one rank file (name, dtype, per-rank shape), from the config alone: the
     ``state_dict()`` of g4's NxDI class (``g4.serve.nxdi_gemma4``) at TP ``tp`` with
-    ``torch_dtype=dtype``. Computed from the architecture's source inventory (:meth:`g4.convert.gemma4.Architecture.layer_tensor_shapes`,
+    ``torch_dtype=dtype``. Computed from the architecture's source inventory (:meth:`g4.core.gemma4.Architecture.layer_tensor_shapes`,
     sources in ``dtype``) through this table's entries and rules. The same on every rank. The
     runtime loader checks rank files against it and the memory plan's Neuron weight bytes are
     its ``nbytes`` (``g4.convert.plan``).
@@ -798,8 +798,6 @@ def check_rank_files(out_dir: str | Path, ranks: list[int] | None = None, *, hos
             file, or a rank file (or the host table) that differs from the table: one line naming
             the file, the tensor and what differs.
     """
-    from g4.convert.checkpoint import read_safetensors_header
-
     out_dir = Path(out_dir)
     manifest = Manifest.from_dir(out_dir)
     config = read_json_object(out_dir / "config.json")

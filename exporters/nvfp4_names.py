@@ -24,8 +24,8 @@ from enum import Enum
 
 import torch
 
-from g4.convert.errors import MappingError
-from g4.convert.gemma4 import (
+from g4.core.errors import MappingError
+from g4.core.gemma4 import (
     ATTENTION_NORMS,
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -99,7 +99,7 @@ LAYER_KEEP: tuple[tuple[str, str], ...] = (
 # Kept language-model tensors outside the layers (relative to the LM prefix -> MODEL_MODULE_KINDS key).
 MODEL_KEEP = {"embed_tokens.weight": "embed_tokens", "norm.weight": "norm"}
 # Whole sub-trees kept bf16 and listed as excluded (modelopt's default disabled quantizers):
-# g4.convert.gemma4.TOWER_PREFIXES.
+# g4.core.gemma4.TOWER_PREFIXES.
 
 # Source names are classified with a regex: a source checkpoint is a file of unknown origin
 # (any layer count, pre-release names, stray tensors to refuse), so its names are read, not
@@ -276,7 +276,7 @@ class Linear:
 class OutputTensor:
     """One tensor of an NVFP4 output: name, dtype, shape, role and what it comes from.
 
-    ``kind``: the model part (:data:`g4.convert.gemma4.LAYER_MODULE_KINDS` labels, the model
+    ``kind``: the model part (:data:`g4.core.gemma4.LAYER_MODULE_KINDS` labels, the model
     card's rows); ``source``: the source tensor it is written from; ``module``: the module the
     exclusion list is matched against; ``linear``: its NVFP4 linear (None when kept);
     ``excludable``: a kept tensor that ``exclude_modules`` must cover (2-D linear weights kept in
@@ -323,7 +323,7 @@ class LayerLayout:
 class Nvfp4Layout:
     """Every tensor of an NVFP4 output, listed once, in the order the converter writes it.
 
-    Built from the model's :class:`~g4.convert.gemma4.Architecture`, the language-model
+    Built from the model's :class:`~g4.core.gemma4.Architecture`, the language-model
     ``prefix``, the quantized ``parts``, ``act_quant`` (W4A4: an ``input_scale`` per
     linear) and ``kv_cache`` (FP8 KV cache: a float32 ``[]`` ``k_scale`` and ``v_scale`` per
     decoder layer, :data:`KV_SCALE_MODULES`), with the source's tensor dtypes and towers:

@@ -30,8 +30,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from g4.convert.errors import G4Error
+from g4.core.checkpoint import read_json_object
+from g4.core.errors import G4Error
 from g4.exporters.formats import detect_format
+from g4.exporters.modelopt_nvfp4 import declares_kv_cache
 
 MIN_VLLM = (0, 19, 1)
 """Oldest vLLM that loads per-expert NVFP4 Gemma 4 names (vllm-project/vllm PR #39045)."""
@@ -53,9 +55,6 @@ def kv_cache_warning(model_dir: str | Path, kv_cache_dtype: str | None) -> str |
     Raises:
         CheckpointError: unreadable ``config.json``.
     """
-    from g4.convert.checkpoint import read_json_object
-    from g4.exporters.modelopt_nvfp4 import declares_kv_cache
-
     if not (kv_cache_dtype or "").startswith("fp8"):
         return None
     if declares_kv_cache(read_json_object(Path(model_dir) / "config.json")):

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int8 as q8
-from . import nvfp4 as q4
+from g4.quantizers import int8 as q8, nvfp4 as q4
 
 DEFAULT_DAMP = 0.01
 # Columns updated together before the error is pushed to the rest with one matmul (a

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled import CompiledKernel
-
+from g4.quantizers.compiled import CompiledKernel
 
 INT8_QMAX = 127.0
 SCALE_EPS = torch.finfo(torch.float32).eps

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled import CompiledKernel
-
+from g4.quantizers.compiled import CompiledKernel
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0

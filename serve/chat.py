@@ -30,8 +30,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from g4.convert.errors import a_or_an
-from g4.convert.prompt import ChatError, chat_ids, text_ids
+from g4.core.errors import a_or_an
+from g4.core.prompt import ChatError, chat_ids, text_ids
 
 # Control tokens by their text; ids come from the tokenizer (real Gemma 4: 100, 101, 106, 98).
 CHANNEL_OPEN, CHANNEL_CLOSE, TURN_END, THINK, TURN_OPEN = "<|channel>", "<channel|>", "<turn|>", "<|think|>", "<|turn>"
@@ -486,7 +486,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
                   tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of a chat, rendered with the checkpoint's own chat template, in which only the
     template's own control tokens are control tokens: message text that spells ``<turn|>``,
-    ``<|turn>system`` or ``<bos>`` is tokenized as text (:func:`g4.convert.prompt.chat_ids`), and
+    ``<|turn>system`` or ``<bos>`` is tokenized as text (:func:`g4.core.prompt.chat_ids`), and
     the template's ``{{ bos_token }}`` is the only ``<bos>``. ``developer`` messages are passed as
     ``system``. Tool declarations, an assistant's ``tool_calls`` (arguments, a JSON text, parsed
     to an object) and ``role: "tool"`` messages (``tool_call_id`` naming one of the calls of the

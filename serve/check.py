@@ -43,12 +43,18 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from g4.convert.card import source_label as pushable_source_label
-from g4.convert.checkpoint import read_json_object, weight_fingerprints
-from g4.convert.errors import G4Error, a_or_an
 from g4.convert.options import text_file_suffix
+from g4.convert.stream import SourceStream, streamed_greedy
+from g4.convert.verify import DEFAULT_PROMPTS
+from g4.core.checkpoint import Checkpoint, check_converted_from, read_json_object, weight_fingerprints
+from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import ResultFormat, check_result, detect_format
-
-from .chat import ControlIds, ReplyParser, control_text_in, render_prompt
+from g4.serve.backends import choose_backend
+from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, render_prompt
+from g4.serve.engine import Engine, load_cpu_engine, load_tokenizer, max_context, served_file_stats
+from g4.serve.neuron_backend import load_neuron_engine
+from g4.serve.server import BackgroundServer, create_app
+from g4.serve.vllm_backend import VllmServer
 
 STOP = -1  # one "stopped here" position, whatever the stop id
 P13_QUESTION, P13_ANSWER = "What is 2+2?", "4"
@@ -95,7 +101,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
     per line). Without it: every prompt ``SRC/facts.json`` ships (the fact questions, then the
     ``heldout`` prompts the model never saw), else the built-in
-    :data:`g4.convert.reference.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
+    :data:`g4.convert.verify.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
 
     Returns:
         ``(prompts, [(question, answer)], labels)``; ``labels[i]`` says where prompt ``i`` came
@@ -106,8 +112,6 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
         OptionError: a prompts file whose suffix is neither ``.txt`` nor ``.jsonl``.
         G4Error: an unreadable or empty prompts file, or a malformed line.
     """
-    from g4.convert.reference import DEFAULT_PROMPTS
-
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
     labels = ["built-in"] * len(prompts)
@@ -171,8 +175,6 @@ def check_url(url: str) -> str:
 def out_context(out: Path) -> int:
     """Tokens of context (prompt plus reply) OUT's engine allows, read as
     :class:`g4.serve.engine.Engine` reads it (:func:`g4.serve.engine.max_context`)."""
-    from .engine import max_context
-
     try:
         config = json.loads((Path(out) / "config.json").read_text())
     except (OSError, ValueError):
@@ -187,8 +189,6 @@ def prompt_lengths(tokenizer, prompts: list[str], labels: list[str]) -> list[int
     Raises:
         G4Error: the chat template rejects a prompt (named by its label).
     """
-    from .chat import ChatError
-
     lengths = []
     for label, prompt in zip(labels, prompts):
         try:
@@ -284,9 +284,6 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     Returns:
         (ids and parsed content per prompt, SRC tokenizer, SRC stop ids).
     """
-    from .engine import Engine, load_tokenizer
-    from g4.convert.stream import SourceStream, streamed_greedy
-
     tokenizer = load_tokenizer(src)
     stop_ids = Engine(src, tokenizer, "source").stop_ids
     control = ControlIds.from_tokenizer(tokenizer)
@@ -320,21 +317,14 @@ def running_server(out: Path, fmt: ResultFormat, backend: str, *, served_model_n
         G4Error: the backend cannot start (e.g. vLLM exits early or is not ready in time).
     """
     if backend == "vllm":
-        from .vllm_backend import VllmServer
-
         with VllmServer(out.resolve(), host="127.0.0.1", port=free_port(), served_model_name=served_model_name) as vs:
             vs.wait_ready(vllm_timeout_s)
             yield vs.url.removesuffix("/v1")
         return
-    from .server import BackgroundServer, create_app
 
     if backend == "neuron":
-        from .neuron_backend import load_neuron_engine
-
         engine = load_neuron_engine(out)
     else:
-        from .engine import load_cpu_engine
-
         engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=progress)
     app = create_app(engine, served_model_name=served_model_name)
     with BackgroundServer(app) as srv:
@@ -456,8 +446,6 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
             request that fails mid-check (connection lost, an HTTP error status). Only a
             completed check returns; a FAIL is ``report["passed"] == False``.
     """
-    from .engine import choose_backend
-
     out, src = Path(out), Path(src)
     fmt = check_result(out)  # against its format's table, before anything is served or written
     _check_pair(out, src)
@@ -510,9 +498,6 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
 def _check_pair(out: Path, src: Path) -> None:
     """Refuse a g4 result or an unconvertible checkpoint as SRC, one OUT was not converted from,
     and an unwritable OUT."""
-    from g4.convert.checkpoint import Checkpoint, check_converted_from
-    from g4.convert.errors import CheckpointError
-
     try:  # a g4 result passed as the source: say so
         src_fmt = detect_format(src)
     except CheckpointError:  # anything else wrong with SRC: the converters' own refusal, below
@@ -531,8 +516,6 @@ def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, m
     """The prompts and facts, every request checked against OUT's context before a model loads.
     Returns ``(prompts, facts, lengths)``, ``lengths = (labels, token counts, budgets)`` for the
     server's own context check."""
-    from .engine import load_tokenizer
-
     prompts, facts, labels = load_prompts(prompts_file, src)
     # every request's length against OUT's context before the reference or the server runs
     # (a 600k-token line would otherwise go through transformers first)
@@ -550,8 +533,6 @@ def _served_model(base: str, out: Path, url: str | None, served_model_name: str 
     """Connect to the server at ``base`` and check that it serves OUT as it is now (for an
     external ``url``) within its context. Returns ``(client, model id, model_extra, owned_by)``."""
     import openai
-
-    from .engine import served_file_stats
 
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import click
 
-from g4.convert.errors import G4Error, exit_on_user_error
 from g4.convert.options import (
     COUNT,
     PORT,
@@ -27,7 +26,17 @@ from g4.convert.options import (
     min_agreement_option,
     verbosity_options,
 )
-from g4.convert.resolve import SRC_FORMS, resolve_source
+from g4.convert.resolve import resolve_source
+from g4.core.checkpoint import SRC_FORMS
+from g4.core.errors import G4Error, exit_on_user_error
+from g4.exporters.formats import INT8_NEURON, check_result
+from g4.exporters.vllm_command import kv_cache_warning
+from g4.serve.backends import choose_backend
+from g4.serve.check import check_prompts_file, run_check
+from g4.serve.engine import load_cpu_engine
+from g4.serve.neuron_backend import compile_neuron, load_neuron_engine
+from g4.serve.server import create_app, run_server
+from g4.serve.vllm_backend import VllmServer
 
 USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]\n"
          "            [--shutdown-timeout 30]\n"
@@ -121,9 +130,6 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
           compiled_dir, shutdown_timeout):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
-    from .engine import choose_backend
-    from g4.exporters.formats import check_result
-
     _setup_logging()
     fmt = check_result(out)  # before anything loads or listens
     chosen, why = choose_backend(fmt, backend)
@@ -139,14 +145,9 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
         raise G4Error("--compiled-dir is a neuron backend option")
     sock = _bind(host, port)
     if chosen == "neuron":
-        from .neuron_backend import load_neuron_engine
-
         engine = load_neuron_engine(out, compiled_dir=compiled_dir, log=click.echo)
     else:
-        from .engine import load_cpu_engine
-
         engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=not is_quiet())
-    from .server import create_app, run_server
 
     app = create_app(engine, served_model_name=name)
     click.echo(f"engine: {engine.description}")
@@ -177,9 +178,6 @@ def compile_(out, compiled_dir):
     box as OUT/neuron_compiled (or pass it there with --compiled-dir); g4serve --backend neuron
     loads it without compiling while its g4_compiled.json matches OUT.
     """
-    from g4.exporters.formats import INT8_NEURON, check_result
-
-    from .neuron_backend import compile_neuron
 
     _setup_logging()
     fmt = check_result(out)
@@ -201,10 +199,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_cache_dtype) -> None:
-    from g4.exporters.vllm_command import kv_cache_warning
-
-    from .vllm_backend import VllmServer
-
     warning = kv_cache_warning(out, kv_cache_dtype)
     if warning:
         click.echo(warning, err=True)
@@ -247,8 +241,6 @@ def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_token
     """Serve OUT (or use --url), send the prompt set through /v1/chat/completions with the
     openai client, compare with SRC in transformers (greedy token agreement, first divergence,
     facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
-    from .check import check_prompts_file, run_check
-
     if prompts_file is not None:
         check_prompts_file(prompts_file)  # before SRC is fetched or a server started
     src_dir = resolve_source(src)  # a repo id not in the HF cache downloads here, with its progress bar

@@ -42,9 +42,20 @@ from typing import Callable, Iterator
 
 import torch
 
-from g4.convert.errors import CheckpointError, a_or_an
+from g4.convert.reference import (
+    empty_model,
+    install_activation_quant,
+    load_nvfp4_as_hf,
+    load_source_model,
+    missing_weights,
+)
+from g4.convert.stream import Nvfp4Stream, SourceStream, decode_step, new_cache
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError
+from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
 from g4.exporters.model_card import EVAL_FILE
+from g4.serve.neuron_emulator import NeuronEmulator, whole_model_bytes as emulator_bytes
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -285,14 +296,10 @@ class StreamedEngine(Engine):
         self.model = model
 
     def start(self, prompt_ids):
-        from g4.convert.stream import decode_step, new_cache
-
         cache = new_cache(self.model)
         return (cache, len(prompt_ids)), decode_step(self.model, cache, prompt_ids, 0)
 
     def step(self, state, token):
-        from g4.convert.stream import decode_step
-
         cache, past = state
         return (cache, past + 1), decode_step(self.model, cache, [token], past)
 
@@ -350,11 +357,7 @@ def whole_model_bytes(path: Path, dtype: torch.dtype) -> int:
     Raises:
         CheckpointError: unreadable headers, or an int8-neuron result that differs from its layout.
     """
-    from g4.convert.checkpoint import Checkpoint
-
     if detect_format(path).format == INT8_NEURON:
-        from .neuron_emulator import whole_model_bytes as emulator_bytes
-
         return emulator_bytes(path, dtype)
     # an NVFP4 uint8 byte holds two weights
     params = sum(info.nbytes * 2 if info.dtype == torch.uint8 else info.nbytes // info.dtype.itemsize
@@ -443,11 +446,6 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from g4.convert.checkpoint import Checkpoint
-    from g4.convert.progress import progress_bar
-    from g4.convert.reference import (_install_activation_quant, empty_model, load_nvfp4_as_hf, load_source_model,
-                                      missing_weights)
-
     if fmt.format == BF16:
         was = hf_logging.is_progress_bar_enabled()
         if progress:  # g4serve turns the libraries' bars off; this one is the load's
@@ -477,7 +475,7 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
     if act_quant:
         if not input_scales:
             raise _no_input_scales(path)
-        _install_activation_quant(model, input_scales)
+        install_activation_quant(model, input_scales)
     return model
 
 
@@ -505,8 +503,6 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     tokenizer = load_tokenizer(path)
     if fmt.format == INT8_NEURON:
-        from .neuron_emulator import NeuronEmulator
-
         if stream is None:
             stream = not whole_model_fits(path, torch.float32)
         emulator = NeuronEmulator(path, dtype=torch.float32, stream=stream)
@@ -522,8 +518,6 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
     if stream is None:
         stream = not whole_model_fits(path, DTYPES[dtype])
     if stream:
-        from g4.convert.stream import Nvfp4Stream, SourceStream
-
         if fmt.format == NVFP4:
             if act_quant and not fmt.w4a4:
                 raise _no_input_scales(path)
@@ -533,53 +527,3 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
         return StreamedEngine(path, model, tokenizer, f"{what}, {dtype}, one decoder layer at a time")
     model = build_hf_model(path, fmt, DTYPES[dtype], bool(act_quant), progress=progress)
     return HFEngine(path, model, tokenizer, f"{what}, {dtype}")
-
-
-BACKENDS = ("auto", "cpu", "vllm", "neuron")
-
-
-def _backend_status(name: str) -> tuple[bool, str]:
-    """``vllm_status()`` / ``neuron_status()`` of the backend modules, imported lazily (they
-    may be missing or broken in a CPU-only install; that is a reason, not a crash)."""
-    try:
-        if name == "vllm":
-            from .vllm_backend import vllm_status as status
-        else:
-            from .neuron_backend import neuron_status as status
-    except ImportError as e:
-        return False, f"the {name} backend cannot be imported ({e})"
-    return status()
-
-
-def choose_backend(fmt: ResultFormat, requested: str = "auto") -> tuple[str, str]:
-    """Pick the backend for a result: ``(backend, why in words)``.
-
-    ``auto``: vLLM for NVFP4 when vLLM and a CUDA GPU are present, neuron for int8-neuron when
-    neuronx-distributed and NeuronCores are present, otherwise the CPU reference (and always
-    the CPU reference for an unquantized checkpoint). An explicit backend is checked.
-
-    Raises:
-        G4Error: unknown backend, a backend that cannot serve this format, or one whose
-            runtime is not available here (with the reason).
-    """
-    from g4.convert.errors import G4Error
-
-    if requested not in BACKENDS:
-        raise G4Error(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    kind = {NVFP4: "NVFP4 result", INT8_NEURON: "int8-neuron result", BF16: "unquantized checkpoint"}[fmt.format]
-    native = {NVFP4: "vllm", INT8_NEURON: "neuron", BF16: None}[fmt.format]
-    if requested == "cpu":
-        return "cpu", f"{kind}, --backend cpu"
-    if requested == "auto":
-        if native is None:
-            return "cpu", f"{kind}: served by the CPU reference (--backend vllm for vLLM)"
-        ok, why = _backend_status(native)
-        return (native, f"{kind}, {why}") if ok else ("cpu", f"{kind}, {why}")
-    if requested == "vllm" and fmt.format == INT8_NEURON:
-        raise G4Error(f"{fmt.path}: an int8-neuron result is served by the neuron or cpu backend, not vllm")
-    if requested == "neuron" and fmt.format != INT8_NEURON:
-        raise G4Error(f"{fmt.path}: the neuron backend serves int8-neuron results; this is {a_or_an(kind)}")
-    ok, why = _backend_status(requested)
-    if not ok:
-        raise G4Error(f"backend {requested} unavailable: {why}")
-    return requested, f"{kind}, {why}"

@@ -19,8 +19,7 @@ import weakref
 
 import torch
 
-from g4.convert.errors import G4Error
-
+from g4.core.errors import G4Error
 
 # llguidance's JSON layout options ("x-guidance" in a schema; a schema's own wins).
 COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}

@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from g4.convert.errors import CheckpointError, G4Error
+from g4.core.errors import CheckpointError, G4Error
 from g4.exporters.neuron_int8 import COMPILED_DIR, COMPILED_STAMP, MANIFEST, Manifest
-from g4.serve.engine import Engine
+from g4.serve.engine import Engine, load_tokenizer
 
 # NxDI's compiled model file inside the compiled folder
 # (models/application_base.py: COMPILED_MODEL_FILE_NAME)
@@ -263,8 +263,6 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
         G4Error: no Neuron stack or device here (one line, from :func:`neuron_status`), a
             ``compiled_dir`` that is not g4's, an unreadable result (``CheckpointError``).
     """
-    from g4.serve.engine import load_tokenizer
-
     path = Path(path)
     if not on_cpu:
         ok, why = neuron_status()

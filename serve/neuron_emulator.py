@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from g4.convert.checkpoint import read_safetensors_header
-from g4.convert.errors import CheckpointError
+from g4.core.checkpoint import read_safetensors_header
+from g4.core.errors import CheckpointError
 from g4.exporters.neuron_int8 import (
     DEVICE_EMBEDDING,
     EXPERT_DOWN,
@@ -65,7 +65,7 @@ def read_rank_tensors(headers: list[dict], names: list[str]) -> list[dict[str, t
     pages of a mapped file would stay in this process's resident set while it is open).
 
     Args:
-        headers: per rank file, its header (:func:`g4.convert.checkpoint.read_safetensors_header`:
+        headers: per rank file, its header (:func:`g4.core.checkpoint.read_safetensors_header`:
             name -> dtype, shape, path, data offset).
 
     Raises:

@@ -89,8 +89,6 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfig
 from neuronx_distributed.parallel_layers import mappings, parallel_state
@@ -102,9 +100,10 @@ from neuronx_distributed.parallel_layers.layers import (
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
+from torch import nn
 
-from g4.convert.errors import CheckpointError
-from g4.convert.gemma4 import ATTENTION_CONFIG_KEYS, LM_HEAD, attention_layers, kv_cache_layers, kv_heads_per_rank
+from g4.core.errors import CheckpointError
+from g4.core.gemma4 import ATTENTION_CONFIG_KEYS, LM_HEAD, attention_layers, kv_cache_layers, kv_heads_per_rank
 from g4.exporters.neuron_int8 import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -117,6 +116,7 @@ from g4.exporters.neuron_int8 import (
     layer_prefix,
     model_entries,
 )
+from g4.serve.neuron_runtime import load_rank_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -266,7 +266,7 @@ class Gemma4SoftcappedLMHead(ColumnParallelLinear):
 class Gemma4KVCacheManager(KVCacheManager):
     """NxDI's ``KVCacheManager`` with one K and one V buffer shape per layer: that layer's KV heads
     per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B), from
-    :func:`g4.convert.gemma4.kv_cache_layers`, the function the memory plan sizes the cache with
+    :func:`g4.core.gemma4.kv_cache_layers`, the function the memory plan sizes the cache with
     (``g4.convert.plan.kv_cache_nxdi``). NxDI 0.8 allocates per-layer shapes when
     ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``, ``__init__`` /
     ``_init_kv_shape``); only the head geometry is Gemma 4's."""
@@ -285,7 +285,7 @@ class Gemma4KVCacheManager(KVCacheManager):
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
-    """KV heads each rank holds: :func:`g4.convert.gemma4.kv_heads_per_rank` (fewer KV heads than
+    """KV heads each rank holds: :func:`g4.core.gemma4.kv_heads_per_rank` (fewer KV heads than
     ranks are replicated whole, as NxDI's GQA ``REPLICATE_TO_TP_DEGREE`` does, ``modules/attention/gqa.py``:
     the 26B's 2 full-attention KV heads at TP 4, the embedded model's 1 at TP 2)."""
     return kv_heads_per_rank(kv_heads, tp)
@@ -889,8 +889,6 @@ def load_g4_int8_neuron(out_dir: str, config: Gemma4MoEInferenceConfig, rank: Op
         CheckpointError: another TP degree than ``tp_degree``, or a missing / malformed rank file.
         ValueError: ``quantized`` is not set.
     """
-    from g4.serve.neuron_runtime import load_rank_weights
-
     _check_g4_int8_neuron(out_dir, config)
     if rank is None:
         rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0

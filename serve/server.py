@@ -69,17 +69,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from g4.convert.errors import a_or_an
-from g4.convert.prompt import completion_ids
-
-from .chat import ChatError, ControlIds, Delta, ReplyParser, StopMatcher, openai_tools, render_prompt, tool_prefill_ids
-from .engine import Engine, SamplingParams, request_generator
-from .grammar import GrammarError, JsonConstraint, json_grammar
+from g4.core.errors import a_or_an
+from g4.core.prompt import completion_ids
+from g4.serve.chat import (
+    ChatError,
+    ControlIds,
+    Delta,
+    ReplyParser,
+    StopMatcher,
+    openai_tools,
+    render_prompt,
+    tool_prefill_ids,
+)
+from g4.serve.engine import Engine, SamplingParams, request_generator
+from g4.serve.grammar import GrammarError, JsonConstraint, json_grammar
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
@@ -294,7 +301,7 @@ class CompletionRequest(GenerationRequest):
     ``prompt``: a string, the raw prompt in the model's own format (its control-token texts are
     control tokens, as vLLM reads them; untrusted text belongs in a chat message, where it is
     text), with exactly one ``<bos>`` whether or not it starts with one
-    (:func:`g4.convert.prompt.completion_ids`), or token ids used as they are; a list of one such prompt is that prompt
+    (:func:`g4.core.prompt.completion_ids`), or token ids used as they are; a list of one such prompt is that prompt
     (``n=1``: more than one prompt is refused). No chat template is applied.
     """
 

@@ -18,8 +18,7 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-from g4.convert.errors import G4Error
-
+from g4.core.errors import G4Error
 from g4.exporters.vllm_command import (  # noqa: F401  (the command is the exporter's contract; re-exported)
     KV_CACHE_DTYPES,
     LATEST_KNOWN_VLLM,

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from g4.convert.calibrate import LayerCalibrator, calibration_device, make_calibration_ids, read_calibration_texts
-from g4.convert.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint
 from g4.convert.cli import main
-from g4.convert.errors import G4Error
+from g4.core.errors import G4Error
 from g4.convert.resolve import EMBEDDED_DIR
 
 CUDA = torch.cuda.is_available()

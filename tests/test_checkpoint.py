@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from g4.convert.checkpoint import Checkpoint, read_safetensors_header
-from g4.convert.errors import CheckpointError
-from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shards
+from g4.core.checkpoint import Checkpoint, read_safetensors_header
+from g4.core.errors import CheckpointError
+from g4.core.sizes import parse_size
+from g4.exporters.safetensors_writer import ShardedSafetensorsWriter, TensorSpec, plan_shards
 
 
 def shard_copy(src, dst, max_bytes):

@@ -46,9 +46,9 @@ def test_bad_inputs_one_line_nonzero(tiny_mm, tmp_path):
 def test_disk_space_is_checked_before_writing(tiny_mm, tmp_path, monkeypatch):
     import shutil as sh
 
-    from g4.exporters import safetensors_writer
+    from g4.exporters import output_dir
 
-    monkeypatch.setattr(safetensors_writer.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9, 1000))
+    monkeypatch.setattr(output_dir.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9, 1000))
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only")
     assert r.exit_code == 2 and r.output.startswith(f"error: {tmp_path}: 1.000 kB free, the result needs ")
     assert r.output.rstrip().endswith(" kB"), r.output  # the weight-only tiny result, not "0.00 GB"
@@ -145,15 +145,15 @@ def test_a_signal_while_out_is_placed_exits_130_and_says_out_is_complete(tiny_mm
                                                                          own_signal_handlers):
     """Ctrl-C in the last moment (signals are held while OUT is renamed into place): exit 130, and
     the message says OUT is complete and kept, not that nothing was written."""
-    from g4.exporters import safetensors_writer
+    from g4.exporters import output_dir
 
-    real_place = safetensors_writer._place
+    real_place = output_dir._place
 
     def place(*args):
         os.kill(os.getpid(), signal.SIGINT)  # held: delivered when the swap is done
         return real_place(*args)
 
-    monkeypatch.setattr(safetensors_writer, "_place", place)
+    monkeypatch.setattr(output_dir, "_place", place)
     r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only")
     assert r.exit_code == 130 and "was complete; it is kept" in r.output, r.output
     assert (tmp_path / "o" / "config.json").is_file()

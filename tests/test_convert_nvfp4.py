@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 from g4.convert.calibrate import LayerCalibrator, make_calibration_ids, read_calibration_texts
-from g4.convert.checkpoint import Checkpoint
-from g4.convert.errors import CheckpointError, ExportError, MappingError
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import CheckpointError, ExportError, MappingError
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.exporters.modelopt_nvfp4 import check_export
 from g4.quantizers import nvfp4 as q

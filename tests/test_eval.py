@@ -24,7 +24,7 @@ from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.reference import load_converted_model, load_source_model
 from g4.exporters.neuron_int8 import geometry, layer_entries, model_entries, is_rank_index, shard, unshard
-from g4.exporters.safetensors_writer import foreign_files
+from g4.exporters.output_dir import foreign_files
 
 CTX, MAX_TOKENS = 128, 512  # 4 chunks past the embedded model's 64-token sliding window; 63 scored each
 STATS = ("ppl_src", "ppl_out", "ppl_ratio", "top1_agreement", "rms_dp", "tokens")

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
-from g4.convert.errors import G4Error
-from g4.convert.gemma4 import embed_scale
+from g4.core.errors import G4Error
+from g4.core.gemma4 import embed_scale
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.exporters.neuron_int8 import EXPERT_DOWN, EXPERT_GATE_UP, Entry, geometry, rank_file, shard
 from g4.quantizers import int8
@@ -500,7 +500,7 @@ def test_calibration_hessians_are_each_linears_inputs_x_t_x(captured):
     model: dense linears', each expert's from its routed tokens (and their count), and the
     lm_head's from the final norm's output (not the residual stream before it)."""
     from g4.convert.calibrate import LayerHessians, make_calibrator
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.sources import checked_sources
 
     x, _ = captured

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from g4.convert.cli import main as g4convert
-from g4.convert.errors import a_or_an
+from g4.core.errors import a_or_an
 from g4.convert.int8_neuron import Int8Report
 from g4.convert.nvfp4 import ConvertReport
 from g4.serve.cli import main as g4serve

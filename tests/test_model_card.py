@@ -8,7 +8,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from g4.convert.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.card import card_inputs, card_text, load_conversion_facts, set_base_model, source_repo_id, write_card

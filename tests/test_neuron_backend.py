@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from g4.convert.errors import CheckpointError, G4Error
+from g4.core.errors import CheckpointError, G4Error
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH, Manifest, neuron_buckets
 from g4.serve import neuron_backend as nb
 

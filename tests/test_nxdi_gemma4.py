@@ -361,7 +361,7 @@ def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
     plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
     per-layer KV heads per rank and head dim), and its per-layer shapes are the shared
     ``kv_cache_layers``."""
-    from g4.convert.gemma4 import kv_cache_layers, read_architecture
+    from g4.core.gemma4 import kv_cache_layers, read_architecture
     from g4.convert.plan import kv_cache_nxdi
     from g4.convert.resolve import EMBEDDED_DIR
 

@@ -11,16 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from g4.convert.errors import ExportError
-from g4.exporters import safetensors_writer
-from g4.exporters.safetensors_writer import atomic_output_dir
+from g4.core.errors import ExportError
+from g4.exporters import output_dir
+from g4.exporters.output_dir import atomic_output_dir
 
 
 @pytest.fixture(params=["renameat2", "fallback"])
 def renames(request, monkeypatch):
     """Each test runs with Linux renameat2 and with the fallback for systems without it."""
     if request.param == "fallback":
-        monkeypatch.setattr(safetensors_writer, "_renameat2", None)
+        monkeypatch.setattr(output_dir, "_renameat2", None)
     return request.param
 
 
@@ -116,7 +116,7 @@ def test_leftovers_of_killed_runs_go_by_their_lock_not_their_pid(tmp_path, caplo
     fd = os.open(live, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+        with caplog.at_level(logging.WARNING, logger="g4.exporters.output_dir"):
             with atomic_output_dir(out) as tmp:
                 (tmp / "model.safetensors").write_text("new")
     finally:
@@ -131,7 +131,7 @@ def test_result_set_aside_by_a_killed_overwrite_run_is_restored(tmp_path, caplog
     renameat2, and only by SIGKILL): the next run puts the old result back, then refuses as usual."""
     out = tmp_path / "out"
     aside = g4_result(tmp_path / ".out.old-999999999-abcd1234", "old")
-    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.output_dir"):
         with pytest.raises(ExportError, match="already exists"):
             with atomic_output_dir(out):
                 pass
@@ -145,11 +145,11 @@ def test_without_file_locks_the_pid_in_the_name_decides(tmp_path, monkeypatch, c
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(safetensors_writer, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
+    monkeypatch.setattr(output_dir, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
     out = tmp_path / "out"
     dead, live = tmp_path / ".out.partial-999999999-abcd1234", tmp_path / f".out.partial-{os.getppid()}-abcd1234"
     dead.mkdir(), live.mkdir()
-    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.output_dir"):
         with atomic_output_dir(out) as tmp:
             (tmp / "model.safetensors").write_text("new")
     assert (out / "model.safetensors").read_text() == "new"
@@ -170,7 +170,7 @@ def test_leftover_clean_up_touches_only_g4s_own_names(tmp_path, caplog):
     other.mkdir()
     odd = tmp_path / ".m[1].partial-999999999-abcd1234"
     odd.mkdir()
-    with caplog.at_level(logging.WARNING, logger="g4.exporters.safetensors_writer"):
+    with caplog.at_level(logging.WARNING, logger="g4.exporters.output_dir"):
         for name in ("r1", "r*", "m[1]"):
             with atomic_output_dir(tmp_path / name) as tmp:
                 (tmp / "model.safetensors").write_text("new")

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from g4.convert.cli import main
 from g4.convert.embedded_model import EMBEDDED_DIR
-from g4.convert.errors import G4Error
-from g4.convert.gemma4 import attention_layers, release_config
+from g4.core.errors import G4Error
+from g4.core.gemma4 import attention_layers, release_config
 
 RELEASE = json.loads((EMBEDDED_DIR / "config.json").read_text())
 

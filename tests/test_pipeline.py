@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from g4.convert.checkpoint import file_sha256
-from g4.convert.errors import CheckpointError
+from g4.core.checkpoint import file_sha256
+from g4.core.errors import CheckpointError
 from g4.convert.pipeline import BackgroundHashes
 
 
@@ -53,7 +53,7 @@ def test_a_read_error_in_the_reader_thread_reaches_the_layer_loop(tiny_mm, tmp_p
     import torch
     from safetensors.torch import load_file, save_file
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.pipeline import overlapped
 
     src = shutil.copytree(tiny_mm, tmp_path / "src")
@@ -74,7 +74,7 @@ def test_a_read_error_in_the_reader_thread_reaches_the_layer_loop(tiny_mm, tmp_p
 def test_a_write_error_in_the_writer_thread_is_raised_when_the_loop_ends(tiny_mm):
     import torch
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.pipeline import overlapped
 
     class BrokenWriter:
@@ -128,7 +128,7 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
     import torch
 
     from g4.convert import pipeline
-    from g4.convert.errors import ExportError
+    from g4.core.errors import ExportError
     from g4.exporters import safetensors_writer as sw
 
     g = torch.Generator().manual_seed(1)
@@ -149,7 +149,7 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
     assert len(seq.files) > 1
     from safetensors.torch import save_file
 
-    from g4.convert.checkpoint import read_safetensors_header
+    from g4.core.checkpoint import read_safetensors_header
 
     save_file({"pad": torch.zeros(3, dtype=torch.int8), "b": tensors["b"].contiguous()}, tmp_path / "src.safetensors")
     stored = read_safetensors_header(tmp_path / "src.safetensors")["b"]

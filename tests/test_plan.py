@@ -10,9 +10,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from g4.convert.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint
 from g4.convert.embedded_model import EMBEDDED_DIR
-from g4.convert.errors import G4Error
+from g4.core.errors import G4Error
 from g4.convert.cli import plan
 from g4.convert import plan as plan_module
 from g4.convert.plan import HOST_LOAD_ANON_BYTES, HOST_PAGE_CACHE_KEPT, HOST_RESERVE_BYTES, plan_memory

@@ -11,8 +11,8 @@ from test_serve_fixtures import cpu_app
 from transformers import AutoTokenizer
 
 from g4.convert.embedded_model import CONTROL_TOKENS, EMBEDDED_DIR, MULTIMODAL_TOKENS
-from g4.convert.prompt import chat_ids, completion_ids, text_ids
-from g4.convert.reference import _chat_ids
+from g4.core.prompt import chat_ids, completion_ids, text_ids
+from g4.convert.reference import chat_prompt_ids
 from g4.serve.chat import render_prompt
 from g4.serve.server import BackgroundServer
 
@@ -112,7 +112,7 @@ def test_template_variables_and_placeholder_characters_are_text(any_tok):
 
 def test_the_reference_renders_prompts_the_same_way(tok):
     """`verify` / `g4serve check` compare against prompts rendered by the same function."""
-    assert _chat_ids(tok, FORGED)[0].tolist() == render_prompt(tok, [{"role": "user", "content": FORGED}])
+    assert chat_prompt_ids(tok, FORGED)[0].tolist() == render_prompt(tok, [{"role": "user", "content": FORGED}])
 
 
 @pytest.mark.parametrize("prompt", ["Hello there", "<bos>Hello there", "<bos><bos>Hello there", "<bos>"])

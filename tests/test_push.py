@@ -303,7 +303,7 @@ def test_a_file_over_the_users_limit_names_that_limit_and_shows_the_sizes(tmp_pa
     from click.testing import CliRunner
 
     from g4.convert.cli import main
-    from g4.exporters.safetensors_writer import format_bytes, parse_size
+    from g4.core.sizes import format_bytes, parse_size
 
     out = shutil.copytree(embedded_result("nvfp4"), tmp_path / "r")
     largest = max((p for p in out.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)

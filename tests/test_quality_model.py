@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import quality_model as qm  # noqa: E402
 from g4.convert.embedded_model import CONTROL_TOKENS  # noqa: E402
-from g4.convert.errors import G4Error  # noqa: E402
+from g4.core.errors import G4Error  # noqa: E402
 
 LAYERS = "model.language_model.layers"
 QUICK = dataclasses.replace(qm.Settings(), steps=2, eval_tokens=300)

@@ -296,14 +296,13 @@ def test_check_with_url_stops_with_one_line_when_the_server_fails_mid_check(nvfp
 def test_check_refuses_an_over_long_prompt_before_any_model_loads(nvfp4_copy, tmp_path, monkeypatch):
     """A 10k-word line fails in well under a second per prompt, naming its line and token count,
     before transformers loads SRC or a server starts (--url is not even contacted)."""
-    import g4.serve.engine
-    import g4.convert.stream
+    import g4.serve.check
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the length check")
 
-    monkeypatch.setattr(g4.convert.stream, "SourceStream", must_not_load)
-    monkeypatch.setattr(g4.serve.engine, "load_cpu_engine", must_not_load)
+    monkeypatch.setattr(g4.serve.check, "SourceStream", must_not_load)
+    monkeypatch.setattr(g4.serve.check, "load_cpu_engine", must_not_load)
     prompts = tmp_path / "long.txt"
     prompts.write_text("What is the capital of France?\n\nWho wrote Hamlet?\n" + "word " * 10000 + "\nHi\n")
     t0 = time.monotonic()

@@ -56,7 +56,7 @@ def test_act_quant_needs_input_scales(tmp_path):
     import json
     import shutil
 
-    from g4.convert.errors import CheckpointError
+    from g4.core.errors import CheckpointError
     from test_serve_fixtures import embedded_result
 
     w4a16 = tmp_path / "w4a16"
@@ -179,7 +179,7 @@ def test_the_whole_model_load_shows_a_bar_over_the_stored_bytes(capfd):
     False) draws nothing."""
     from test_serve_fixtures import embedded_result
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.convert.reference import load_nvfp4_as_hf
     from g4.exporters.formats import detect_format
     from g4.serve.engine import build_hf_model

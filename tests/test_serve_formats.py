@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from g4.convert.errors import CheckpointError, G4Error
-from g4.serve import engine as engine_mod
+from g4.core.errors import CheckpointError, G4Error
+from g4.serve import backends
 from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, detect_format
 
 
@@ -77,27 +77,27 @@ def test_backend_choice(monkeypatch, tiny_mm, tiny_mm_nvfp4, tmp_path):
     i8 = detect_format(tmp_path)
 
     # This machine: no vLLM, no Neuron -> auto serves on the CPU and says why.
-    backend, why = engine_mod.choose_backend(nv, "auto")
+    backend, why = backends.choose_backend(nv, "auto")
     assert backend == "cpu" and why.startswith("NVFP4 result, ") and "vLLM" in why
-    backend, why = engine_mod.choose_backend(i8, "auto")
+    backend, why = backends.choose_backend(i8, "auto")
     assert backend == "cpu" and why.startswith("int8-neuron result, ")
     with pytest.raises(G4Error, match="backend vllm unavailable"):
-        engine_mod.choose_backend(nv, "vllm")
+        backends.choose_backend(nv, "vllm")
 
     status = {"vllm": (True, "vLLM 0.33.0 and a CUDA GPU of compute capability 10.0"),
               "neuron": (True, "NeuronCores present")}
-    monkeypatch.setattr(engine_mod, "_backend_status", lambda name: status[name])
-    assert engine_mod.choose_backend(nv, "auto") == ("vllm", "NVFP4 result, " + status["vllm"][1])
-    assert engine_mod.choose_backend(i8, "auto")[0] == "neuron"
-    assert engine_mod.choose_backend(bf, "auto")[0] == "cpu"  # the source itself: CPU reference
-    assert engine_mod.choose_backend(bf, "vllm")[0] == "vllm"
-    assert engine_mod.choose_backend(nv, "cpu") == ("cpu", "NVFP4 result, --backend cpu")
+    monkeypatch.setattr(backends, "_backend_status", lambda name: status[name])
+    assert backends.choose_backend(nv, "auto") == ("vllm", "NVFP4 result, " + status["vllm"][1])
+    assert backends.choose_backend(i8, "auto")[0] == "neuron"
+    assert backends.choose_backend(bf, "auto")[0] == "cpu"  # the source itself: CPU reference
+    assert backends.choose_backend(bf, "vllm")[0] == "vllm"
+    assert backends.choose_backend(nv, "cpu") == ("cpu", "NVFP4 result, --backend cpu")
     with pytest.raises(G4Error, match="not vllm"):
-        engine_mod.choose_backend(i8, "vllm")
+        backends.choose_backend(i8, "vllm")
     with pytest.raises(G4Error, match="neuron backend serves int8-neuron"):
-        engine_mod.choose_backend(nv, "neuron")
+        backends.choose_backend(nv, "neuron")
     status["vllm"] = (False, "vLLM is not installed")
-    assert engine_mod.choose_backend(nv, "auto") == ("cpu", "NVFP4 result, vLLM is not installed")
+    assert backends.choose_backend(nv, "auto") == ("cpu", "NVFP4 result, vLLM is not installed")
 
 
 def test_backend_module_import_failure_is_a_reason(monkeypatch):
@@ -111,7 +111,7 @@ def test_backend_module_import_failure_is_a_reason(monkeypatch):
         return real_import(name, globals, locals, fromlist, level)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    ok, why = engine_mod._backend_status("neuron")
+    ok, why = backends._backend_status("neuron")
     assert not ok and "cannot be imported" in why
 
 
@@ -122,7 +122,7 @@ def test_check_result_reads_headers_only_and_passes_finished_results(tiny_mm_nvf
     import safetensors
     import safetensors.torch
 
-    from g4.convert import checkpoint
+    from g4.core import checkpoint
     from g4.convert.int8_neuron import convert_int8_neuron
     from g4.exporters.formats import check_result
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from test_serve_fixtures import ScriptedEngine
 
 from g4.convert.embedded_model import EMBEDDED_DIR
-from g4.convert.prompt import text_ids
+from g4.core.prompt import text_ids
 from g4.serve.chat import ControlIds, Delta, ReplyParser
 from g4.serve.server import BackgroundServer, create_app
 

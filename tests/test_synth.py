@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from g4.convert.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.synth import synthetic_config, synthetic_specs, write_synthetic

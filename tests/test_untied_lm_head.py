@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from g4.convert.checkpoint import Checkpoint
-from g4.convert.errors import MappingError
+from g4.core.checkpoint import Checkpoint
+from g4.core.errors import MappingError
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.exporters.neuron_int8 import rank_file
 from g4.convert.nvfp4 import convert_nvfp4

@@ -6,7 +6,8 @@ from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
 
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.convert.nvfp4 import convert_nvfp4
-from g4.convert.reference import compare_models, load_converted_model, load_source_model, verify_nvfp4
+from g4.convert.reference import compare_models, load_converted_model, load_source_model
+from g4.convert.verify import verify_nvfp4
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_dequantized_state_matches_quantizer(embedded_nvfp4):
 
 
 def test_verify_refuses_wrong_inputs(embedded_nvfp4, tiny_mm, tmp_path):
-    from g4.convert.errors import CheckpointError
+    from g4.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a modelopt NVFP4 checkpoint"):
         verify_nvfp4(EMBEDDED_DIR, EMBEDDED_DIR)  # a bf16 source passed as OUT
@@ -113,9 +114,9 @@ LONG_PROMPT = ("Tell me about the capital of France, the capital of Japan, the c
 
 
 def _long_ids(tok):
-    from g4.convert.reference import _chat_ids
+    from g4.convert.reference import chat_prompt_ids
 
-    ids = _chat_ids(tok, LONG_PROMPT)[0].tolist()
+    ids = chat_prompt_ids(tok, LONG_PROMPT)[0].tolist()
     assert len(ids) > 64  # longer than the embedded model's sliding window: sliding and full masks differ
     return ids
 
@@ -130,7 +131,7 @@ def test_streamed_source_equals_whole_model_fp32():
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     whole = load_source_model(EMBEDDED_DIR, torch.float32)
     streamed = SourceStream(EMBEDDED_DIR, torch.float32)
-    seqs = [_long_ids(tok), _chat_ids_of(tok, "What is 2+2?")]
+    seqs = [_long_ids(tok), chat_prompt_ids_of(tok, "What is 2+2?")]
     got = streamed_logits(streamed, seqs)
     for seq, logits in zip(seqs, got):
         want = whole(torch.tensor([seq])).logits[0]
@@ -138,10 +139,10 @@ def test_streamed_source_equals_whole_model_fp32():
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
-def _chat_ids_of(tok, text):
-    from g4.convert.reference import _chat_ids
+def chat_prompt_ids_of(tok, text):
+    from g4.convert.reference import chat_prompt_ids
 
-    return _chat_ids(tok, text)[0].tolist()
+    return chat_prompt_ids(tok, text)[0].tolist()
 
 
 def test_streamed_greedy_equals_whole_model_greedy():
@@ -153,7 +154,7 @@ def test_streamed_greedy_equals_whole_model_greedy():
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     whole = load_source_model(EMBEDDED_DIR, torch.float32)
-    prompts = [_long_ids(tok), _chat_ids_of(tok, "Who wrote Hamlet?")]
+    prompts = [_long_ids(tok), chat_prompt_ids_of(tok, "Who wrote Hamlet?")]
     got = streamed_greedy(SourceStream(EMBEDDED_DIR, torch.float32), prompts, max_new_tokens=6)
     for prompt, new in zip(prompts, got):
         seq = list(prompt)
@@ -162,7 +163,7 @@ def test_streamed_greedy_equals_whole_model_greedy():
                 seq.append(int(whole(torch.tensor([seq])).logits[0, -1].argmax()))
         assert new == seq[len(prompt):]
     # with the stop ids: as generate(do_sample=False) with the model's generation config
-    from g4.convert.reference import eos_token_ids
+    from g4.convert.verify import eos_token_ids
 
     short = prompts[1:]
     want = whole.generate(torch.tensor(short), max_new_tokens=6, do_sample=False)[0, len(short[0]):].tolist()
@@ -182,7 +183,7 @@ def test_streamed_metrics_equal_whole_model_metrics(embedded_nvfp4):
     whole_src = load_source_model(EMBEDDED_DIR, torch.float32)
     whole_q = load_converted_model(embedded_nvfp4, EMBEDDED_DIR, torch.float32, act_quant=True)
     want = compare_models(whole_src, whole_q, tok, prompts, max_new_tokens=5)
-    ids = [_chat_ids_of(tok, p) for p in prompts]
+    ids = [chat_prompt_ids_of(tok, p) for p in prompts]
     seqs = [whole_src.generate(torch.tensor([i]), max_new_tokens=5, do_sample=False)[0].tolist() for i in ids]
     src, res = SourceStream(EMBEDDED_DIR, torch.float32), Nvfp4Stream(embedded_nvfp4, torch.float32, act_quant=True)
     got = compare_streamed(src, res, seqs, [len(i) for i in ids])

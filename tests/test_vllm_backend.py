@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from g4.convert.errors import G4Error
+from g4.core.errors import G4Error
 from g4.serve import vllm_backend as vb
 
 

@@ -473,7 +473,7 @@ def test_input_scales_are_modelopts_calibration(nvfp4_dir, modelopt_dir, work):
     is 10x past that tolerance."""
     import torch
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
 
     def scales(path):
         ck = Checkpoint(path)
@@ -499,7 +499,7 @@ def _with_bf16_experts(src: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.quantizers.nvfp4 import dequantize_tensors
 
     ckpt = Checkpoint(src)
@@ -575,7 +575,7 @@ def _loader_errors(run: dict, ckpt: Path) -> list[str]:
     persistent buffer whose bytes differ from the checkpoint's (or that no checkpoint tensor
     fills), a NaN-filled slot left, a checkpoint tensor not read, an expert tensor not loaded
     exactly once into its slot (the trace of ``RoutedExperts.weight_loader``)."""
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
 
     if not run["ok"]:
         return [f"vLLM failed: {run['error']}"]
@@ -728,7 +728,7 @@ def _dequantized(src: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
     from g4.quantizers.nvfp4 import dequantize_tensors
 
     ckpt = Checkpoint(src)
@@ -826,7 +826,7 @@ def references(nvfp4_dir, e2e_src, modelopt_dir) -> dict[str, list]:
                             ref.load_converted_model(nvfp4_dir, e2e_src, dtype))
         for factor in (1.0, 1 + 2**-7, 1 - 2**-7):
             model = ref.load_converted_model(nvfp4_dir, e2e_src, dtype)
-            ref._install_activation_quant(model, {k: v * factor for k, v in dense.items()})
+            ref.install_activation_quant(model, {k: v * factor for k, v in dense.items()})
             out["w4a4"].append(model)
     return out
 
@@ -1147,7 +1147,7 @@ def _kv_scale_errors(run: dict, export: Path) -> list[str]:
     rounded to bf16 as vLLM's scale parameter stores them)."""
     import torch
 
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
 
     ckpt = Checkpoint(export)
     want = {}

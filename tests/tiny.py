@@ -52,7 +52,7 @@ def build(out: Path, *, multimodal: bool = True, seed: int = 0, tokenizer: bool 
 
 
 def tensor_names(path: Path) -> dict[str, tuple]:
-    from g4.convert.checkpoint import Checkpoint
+    from g4.core.checkpoint import Checkpoint
 
     return {n: (i.dtype, i.shape) for n, i in Checkpoint(path).tensors.items()}
 
@@ -67,7 +67,7 @@ def build_with_geometry_of(out: Path, like: dict, *, seed: int = 0, **overrides)
     heads, head_dim / global_head_dim, KV heads / global KV heads, ``attention_k_eq_v``, RoPE
     parameters, softcap) with ``overrides`` applied to its text config (to shrink width, layers,
     experts and vocabulary). ``config.json`` is written back in the release form
-    (``g4.convert.gemma4.release_config``), as checkpoints ship.
+    (``g4.core.gemma4.release_config``), as checkpoints ship.
 
     Weights are transformers' seeded initialisation, made non-degenerate: embedding rows ~ N(0, 0.3^2)
     (tied lm_head: logits of about 10-20, below the softcap of 30 where tanh would flatten
@@ -76,7 +76,7 @@ def build_with_geometry_of(out: Path, like: dict, *, seed: int = 0, **overrides)
     are O(1) rather than O(sqrt(d)) and RoPE moves the attention pattern; post_attention /
     post_feedforward norm weights 20 times U(0.5, 1.5), so that the layers outweigh the scaled
     embedding in the residual (else the tied head's top id is the input id and greedy repeats it)."""
-    from g4.convert.gemma4 import release_config, text_config_of
+    from g4.core.gemma4 import release_config, text_config_of
     from g4.convert.synth import synthetic_config
 
     tc = synthetic_config(like, layers=overrides.pop("num_hidden_layers", None), vision=False)

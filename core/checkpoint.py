@@ -20,9 +20,11 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, G4Error, a_or_an
-from .gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture, release_config
-from .resolve import SRC_FORMS
+from g4.core.errors import CheckpointError, G4Error, a_or_an
+from g4.core.gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture, release_config
+
+SRC_FORMS = "a local checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision]"
+"""What SRC may be (g4.convert.resolve resolves it), for the messages that name it."""
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -259,7 +261,7 @@ class Checkpoint:
         root: the directory.
         config: ``config.json`` as a dict, unchanged.
         text_config: the text sub-config (``config["text_config"]`` or ``config`` itself).
-        arch: the model as :func:`g4.convert.gemma4.read_architecture` reads ``config``.
+        arch: the model as :func:`g4.core.gemma4.read_architecture` reads ``config``.
         prefix: key prefix of the language model, ``"model.language_model."`` for the
             multimodal layout (``Gemma4ForConditionalGeneration``) or ``"model."`` for the
             text-only one (``Gemma4ForCausalLM``).
@@ -565,7 +567,7 @@ def check_converted_from(out: str | Path, src: str | Path) -> None:
     """The one rule of every command that compares a result OUT with its source SRC (``verify``,
     ``eval``, ``g4serve check``): OUT's ``config.json``, its ``quantization_config`` aside, must
     be SRC's, both in the release form (g4 writes OUT's config so,
-    :func:`g4.convert.gemma4.release_config`; a bf16 OUT may be in either form).
+    :func:`g4.core.gemma4.release_config`; a bf16 OUT may be in either form).
 
     Raises:
         CheckpointError: ``<OUT>: its config.json differs from <SRC>'s (key, ...)``.

@@ -33,7 +33,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from .errors import G4Error
+from g4.core.errors import G4Error
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")

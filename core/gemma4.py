@@ -27,14 +27,12 @@ per layer; :func:`release_config` writes a config back in the release form.
 
 from __future__ import annotations
 
-import json
-
 import copy
+import json
 from dataclasses import dataclass
 
+from g4.core.errors import G4Error
 from g4.quantizers.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK  # inputs per E4M3 block scale, re-exported
-
-from .errors import G4Error
 
 MODEL_TYPES = ("gemma4", "gemma4_text")  # Gemma4Config (multimodal) and Gemma4TextConfig
 MULTIMODAL_PREFIX = "model.language_model."  # Gemma4ForConditionalGeneration's language model

@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 
-
 # Letters whose English names begin with a vowel sound (eff, aitch, ell, em, en, ar, ess, ex):
 # an initialism starting with one takes "an" (an NVFP4 result, an MLP, an HF token).
 _VOWEL_SOUND_LETTERS = frozenset("AEFHILMNORSX")
