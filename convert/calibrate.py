@@ -35,6 +35,7 @@ from g4.convert.options import text_file_suffix
 from g4.core.checkpoint import Checkpoint
 from g4.core.errors import CheckpointError, G4Error
 from g4.core.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, embed_scale
+from g4.core.positions import PositionBuilder
 from g4.exporters.nvfp4_names import DENSE_GROUPS, KV_AMAX_KEYS, Role
 
 _DENSE_MODULES = frozenset(m for g in DENSE_GROUPS for m in g.members)  # the dense linears calibrated
@@ -355,32 +356,14 @@ class LayerCalibrator:
         self.hidden = self._embed(input_ids).to(self.dtype)
         self.tokens = input_ids.numel()
         self.seconds = 0.0
-        self._position = self._position_inputs(input_ids.shape[1])
+        probe = torch.zeros(1, input_ids.shape[1], self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._positions = PositionBuilder(self.config).positions(probe)  # every sample starts at position 0
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.ckpt.get_rows(self.ckpt.prefix + "embed_tokens.weight", input_ids)
         # Gemma4TextScaledWordEmbedding: the scale is cast to the weight dtype (bf16(sqrt(2816)) = 53.0).
         scale = torch.tensor(embed_scale(self.config.hidden_size, rows.dtype), dtype=rows.dtype)
         return rows * scale
-
-    def _position_inputs(self, seq_len: int) -> dict[str, tuple]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-
-        rotary = Gemma4TextRotaryEmbedding(self.config)
-        position_ids = torch.arange(seq_len).unsqueeze(0)
-        probe = torch.zeros(1, seq_len, self.config.hidden_size, dtype=self.dtype)
-        mask_kwargs = {"config": self.config, "inputs_embeds": probe, "attention_mask": None,
-                       "cache": None, "position_ids": position_ids}
-        masks = {"full_attention": create_causal_mask(**mask_kwargs),
-                 "sliding_attention": create_sliding_window_causal_mask(**mask_kwargs)}
-        on = self.device
-
-        def to_device(x):
-            return x if x is None else tuple(t.to(on) for t in x) if isinstance(x, tuple) else x.to(on)
-
-        return {t: (to_device(rotary(probe, position_ids, t)), to_device(masks[t]), position_ids.to(on))
-                for t in set(self.config.layer_types)}
 
     @torch.no_grad()
     def run_layer(self, layer: int, weights: dict[str, torch.Tensor],
@@ -428,13 +411,14 @@ class LayerCalibrator:
                 with_expert=True)
         if self.kv_cache:
             hooks.append(record_kv_amax(module.self_attn, stats))
-        position_embeddings, mask, position_ids = self._position[self.config.layer_types[layer]]
+        layer_type = self.config.layer_types[layer]
+        position_embeddings, mask = self._positions.rope[layer_type], self._positions.masks[layer_type]
         try:
             for start in range(0, self.hidden.shape[0], self.batch_size):
                 batch = self.hidden[start : start + self.batch_size].to(self.device)
                 self.hidden[start : start + self.batch_size] = module(
                     batch, None, shared_kv_states={}, position_embeddings=position_embeddings,
-                    attention_mask=mask, position_ids=position_ids,
+                    attention_mask=mask, position_ids=self._positions.ids,
                 ).to(self.hidden.device)
                 if on_batch is not None:
                     on_batch(min(start + self.batch_size, self.hidden.shape[0]), self.hidden.shape[0])

@@ -20,7 +20,7 @@ from g4.convert.calibrate import (
     calibration_device,
     check_text_file,
 )
-from g4.convert.card import set_base_model
+from g4.convert.card import check_repo_id, set_base_model
 from g4.convert.evaluate import eval_device, evaluate, summary
 from g4.convert.int8_neuron import (
     ALGORITHMS as INT8_ALGORITHMS,
@@ -58,7 +58,6 @@ from g4.core.checkpoint import SRC_FORMS
 from g4.core.errors import G4Error, OptionError, exit_on_user_error, install_signal_handlers
 from g4.core.sizes import parse_size
 from g4.exporters.formats import check_result
-from g4.exporters.model_card import check_repo_id
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
 
 

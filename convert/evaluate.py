@@ -48,14 +48,13 @@ from pathlib import Path
 import torch
 
 from g4.convert.calibrate import calibration_device, read_calibration_texts
-from g4.convert.card import hf_cache_repo_id, hf_cache_revision, write_card
+from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, write_card
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceStream, run_layer
 from g4.core.checkpoint import check_converted_from, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
-from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, check_result
-from g4.exporters.model_card import EVAL_FILE, EVAL_VERSION, FACTS_FILE
+from g4.exporters.formats import BF16, EVAL_FILE, FACTS_FILE, INT8_NEURON, NVFP4, check_result
 
 log = logging.getLogger(__name__)
 

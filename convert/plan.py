@@ -71,13 +71,13 @@ from g4.core.gemma4 import (
     tp_problems,
 )
 from g4.core.sizes import format_bytes
-from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
+from g4.exporters.formats import BF16, FACTS_FILE, INT8_NEURON, NVFP4, detect_format
 from g4.exporters.neuron_int8 import RANK_INDEX_KIND, Manifest, expected_rank_specs, neuron_buckets, parse_rank_name
 
 GB = 10**9
 GiB = 2**30
 
-FORMATS = ("int8-neuron", "nvfp4", "bf16")
+FORMATS = (INT8_NEURON, NVFP4, BF16)
 LM_HEADS = ("int8-sharded", "bf16-sharded", "bf16-replicated", "tied")
 ATTENTIONS = ("bf16", "int8", "nvfp4")
 EMBEDDINGS = ("host", "device")
@@ -97,7 +97,7 @@ HOST_PAGE_CACHE_KEPT = 0
 HOST_RESERVE_BYTES = 2 * GiB
 _FP32 = 4  # bytes per fp32 element (NxDI's logits)
 _NVFP4_SCALARS = 8  # fp32 weight_scale_2 + fp32 input_scale per exported linear (W4A4)
-_QUANT = {"int8-neuron": "int8", "nvfp4": "nvfp4", "bf16": "bf16"}  # dtype of the experts and dense MLP
+_QUANT = {INT8_NEURON: "int8", NVFP4: "nvfp4", BF16: "bf16"}  # dtype of the experts and dense MLP
 
 
 @dataclass(frozen=True)
@@ -547,7 +547,7 @@ class MemoryPlan:
         lines += _table("per rank (device)", rows)
         if self.host_ram_need or self.host_ram is not None:
             host = []
-            if self.host_rank_files and p.fmt == "int8-neuron":
+            if self.host_rank_files and p.fmt == INT8_NEURON:
                 host += [("rank files", self.host_rank_files, f"{p.tp} local rank(s), memory-mapped: page cache, "
                           "read once by initialize, not counted"),
                          ("  page cache kept", self.host_page_cache_kept, "measured (bench/bench_inf2_deploy.py)"),
@@ -610,7 +610,7 @@ def _describe_target(p: PlanInputs) -> str:
 def _with_defaults(fmt: str, neuron: bool, tied: bool, lm_head: str | None, attention: str | None,
                    embedding: str | None) -> tuple[str, str, str]:
     """(lm_head, attention, embedding) with the format's defaults filled in."""
-    if fmt == "int8-neuron":  # the rank files hold the device embedding shard g4's NxDI class uses
+    if fmt == INT8_NEURON:  # the rank files hold the device embedding shard g4's NxDI class uses
         return lm_head or "int8-sharded", attention or "bf16", embedding or "device"
     embedding = embedding or "device"
     shared = tied and not neuron and embedding == "device"
@@ -621,7 +621,7 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
     if fmt not in FORMATS:
         raise G4Error(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     if target is not None and target not in NEURON_TARGETS:
-        gpu = "" if fmt == "int8-neuron" else " (or --gpu-mem for a GPU)"
+        gpu = "" if fmt == INT8_NEURON else " (or --gpu-mem for a GPU)"
         raise G4Error(f"unknown target {target!r}; known: {', '.join(NEURON_TARGETS)}{gpu}")
     if target is not None and gpu_mem_bytes is not None:
         raise G4Error("give either a Neuron --target or --gpu-mem, not both")
@@ -629,9 +629,9 @@ def _check_target(fmt: str, target: str | None, gpu_mem_bytes: int | None, seq_l
         raise G4Error(f"GPU memory must be positive, got {gpu_mem_bytes}")
     if seq_len < 1 or batch < 1:
         raise G4Error(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
-    if fmt == "int8-neuron" and gpu_mem_bytes is not None:
+    if fmt == INT8_NEURON and gpu_mem_bytes is not None:
         raise G4Error("int8-neuron is the AWS Neuron format; use --target (or --format nvfp4|bf16 for a GPU)")
-    if fmt == "nvfp4" and target is not None:
+    if fmt == NVFP4 and target is not None:
         raise G4Error(f"NVFP4 cannot be served on {target}: NeuronCore-v2 has no FP4 compute "
                       "(aws-neuron-sdk about-neuron/arch/neuron-hardware/neuron-core-v2.rst); use --format int8-neuron")
 
@@ -644,14 +644,14 @@ def _check_options(fmt: str, neuron: bool, g: Architecture, lm_head: str, attent
     quant = _QUANT[fmt]
     if attention not in ("bf16", quant):
         raise G4Error(f"attention {attention} does not exist in the {fmt} format (use bf16 or {quant})")
-    if lm_head == "int8-sharded" and fmt != "int8-neuron":
+    if lm_head == "int8-sharded" and fmt != INT8_NEURON:
         raise G4Error(f"an int8 lm_head exists only in the int8-neuron format, not {fmt}")
-    if fmt == "int8-neuron" and embedding != "device":
+    if fmt == INT8_NEURON and embedding != "device":
         raise G4Error("embedding 'host' does not apply to int8-neuron: its rank files hold the embedding shard "
                       "g4's NxDI class looks tokens up in on the device (embed_tokens [V, H/T])")
     if lm_head == "tied" and not g.tied:
         raise G4Error("lm_head 'tied' needs tie_word_embeddings; this model has its own lm_head.weight")
-    if lm_head == "tied" and (embedding != "device" or neuron or fmt == "int8-neuron"):
+    if lm_head == "tied" and (embedding != "device" or neuron or fmt == INT8_NEURON):
         raise G4Error("lm_head 'tied' shares the embedding table on a GPU; on Neuron or with a host "
                       "embedding the lm_head is its own copy (int8-sharded, bf16-sharded or bf16-replicated)")
 
@@ -733,7 +733,7 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
                      f"({heads}) are fewer than TP {tp}")
     if not neuron and tp > 1:
         notes.append("GPU ranks: experts split by TP (not expert parallel); the embedding is vocab-sharded")
-    if neuron or fmt == "int8-neuron":
+    if neuron or fmt == INT8_NEURON:
         notes.append("counted per NxDI bucket graph: its fp32 logits output; not counted: each graph's activations "
                      "and scratchpad, its compiled instructions, its input tensors (ids, positions, masks), the runtime")
     else:
@@ -793,7 +793,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     """
     _check_target(fmt, target, gpu_mem_bytes, seq_len, batch)
     neuron = target is not None
-    on_neuron = neuron or fmt == "int8-neuron"
+    on_neuron = neuron or fmt == INT8_NEURON
     if max_num_batched_tokens is not None and on_neuron:
         raise G4Error("--max-num-batched-tokens is a vLLM (GPU) setting; a Neuron plan sizes the KV cache "
                       "by NxDI's rule")
@@ -817,7 +817,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     table = g.vocab * g.hidden * _BF16
     notes: list[str] = []
     vision = 0
-    if not neuron and fmt != "int8-neuron":
+    if not neuron and fmt != INT8_NEURON:
         n, source = vision_params(config, src_dir)
         vision = n * _BF16
         if n:
@@ -826,7 +826,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         notes.append("vision tower and embed_vision not counted: text-only serving")
     if config.get("audio_config"):
         notes.append("audio tower not counted")
-    if fmt == "int8-neuron":  # from the exporter's layout table: the bytes of the rank files
+    if fmt == INT8_NEURON:  # from the exporter's layout table: the bytes of the rank files
         groups = dict(neuron_int8_weight_bytes(config, tp, attention=attention, lm_head=lm_head), vision=vision)
     else:
         lm_bytes = {"bf16-sharded": _column("bf16", g.vocab // tp, g.hidden), "bf16-replicated": table,
@@ -851,7 +851,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     # int8-neuron: g4's pre-sharded rank files, memory-mapped (measured rule, HOST_LOAD_ANON_BYTES);
     # another format on Neuron goes through NxDI's own load, which shards the checkpoint in host
     # memory before initialize: every rank's weights counted, as before the measurement
-    mapped = t is not None and fmt == "int8-neuron"
+    mapped = t is not None and fmt == INT8_NEURON
     host_load = (HOST_PAGE_CACHE_KEPT, HOST_LOAD_ANON_BYTES, HOST_RESERVE_BYTES) if mapped else (0, 0, 0)
     host_need = sum(host_load) + host_embedding + (0 if mapped else host_files)
     host_ram = t.host_ram_bytes if t else None
@@ -910,7 +910,7 @@ def result_shape(directory: Path) -> ResultShape | None:
         return None
     if fmt.format == INT8_NEURON:
         m = Manifest.from_dir(directory)
-        facts = directory / "g4_conversion.json"
+        facts = directory / FACTS_FILE
         target = None
         if facts.is_file():
             target = (read_json_object(facts, error=G4Error).get("options") or {}).get("target")

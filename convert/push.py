@@ -38,6 +38,7 @@ import click
 
 from g4.convert.card import (
     card_text,
+    check_repo_id,
     edited_card,
     g4_version,
     load_conversion_facts,
@@ -46,11 +47,10 @@ from g4.convert.card import (
     write_facts,
 )
 from g4.convert.options import MIN_SHARD_BYTES
-from g4.core.checkpoint import file_sha256, read_safetensors_header
+from g4.core.checkpoint import INDEX_NAME, file_sha256, read_safetensors_header
 from g4.core.errors import CheckpointError, G4Error
 from g4.core.sizes import format_bytes
-from g4.exporters.formats import check_result
-from g4.exporters.model_card import CARD_FILE, EVAL_FILE, FACTS_FILE, INDEX_NAME, VERIFICATION_FILE, check_repo_id
+from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, VERIFICATION_FILE, check_result
 from g4.exporters.neuron_int8 import MANIFEST, Manifest
 
 log = logging.getLogger(__name__)

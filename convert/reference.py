@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from g4.convert.calibrate import experts_forward_with_input_hook
-from g4.core.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint, read_json_object
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, fuse_gate_up, is_tied
 from g4.core.prompt import chat_ids
@@ -151,24 +151,46 @@ def load_source_model(src: Path, dtype: torch.dtype = torch.bfloat16):
     return model.eval()
 
 
-def load_converted_model(out_dir: Path, src: Path, dtype: torch.dtype = torch.bfloat16, *, act_quant: bool = False):
-    """Build the source architecture and load the dequantized converted weights into it.
+def no_input_scales(out_dir: str | Path) -> CheckpointError:
+    """The error for W4A4 emulation asked of a weight-only (W4A16) result."""
+    return CheckpointError(f"{out_dir}: W4A4 emulation needs input_scale tensors and this result has none "
+                           "(weight-only W4A16)")
+
+
+def load_converted_model(out_dir: str | Path, src: str | Path | None = None, dtype: torch.dtype = torch.bfloat16, *,
+                         act_quant: bool = False, on_read: Callable[[int], None] | None = None):
+    """The NVFP4 result ``out_dir`` as a transformers Gemma 4 model (eval mode, eager experts)
+    whose weights are the dequantized result (:func:`load_nvfp4_as_hf`), in ``dtype``.
+
+    The architecture is built from ``src``'s config.json (the source), or when ``src`` is None
+    from OUT's own (its ``quantization_config`` dropped: the weights arrive dequantized).
+    ``act_quant``: W4A4 emulation, every quantized input fake-quantized against its
+    ``input_scale`` (:func:`install_activation_quant`). ``on_read``: called with the bytes of
+    each stored tensor read.
 
     Raises:
-        CheckpointError: the converted tensors do not cover the model exactly.
+        CheckpointError: the converted tensors do not cover the model exactly, or
+            ``act_quant`` for a weight-only (W4A16) result, which has no ``input_scale``.
     """
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(src, experts_implementation="eager")
-    src_config = Checkpoint(src, source=True).config
-    model = empty_model(config, src_config, dtype)
-    sd, input_scales = load_nvfp4_as_hf(out_dir, dtype)
+    out_dir = Path(out_dir)
+    config_dir = Path(src) if src is not None else out_dir
+    config = AutoConfig.from_pretrained(config_dir, experts_implementation="eager")
+    if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
+        del config.quantization_config
+    raw_config = read_json_object(config_dir / "config.json")
+    model = empty_model(config, raw_config, dtype)
+    sd, input_scales = load_nvfp4_as_hf(out_dir, dtype, on_read=on_read)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = missing_weights(missing, src_config)
+    missing = missing_weights(missing, raw_config)
     if missing or unexpected:
-        raise CheckpointError(f"{out_dir}: converted tensors do not match the model: "
-                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(f"{out_dir}: converted tensors do not match the model {config_dir / 'config.json'} "
+                              f"describes: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
     if act_quant:
+        if not input_scales:
+            raise no_input_scales(out_dir)
         install_activation_quant(model, input_scales)
     return model
 

@@ -29,7 +29,6 @@ layers are never in RAM together), or, in the head phase, the final norm and the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from g4.convert.sources import checked_sources
 from g4.core.checkpoint import Checkpoint
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, embed_scale
+from g4.core.positions import LayerPositions, PositionBuilder
 from g4.exporters.neuron_int8 import (
     check_rank_files,
     dequantized_local,
@@ -92,7 +92,7 @@ class StreamedModel:
         self.config._experts_implementation = "eager"
         self.dtype = dtype
         self.device = torch.device(device)
-        self.rope = _Rope(self.config)
+        self.rope = PositionBuilder(self.config)
 
     def close(self) -> None:
         """Unmap the files read so far (their pages would otherwise stay in this process's RSS)."""
@@ -271,41 +271,7 @@ class Int8NeuronStream(StreamedModel):
         return got.pop(norm.source), got.pop(lm.source)
 
 
-@dataclass
-class _Positions:
-    """Per-sequence layer inputs as ``Gemma4TextModel.forward`` builds them."""
-
-    ids: torch.Tensor  # int64 [1, s]
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin)
-    masks: dict[str, torch.Tensor | None]  # layer type -> mask (None: sdpa's is_causal)
-
-
-class _Rope:
-    def __init__(self, config):
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-
-        self.config = config
-        self.rotary = Gemma4TextRotaryEmbedding(config)
-
-    def positions(self, hidden: torch.Tensor, past: int, cache=None) -> _Positions:
-        """Computed on the host (the rotary module lives there), returned on ``hidden``'s device."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        on = hidden.device
-        probe = hidden if on.type == "cpu" else torch.zeros(hidden.shape, dtype=hidden.dtype)
-        position_ids = (torch.arange(hidden.shape[1]) + past).unsqueeze(0)
-        kw = {"config": self.config, "inputs_embeds": probe, "attention_mask": None, "cache": cache,
-              "position_ids": position_ids}
-        masks = {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
-        rope = {t: self.rotary(probe, position_ids, t) for t in set(self.config.layer_types)}
-        if on.type != "cpu":
-            masks = {t: m if m is None else m.to(on) for t, m in masks.items()}
-            rope = {t: tuple(x.to(on) for x in cs) for t, cs in rope.items()}
-            position_ids = position_ids.to(on)
-        return _Positions(position_ids, rope, masks)
-
-
-def run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: _Positions, cache=None) -> torch.Tensor:
+def run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: LayerPositions, cache=None) -> torch.Tensor:
     """Decoder layer ``layer`` (transformers' ``Gemma4TextDecoderLayer``) on ``hidden``
     ``[1, S, hidden_size]`` at the positions ``pos`` (its layer type's mask and RoPE); ``cache``:
     a transformers cache to extend (decode), or None. Returns the layer's output, same shape."""

@@ -28,6 +28,12 @@ from g4.exporters.neuron_int8 import LAYOUT_NAME, MANIFEST, check_rank_files
 
 NVFP4, INT8_NEURON, BF16 = "nvfp4", "int8-neuron", "bf16"
 
+# The files g4 writes into a result beside its weights and format metadata.
+FACTS_FILE = "g4_conversion.json"  # the conversion's facts (g4.convert.card.check_facts)
+CARD_FILE = "README.md"  # the model card (g4.convert.card.render_card)
+VERIFICATION_FILE = "verification.json"  # g4serve check's report (g4.serve.check)
+EVAL_FILE = "eval.json"  # g4convert eval's report (g4.convert.evaluate)
+
 
 @dataclass(frozen=True)
 class ResultFormat:

@@ -30,7 +30,7 @@ from pathlib import Path
 from g4.core.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
 from g4.core.errors import CheckpointError, ExportError, note_output_placed, raise_if_signalled, signal_received
 from g4.core.sizes import format_bytes
-from g4.exporters.model_card import EVAL_FILE, FACTS_FILE, VERIFICATION_FILE
+from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, VERIFICATION_FILE
 from g4.exporters.neuron_int8 import COMPILED_DIR, MANIFEST, Manifest
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ def _is_g4_output(path: Path) -> bool:
 
 # What g4 itself writes into a result, besides the safetensors files its index or manifest
 # names and the side files (SIDE_FILE_PATTERNS): the converters' metadata, the model card and
-# its facts (exporters/model_card.py), g4serve check's report, g4convert eval's, and the Neuron compile cache
+# its facts (convert/card.py), g4serve check's report, g4convert eval's, and the Neuron compile cache
 # (serve/neuron_backend.py) as a whole folder.
-G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json", *G4_OUTPUT_MARKERS, FACTS_FILE, "README.md",
+G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json", *G4_OUTPUT_MARKERS, FACTS_FILE, CARD_FILE,
                    VERIFICATION_FILE, EVAL_FILE)
 G4_RESULT_FOLDERS = (COMPILED_DIR,)
 

@@ -48,7 +48,7 @@ from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS
 from g4.core.checkpoint import Checkpoint, check_converted_from, read_json_object, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, a_or_an
-from g4.exporters.formats import ResultFormat, check_result, detect_format
+from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.serve.backends import choose_backend
 from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, render_prompt
 from g4.serve.engine import Engine, load_cpu_engine, load_tokenizer, max_context, served_file_stats
@@ -58,7 +58,6 @@ from g4.serve.vllm_backend import VllmServer
 
 STOP = -1  # one "stopped here" position, whatever the stop id
 P13_QUESTION, P13_ANSWER = "What is 2+2?", "4"
-REPORT_NAME = "verification.json"
 
 
 def agreement(served: list[int], reference: list[int]) -> tuple[float, int | None, int, int]:
@@ -402,8 +401,8 @@ def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -
 
 def write_report(out: Path, report: dict) -> Path:
     """Write ``out/verification.json`` atomically (temp file in ``out``, then rename)."""
-    path = Path(out) / REPORT_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{REPORT_NAME}.", dir=out)
+    path = Path(out) / VERIFICATION_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{VERIFICATION_FILE}.", dir=out)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(report, f, indent=2, ensure_ascii=False)
@@ -508,7 +507,7 @@ def _check_pair(out: Path, src: Path) -> None:
     Checkpoint(src, source=True)  # shard names, quantized sources and dtypes refused as g4convert refuses them
     check_converted_from(out, src)  # the rule verify applies too
     if not os.access(out, os.W_OK):
-        raise G4Error(f"{out}: not writable; check writes {REPORT_NAME} there")
+        raise G4Error(f"{out}: not writable; check writes {VERIFICATION_FILE} there")
 
 
 def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, max_tokens: int,

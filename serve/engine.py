@@ -42,19 +42,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from g4.convert.reference import (
-    empty_model,
-    install_activation_quant,
-    load_nvfp4_as_hf,
-    load_source_model,
-    missing_weights,
-)
+from g4.convert.reference import load_converted_model, load_source_model, no_input_scales
 from g4.convert.stream import Nvfp4Stream, SourceStream, decode_step, new_cache
 from g4.core.checkpoint import Checkpoint
 from g4.core.errors import CheckpointError
 from g4.core.progress import progress_bar
-from g4.exporters.formats import BF16, INT8_NEURON, NVFP4, ResultFormat, detect_format
-from g4.exporters.model_card import EVAL_FILE
+from g4.exporters.formats import BF16, CARD_FILE, EVAL_FILE, INT8_NEURON, NVFP4, VERIFICATION_FILE, ResultFormat, detect_format
 from g4.serve.neuron_emulator import NeuronEmulator, whole_model_bytes as emulator_bytes
 
 log = logging.getLogger(__name__)
@@ -79,7 +72,7 @@ class SamplingParams:
 
 
 # Files under a served directory that do not change what it serves (written by check, eval and push).
-NOT_SERVED = frozenset({"verification.json", EVAL_FILE, "README.md"})
+NOT_SERVED = frozenset({VERIFICATION_FILE, EVAL_FILE, CARD_FILE})
 
 
 def served_file_stats(root: Path) -> dict[str, dict[str, int]]:
@@ -430,20 +423,14 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
-def _no_input_scales(path: Path) -> CheckpointError:
-    return CheckpointError(f"{path}: W4A4 emulation needs input_scale tensors and this result has none "
-                           "(weight-only W4A16)")
-
-
 def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant: bool, *, progress: bool = False):
     """transformers model of an NVFP4 result (dequantized) or a bf16 checkpoint, built from
     the directory's own config.json. ``progress``: a bar on stderr while the weights load (NVFP4:
     g4's, over the stored bytes read and dequantized; bf16: transformers' own, per tensor).
 
     Raises:
-        CheckpointError: tensors that do not cover the model exactly.
+        CheckpointError: tensors that do not cover the model exactly (:func:`g4.convert.reference.load_converted_model`).
     """
-    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     if fmt.format == BF16:
@@ -457,26 +444,9 @@ def build_hf_model(path: Path, fmt: ResultFormat, dtype: torch.dtype, act_quant:
         finally:
             if not was:
                 hf_logging.disable_progress_bar()
-    config = AutoConfig.from_pretrained(path, experts_implementation="eager")
-    if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
-        del config.quantization_config
-    raw_config = _read_json_if(path / "config.json")
-    model = empty_model(config, raw_config, dtype)
-    ckpt = Checkpoint(path)
-    with progress_bar(sum(info.nbytes for info in ckpt.tensors.values()), f"loading {path.name}",
+    with progress_bar(sum(info.nbytes for info in Checkpoint(path).tensors.values()), f"loading {path.name}",
                       enabled=progress) as bar:
-        sd, input_scales = load_nvfp4_as_hf(ckpt, dtype, on_read=bar.update)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = missing_weights(missing, raw_config)
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: tensors do not match the model its config.json describes: "
-                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.tie_weights()
-    if act_quant:
-        if not input_scales:
-            raise _no_input_scales(path)
-        install_activation_quant(model, input_scales)
-    return model
+        return load_converted_model(path, None, dtype, act_quant=act_quant, on_read=bar.update)
 
 
 def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: str = "bfloat16",
@@ -520,7 +490,7 @@ def load_cpu_engine(path: str | Path, *, act_quant: bool | None = None, dtype: s
     if stream:
         if fmt.format == NVFP4:
             if act_quant and not fmt.w4a4:
-                raise _no_input_scales(path)
+                raise no_input_scales(path)
             model = Nvfp4Stream(path, DTYPES[dtype], act_quant=bool(act_quant))
         else:
             model = SourceStream(path, DTYPES[dtype])

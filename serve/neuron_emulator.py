@@ -41,6 +41,7 @@ from torch import nn
 
 from g4.core.checkpoint import read_safetensors_header
 from g4.core.errors import CheckpointError
+from g4.core.positions import PositionBuilder
 from g4.exporters.neuron_int8 import (
     DEVICE_EMBEDDING,
     EXPERT_DOWN,
@@ -172,7 +173,7 @@ class NeuronEmulator(nn.Module):
                  stream: bool = False):
         super().__init__()
         from transformers import AutoConfig
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
         self.out_dir = out_dir = Path(out_dir)
         self.manifest, raw_config, paths = check_rank_files(out_dir)
@@ -184,7 +185,7 @@ class NeuronEmulator(nn.Module):
         self.dtype = dtype
         self.stream = stream
         self.embed_scale = self.manifest.embed_scale if embed_scale is None else embed_scale
-        self.rotary = Gemma4TextRotaryEmbedding(self.config)
+        self.positions = PositionBuilder(self.config)
         self._entries = _layer_entries(g, self.manifest)
         model = {e.key: e for e in model_entries(tied=g.arch.tied)}
         self._lm_head = model["lm_head"]
@@ -253,16 +254,12 @@ class NeuronEmulator(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, S, V]`` (fp32 softcapped) for int64 ``input_ids`` ``[B, S]``."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         h = self.embed(input_ids)
-        pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
-        kw = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "cache": None, "position_ids": pos}
-        masks = {"full_attention": create_causal_mask(**kw), "sliding_attention": create_sliding_window_causal_mask(**kw)}
+        pos = self.positions.positions(h)
         for L in range(self.geom.num_layers):
             t = self.config.layer_types[L]
             shares = self.shares(L)
-            h = self._layer(shares, h, self.rotary(h, pos, t), masks[t], pos)
+            h = self._layer(shares, h, pos.rope[t], pos.masks[t], pos.ids)
             del shares  # before the next layer is read
         h = self.norm(h)
         logits = torch.cat([h @ self.head_weight(r).T for r in range(self.geom.tp)], dim=-1)  # all-gather over V

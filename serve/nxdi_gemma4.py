@@ -103,7 +103,20 @@ from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCac
 from torch import nn
 
 from g4.core.errors import CheckpointError
-from g4.core.gemma4 import ATTENTION_CONFIG_KEYS, LM_HEAD, attention_layers, kv_cache_layers, kv_heads_per_rank
+from g4.core.errors import G4Error
+from g4.core.gemma4 import (
+    ATTENTION_CONFIG_KEYS,
+    LAYER_NORMS,
+    LM_HEAD,
+    AttentionLayer,
+    attention_layers,
+    embed_scale,
+    is_tied,
+    kv_cache_layers,
+    kv_heads_per_rank,
+    layer_types,
+    read_architecture,
+)
 from g4.exporters.neuron_int8 import (
     EXPERT_DOWN,
     EXPERT_GATE_UP,
@@ -128,7 +141,13 @@ class Gemma4MoEInferenceConfig(InferenceConfig):
     (``global_head_dim``, ``num_global_key_value_heads``) are read; ``num_local_experts``,
     ``num_experts_per_tok``, ``hidden_act`` and ``intermediate_size`` are set the way NxDI's
     ``initialize_moe_module`` / ``ExpertMLPsV2`` name them (the dense MLP width stays in
-    ``dense_intermediate_size``)."""
+    ``dense_intermediate_size``).
+
+    Every Gemma 4 fact comes from g4's one reader, :mod:`g4.core.gemma4` (what the converter, the
+    rank-file layout, the memory plan and the CPU reference read): the layer types, each layer's
+    head dim, KV heads and ``v_proj`` (:meth:`attention_of`, with transformers' defaults for keys a
+    config leaves out: ``global_head_dim`` 512, ``num_global_key_value_heads`` only with
+    ``attention_k_eq_v``), the tie, the decoder norms and the embedding scale."""
 
     def add_derived_config(self):
         super().add_derived_config()
@@ -139,10 +158,6 @@ class Gemma4MoEInferenceConfig(InferenceConfig):
         if not hasattr(self, "dense_intermediate_size"):
             self.dense_intermediate_size = self.intermediate_size
             self.intermediate_size = self.moe_intermediate_size
-        if getattr(self, "global_head_dim", None) is None:
-            self.global_head_dim = self.head_dim
-        if getattr(self, "num_global_key_value_heads", None) is None:
-            self.num_global_key_value_heads = self.num_key_value_heads
         self.neuron_config.router_config.dtype = torch.float32
         self.neuron_config.router_config.act_fn = "softmax"
         # Gemma 4's router renormalises and applies per_expert_scale itself (Gemma4TextRouter);
@@ -159,11 +174,15 @@ class Gemma4MoEInferenceConfig(InferenceConfig):
     def get_neuron_config_cls(cls):
         return MoENeuronConfig
 
+    def attention_of(self, layer: int) -> AttentionLayer:
+        """Layer ``layer``'s attention shape (:func:`g4.core.gemma4.attention_layers` of this config)."""
+        return attention_layers({k: getattr(self, k, None) for k in ATTENTION_CONFIG_KEYS})[layer]
+
     def head_dim_of(self, layer: int) -> int:
-        return self.global_head_dim if self.layer_types[layer] == FULL else self.head_dim
+        return self.attention_of(layer).head_dim
 
     def kv_heads_of(self, layer: int) -> int:
-        return self.num_global_key_value_heads if self.layer_types[layer] == FULL else self.num_key_value_heads
+        return self.attention_of(layer).kv_heads
 
 
 def load_gemma4_config(model_path: str):
@@ -178,9 +197,16 @@ def load_gemma4_config(model_path: str):
         if "per_layer_config" in text:
             raise ValueError(f"{model_path}/config.json has a per_layer_config (transformers >= 5.15 re-save); "
                              "write it back in the release form (global_head_dim, num_global_key_value_heads)")
+        try:
+            arch = read_architecture(raw)
+        except G4Error as e:
+            raise ValueError(f"{model_path}/config.json: {e}") from e
         for key, value in text.items():
             setattr(config, key, value)
-        config.tie_word_embeddings = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        # what g4's reader derives where the config leaves a key out (transformers' defaults)
+        config.layer_types = layer_types(text)
+        config.attention_k_eq_v = arch.k_eq_v
+        config.tie_word_embeddings = is_tied(raw)
         config.pad_token_id = text.get("pad_token_id", 0)
         config._name_or_path = model_path
         # what transformers' PretrainedConfig would carry; NxDI's forward reads them
@@ -216,7 +242,7 @@ def gemma4_inv_freq(config: Gemma4MoEInferenceConfig, layer_type: str) -> torch.
     (``Gemma4TextRotaryEmbedding.compute_default_rope_parameters`` for ``default``,
     ``modeling_rope_utils._compute_proportional_rope_parameters`` for ``proportional``)."""
     params = config.rope_parameters[layer_type]
-    dim = config.global_head_dim if layer_type == FULL else config.head_dim
+    dim = next(config.head_dim_of(i) for i, t in enumerate(config.layer_types) if t == layer_type)
     base = params["rope_theta"]
     kind = params.get("rope_type", "default")
     if kind == "default":
@@ -322,7 +348,7 @@ class NeuronGemma4Attention(nn.Module):
             raise NotImplementedError(f"{config.num_attention_heads} query heads over TP {tp}")
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = _kv_heads_per_rank(config.kv_heads_of(layer_idx), tp)
-        self.k_eq_v = bool(config.attention_k_eq_v) and not self.is_sliding
+        self.k_eq_v = not config.attention_of(layer_idx).has_v  # full layers with attention_k_eq_v
         self.scaling = 1.0  # Gemma4TextAttention.scaling: q_norm / k_norm absorb 1/sqrt(d)
         H, d = config.hidden_size, self.head_dim
         col = partial(ColumnParallelLinear, bias=False, gather_output=False, dtype=dtype)
@@ -487,9 +513,7 @@ class NeuronGemma4MoEDecoderLayer(nn.Module):
         self.self_attn = NeuronGemma4Attention(config, layer_idx)
         self.mlp = NeuronGemma4MLP(config)
         self.moe = NeuronGemma4MoE(config)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
-                     "post_feedforward_layernorm_2"):
+        for name in LAYER_NORMS:
             setattr(self, name, Gemma4RMSNorm(H, eps, dtype=config.neuron_config.torch_dtype))
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.neuron_config.torch_dtype))
 
@@ -593,7 +617,7 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = Gemma4ScaledEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
                                                   dtype=dtype, shard_across_embedding=True,
-                                                  embed_scale=config.hidden_size ** 0.5)
+                                                  embed_scale=embed_scale(config.hidden_size, dtype))
         self.layers = nn.ModuleList([NeuronGemma4MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = Gemma4SoftcappedLMHead(config.hidden_size, config.vocab_size, bias=False,

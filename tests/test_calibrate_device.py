@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
+
+from helpers import g4convert
 
 from g4.convert.calibrate import LayerCalibrator, calibration_device, make_calibration_ids, read_calibration_texts
 from g4.core.checkpoint import Checkpoint
-from g4.convert.cli import main
 from g4.core.errors import G4Error
 from g4.convert.resolve import EMBEDDED_DIR
 
 CUDA = torch.cuda.is_available()
-
-
-def run(*args):
-    return CliRunner().invoke(main, ["-q", *args])
 
 
 def test_calibration_device_names():
@@ -33,16 +29,16 @@ def test_calibration_device_names():
 
 
 def test_bad_device_is_one_error_line_before_any_work(tiny_mm, tmp_path):
-    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--calib-device", "tpu")
+    r = g4convert("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--calib-device", "tpu")
     assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
     assert "--calib-device 'tpu'" in r.output and not (tmp_path / "o").exists()
-    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--calib-device", "cpu")
+    r = g4convert("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--weight-only", "--calib-device", "cpu")
     assert r.exit_code == 2 and "--weight-only does not calibrate" in r.output
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a host without CUDA")
 def test_cuda_without_a_cuda_device_is_refused(tiny_mm, tmp_path):
-    r = run("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--calib-device", "cuda")
+    r = g4convert("nvfp4", str(tiny_mm), str(tmp_path / "o"), "--calib-device", "cuda")
     assert r.exit_code == 2 and "torch sees 0 CUDA device(s) here" in r.output, r.output
     assert not (tmp_path / "o").exists()
 

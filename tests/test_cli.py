@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import tiny
+from helpers import g4convert
 from g4.convert.cli import main
 
 
-def run(*args):
-    return CliRunner().invoke(main, ["-q", *args])
+run = g4convert
 
 
 def test_nvfp4_then_refuse_existing(tiny_mm, tmp_path):

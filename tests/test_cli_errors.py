@@ -4,6 +4,8 @@
 import pytest
 from click.testing import CliRunner
 
+from helpers import one_error_line
+
 import g4.convert.cli
 from g4.convert.cli import main
 from g4.core.errors import OptionError
@@ -61,13 +63,7 @@ def test_an_unknown_hidden_activation_is_one_error_line_on_every_command(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-def _one_error_line(r, *needles):
-    assert r.exit_code == 2, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+_one_error_line = one_error_line
 
 
 @pytest.mark.parametrize("args", [

@@ -18,7 +18,9 @@ from huggingface_hub import ModelCard
 from mock_hub import MockHub
 from safetensors.torch import load_file, save_file
 
-from g4.exporters.model_card import CARD_FILE
+from helpers import one_error_line, run_module
+
+from g4.exporters.formats import CARD_FILE
 
 REPO = "google/gemma-4-tiny-test"
 TOKEN = "hf_g4TestSecretToken0123456789abcdef"
@@ -71,21 +73,13 @@ def g4(cmd, *args, hub=None, cache, cwd, offline=False, token=None):
         env["HF_HUB_OFFLINE"] = "1"
     if token:
         env["HF_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", cmd, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return run_module(cmd, *args, env=env, cwd=cwd, clean_env=True)
 
 
 def front_matter(text: str) -> dict:
     return ModelCard(text).data.to_dict()
 
 
-def one_error_line(r, *needles):
-    assert r.returncode == 2, r.stdout + r.stderr
-    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def test_download_fetches_only_what_g4_reads_and_converts(hub, repo_files, tmp_path):

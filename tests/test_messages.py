@@ -2,15 +2,13 @@
 a unit that shows them, the indefinite article before a name, summaries of conversions without
 calibration, and -q / -v before or after the subcommand of both console scripts."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from g4.convert.cli import main as g4convert
+from helpers import run_module
+
 from g4.core.errors import a_or_an
 from g4.convert.int8_neuron import Int8Report
 from g4.convert.nvfp4 import ConvertReport
@@ -73,9 +71,7 @@ def test_a_weight_only_summary_says_no_calibration():
     assert "8192 calibration tokens; calibration 40.0 s (10.00 s per layer" in calibrated
 
 
-def _run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+_run = run_module
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

@@ -12,7 +12,8 @@ from g4.core.checkpoint import Checkpoint
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.card import card_inputs, card_text, load_conversion_facts, set_base_model, source_repo_id, write_card
-from g4.exporters.model_card import CARD_FILE, FACTS_FILE, CardError, render_card
+from g4.convert.card import CardError, render_card
+from g4.exporters.formats import CARD_FILE, FACTS_FILE
 
 SOURCE_README = """---
 license: apache-2.0

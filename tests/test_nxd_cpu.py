@@ -46,13 +46,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -77,11 +77,6 @@ def _missing() -> str | None:
 
 pytestmark = [pytest.mark.nxd_cpu, pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _convert(src: Path, out: Path, tp: int, quantize_attention: bool, **algorithm) -> Path:
@@ -154,7 +149,7 @@ def lane(tmp_path_factory):
         (base / f"{key}.job.json").write_text(json.dumps(job))
         mode = "shard" if key == "shard" else "layers"
         world = 1 if key in ("shard", "layers1") else 2
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -46,6 +46,13 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
   positions, ``layer_scalar`` 0.5 / 0.8 / 1.1 / 1.4), text-only layout, greedy from fixed random
   ids (``SYNTH_PROMPT_LEN``, seeded: no tokenizer); ``synth_heads_tp2`` the same at TP 2, where the
   full layers' 2 KV heads are split (1 per rank), not replicated;
+- ``defaults``: a checkpoint like ``synth_heads`` (without k_eq_v, seed 1) whose config.json then
+  leaves out every key Gemma 4 has a default for (:data:`OPTIONAL_KEYS`: ``global_head_dim``, 512
+  by default, twice the sliding ``head_dim``; ``num_global_key_value_heads``; ``attention_k_eq_v``;
+  ``tie_word_embeddings``; ``layer_types``): the class (reading g4's one config reader) against
+  transformers reading the same file; ``defaults_int8`` its ``g4convert int8-neuron --tp 1`` result
+  against g4's ``NeuronEmulator``, and the emulator's and the class's geometry against
+  ``g4.core.gemma4.read_architecture`` (``test_a_config_without_its_optional_keys_is_read_alike``);
 - ``rope_first_dims`` (negative control): NxDI with the full layers' ``partial_rotary_factor`` set to
   1.0 (every frequency non-zero, the shape of PR #172's mistake) against the unchanged reference: the
   logits must move by far more than the tolerance.
@@ -67,6 +74,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +90,10 @@ SYNTH = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 128, "
          "num_experts": 8, "top_k_experts": 2, "vocab_size": 512, "vocab_size_per_layer_input": 512,
          "sliding_window": 8}
 SYNTH_PROMPT_LEN = 20
+# defaults: the text-config keys Gemma 4 has a default for (transformers 5.24, Gemma4TextConfig),
+# left out of its config.json
+OPTIONAL_KEYS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "tie_word_embeddings",
+                 "layer_types")
 NEW_TOKENS, SEQ_LEN = 12, 32
 QUESTION = "What is the capital of France?"
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
@@ -191,23 +203,28 @@ def lane(tmp_path_factory):
     from tiny import build_with_geometry_of
 
     synth = build_with_geometry_of(base / "synth_heads", GEMMA4_26B_A4B, seed=0, **SYNTH)
+    defaults = _without_optional_keys(build_with_geometry_of(base / "defaults", GEMMA4_26B_A4B, seed=1,
+                                                             **SYNTH, attention_k_eq_v=False))
     synth_prompt = torch.randint(3, SYNTH["vocab_size"], (SYNTH_PROMPT_LEN,),
                                  generator=torch.Generator().manual_seed(0)).tolist()
     from g4.convert.int8_neuron import convert_int8_neuron
 
     int8_dirs = {tp: convert_int8_neuron(EMBEDDED_DIR, base / f"int8-tp{tp}", tp=tp, quantize_attention=False,
                                          target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out for tp in (1, 2)}
+    defaults_int8 = convert_int8_neuron(defaults, base / "defaults-int8", tp=1, quantize_attention=False,
+                                        target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
              "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_bf16": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
              "int8_tp_mismatch": (chat, {}, 1), "synth_heads": (synth_prompt, {}, 1),
-             "synth_heads_tp2": (synth_prompt, {}, 2)}
+             "synth_heads_tp2": (synth_prompt, {}, 2), "defaults": (synth_prompt, {}, 1),
+             "defaults_int8": (synth_prompt, {}, 1)}
     models = {"int8": int8_dirs[1], "int8_bf16": int8_dirs[1], "int8_tp2": int8_dirs[2], "int8_tp_mismatch": int8_dirs[2],
-              "synth_heads": synth, "synth_heads_tp2": synth}
+              "synth_heads": synth, "synth_heads_tp2": synth, "defaults": defaults, "defaults_int8": defaults_int8}
     jobs = {}
     for name, (prompt, overrides, tp) in cases.items():
         jobs[name] = {"nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": prompt,
-                      "quantized": name.startswith("int8"), "model": str(models.get(name, EMBEDDED_DIR)),
+                      "quantized": "int8" in name, "model": str(models.get(name, EMBEDDED_DIR)),
                       "new_tokens": NEW_TOKENS, "seq_len": SEQ_LEN,
                       "dtype": "bfloat16" if name.endswith("bf16") else "float32",
                       "overrides": overrides, "tp": tp, "result": str(base / f"{name}.pt")}
@@ -231,14 +248,14 @@ def lane(tmp_path_factory):
     jobs["route2"] = {"kind": "route2", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
                       "results": route2_dirs, "scratch": str(base), "result": str(base / "route2.pt")}
     for name in ("chat_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
-        jobs[name]["master_port"] = _free_port()
+        jobs[name]["master_port"] = free_port()
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
     groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
               "tp2": ([j for j in jobs.values() if j["tp"] == 2], 2)}
     procs = []
     for group, (payload, world) in groups.items():
         (base / f"{group}.json").write_text(json.dumps(payload))
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -259,6 +276,8 @@ def lane(tmp_path_factory):
         refs["int8"] = refs["engine"] = refs["int8_bf16"] = _int8_reference(int8_dirs[1], chat)
         refs["int8_tp2"] = _int8_reference(int8_dirs[2], chat)
         refs["synth_heads"] = refs["synth_heads_tp2"] = _reference(synth_prompt, model_dir=synth)
+        refs["defaults"] = _reference(synth_prompt, model_dir=defaults)
+        refs["defaults_int8"] = _int8_reference(defaults_int8, synth_prompt)
         # the same checkpoint with a window as wide as the sequence: the reference's first step moves
         refs["synth_full_window"] = _reference(synth_prompt, sliding_window=SEQ_LEN, model_dir=synth)
     finally:
@@ -281,6 +300,7 @@ def lane(tmp_path_factory):
     found["synth_full_window"] = refs["synth_full_window"]
     found["route2_dirs"] = route2_dirs
     found["synth_config"], found["synth_dir"] = json.loads((synth / "config.json").read_text()), str(synth)
+    found["defaults_dir"], found["defaults_int8_dir"] = defaults, defaults_int8
     found["wall_s"] = time.perf_counter() - t0
     found["overlay_s"] = t0 - t_overlay
     print("nxdi_gemma4 max |logit diff| vs reference: " + ", ".join(
@@ -290,6 +310,19 @@ def lane(tmp_path_factory):
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
         f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"] if "t_gen" in found[n]))
     return found
+
+
+def _without_optional_keys(model_dir: Path) -> Path:
+    """``model_dir`` with :data:`OPTIONAL_KEYS` deleted from its config.json's text config."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    tc = config.get("text_config", config)
+    assert tc.get("global_head_dim") == 2 * tc["head_dim"] and not tc.get("attention_k_eq_v")
+    for key in OPTIONAL_KEYS:
+        tc.pop(key, None)
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return model_dir
 
 
 def _rank_view(out: Path, rank: int, view: Path) -> Path:
@@ -306,16 +339,10 @@ def _rank_view(out: Path, rank: int, view: Path) -> Path:
     return view
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2",
-                                  "int8_tp2/rank1", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1"])
+                                  "int8_tp2/rank1", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1",
+                                  "defaults", "defaults_int8"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
     diff = (r["logits"] - r["ref_logits"]).abs().max().item()
@@ -400,6 +427,39 @@ def test_tp2_splits_heads_and_experts_and_replicates_the_single_full_attention_k
         assert shapes["layers.0.moe.expert_mlps.mlp_op.down_proj.weight"] == [8, 32, 128]
         assert r["kv_shapes"] == [[1, 1, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
         assert (r["logits"] - lane["chat"]["logits"]).abs().max() < TOL
+
+
+def test_a_config_without_its_optional_keys_is_read_alike(lane):
+    """``defaults``' config.json has none of :data:`OPTIONAL_KEYS`; transformers, g4's reader, the
+    NxDI class (its KV cache, its attention projections, with and without int8) and the
+    ``NeuronEmulator`` build the same model from it: full layers with ``global_head_dim`` 512 (not
+    the sliding 256), their own ``v_proj`` (no ``attention_k_eq_v``), the 5:1 layer pattern with the
+    last layer full, a tied lm_head. The logits agree in ``test_greedy_ids_and_logits_match_transformers``."""
+    from transformers import AutoConfig
+
+    from g4.core.gemma4 import read_architecture
+    from g4.serve.neuron_emulator import NeuronEmulator
+
+    config = json.loads((lane["defaults_dir"] / "config.json").read_text())
+    tc = config.get("text_config", config)
+    assert not set(OPTIONAL_KEYS) & (set(tc) | set(config))
+    arch = read_architecture(config)
+    assert [(a.sliding, a.head_dim, a.has_v) for a in arch.layers] == [(True, 256, True)] * 3 + [(False, 512, True)]
+    assert arch.tied and not arch.k_eq_v
+    hf = AutoConfig.from_pretrained(lane["defaults_dir"])
+    hf = getattr(hf, "text_config", hf)
+    assert (hf.global_head_dim, hf.layer_types, hf.tie_word_embeddings) == (512, arch.layer_types, True)
+    kv = [shape for a in arch.layers for shape in [[1, a.kv_heads, SEQ_LEN, a.head_dim]] * 2]
+    for case in ("defaults", "defaults_int8"):
+        r = lane[case]
+        assert r["kv_shapes"] == kv, case
+        for layer, a in enumerate(arch.layers):
+            shapes = r["local_shapes"]
+            assert shapes[f"layers.{layer}.self_attn.q_proj.weight"] == [arch.heads * a.head_dim, arch.hidden], case
+            assert shapes[f"layers.{layer}.self_attn.k_proj.weight"] == [a.kv_heads * a.head_dim, arch.hidden], case
+            assert (f"layers.{layer}.self_attn.v_proj.weight" in shapes) == a.has_v, case
+    emulator = NeuronEmulator(lane["defaults_int8_dir"])
+    assert (emulator.geom.arch.layers, emulator.geom.arch.tied) == (arch.layers, arch.tied)
 
 
 def test_synth_heads_has_the_26b_attention_geometry_and_exercises_it(lane):

@@ -10,17 +10,17 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from mock_hub import MockHub
 from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
 from test_serve_fixtures import embedded_result
 
+from helpers import run_module
+
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.push import HubError, push_result
-from g4.exporters.model_card import CARD_FILE
+from g4.exporters.formats import CARD_FILE
 
 TOKEN = "hf_g4TestSecretToken0123456789abcdef"
 READ_TOKEN = "hf_g4TestReadOnlyToken0123456789ab"
@@ -60,8 +60,7 @@ def g4push(hub, *args, token=TOKEN, home=None, xet=False):
         env["HF_HUB_DISABLE_XET"] = "1"
     if token:
         env["HF_TOKEN"] = token
-    r = subprocess.run([sys.executable, "-m", "g4.convert.cli", *args], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = run_module("g4.convert.cli", *args, env=env, clean_env=True, timeout=120)
     assert TOKEN not in r.stdout + r.stderr and READ_TOKEN not in r.stdout + r.stderr
     return r
 

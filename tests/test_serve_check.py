@@ -14,21 +14,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import openai
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, tampered_copy
 from test_serve_fixtures import cpu_app, embedded_result, start_g4serve
 
 from g4.serve.check import STOP, agreement, free_port, normalise_ids
-from g4.serve.cli import main
+from helpers import g4serve
 from g4.serve.server import BackgroundServer
 
 REPORT_KEYS = {"g4_verification", "format", "backend", "engine", "source", "min_agreement", "passed", "failures", "overall",
                "prompts", "facts", "chat_checks"}
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+run = g4serve
 
 
 def report_bytes(out):

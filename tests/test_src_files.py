@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from g4.convert.cli import main as g4convert
+from helpers import g4convert, one_error_line
+
 from g4.serve.cli import main as g4serve
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -19,15 +20,7 @@ FP8_TENSOR = "model.language_model.layers.0.experts.down_proj"
 INT8_TENSOR = "model.language_model.layers.1.mlp.down_proj.weight"
 
 
-def run(*args):
-    return CliRunner().invoke(g4convert, ["-q", *[str(a) for a in args]])
-
-
-def one_error_line(r, *says):
-    assert r.exit_code == 2, r.output
-    assert r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
-    for s in says:
-        assert s in r.output, r.output
+run = g4convert
 
 
 def sha256(path):

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import free_port
 
 from g4.core.errors import G4Error
 from g4.serve import vllm_backend as vb
@@ -132,11 +133,6 @@ _FAKE = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _alive(pid):
     try:
@@ -153,7 +149,7 @@ def _alive(pid):
 def _server(tmp_path, nvfp4_dir, delay):
     script = tmp_path / "fake_vllm.py"
     script.write_text(_FAKE)
-    port = _free_port()
+    port = free_port()
     cmd = vb.VllmCommand([sys.executable, str(script), str(port), str(delay), str(tmp_path / "child.pid")])
     return vb.VllmServer(nvfp4_dir, port=port, command=cmd, log_path=tmp_path / "server.log"), port
 

@@ -1,0 +1,49 @@
+"""What many test modules need: the two command lines run in-process or as a subprocess, the
+one-line ``error:`` check, and a free TCP port (:func:`g4.serve.check.free_port`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from click.testing import CliRunner, Result
+
+from g4.convert.cli import main as g4convert_main
+from g4.serve.check import free_port  # noqa: F401  (the tests' free port is g4serve check's)
+from g4.serve.cli import main as g4serve_main
+
+
+def g4convert(*args, quiet: bool = True) -> Result:
+    """``g4convert [-q] ARGS`` in this process (click's runner; exceptions are caught into the result)."""
+    return CliRunner().invoke(g4convert_main, [*(["-q"] if quiet else []), *map(str, args)])
+
+
+def g4serve(*args) -> Result:
+    """``g4serve ARGS`` in this process; an exception that is not a click exit propagates."""
+    return CliRunner().invoke(g4serve_main, [str(a) for a in args], catch_exceptions=False)
+
+
+def run_module(module: str, *args, env: dict | None = None, cwd=None, timeout: float = 300,
+               clean_env: bool = False) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` as a subprocess with text output captured. ``env``: variables
+    added to this process's environment (or, with ``clean_env``, the whole environment)."""
+    full = dict(env or {}) if clean_env else {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], env=full, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(result, *needles: str) -> str:
+    """Assert that a command failed with exit status 2 and printed exactly one non-blank line,
+    ``error: ...``, holding every needle; return that line. ``result``: click's ``Result`` or a
+    ``subprocess.CompletedProcess`` (its stdout and stderr together)."""
+    if isinstance(result, subprocess.CompletedProcess):
+        code, output = result.returncode, result.stdout + result.stderr
+    else:
+        code, output = result.exit_code, result.output
+    assert code == 2, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
