@@ -37,8 +37,8 @@ g4.convert.plan's (``NEURON_TARGETS``, ``HOST_RESERVE_BYTES``). A second, tight 
 
 Needs NxD 2.28 and NxDI 0.8 source (``../shared/vendor`` beside the checkout, or ``G4_NXD_SRC`` /
 ``G4_NXDI_SRC``) and the transformers-4.57 overlay the NxDI lane builds (``.venv-nxdi/tf457``,
-made by ``pytest tests/test_nxdi_gemma4.py``); the Neuron-only imports are the lane's stubs
-(``tests/nxd_cpu/stubs.py``). Needs a writable memory cgroup (root).
+made by ``pytest tests/lanes/test_nxdi_gemma4.py``); the Neuron-only imports are the lane's stubs
+(``tests/lanes/nxd_cpu/stubs.py``). Needs a writable memory cgroup (root).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def child(result: Path, report: Path) -> None:
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "lanes"))
     from nxd_cpu import stubs
 
     stubs.install_nxdi(str(NXD_SRC), str(NXDI_SRC))
@@ -322,7 +322,7 @@ def main() -> int:
         return 0
     for path, what in ((NXD_SRC, "G4_NXD_SRC"), (NXDI_SRC, "G4_NXDI_SRC"), (OVERLAY / "transformers", "G4_NXDI_OVERLAY")):
         if not path.exists():
-            print(f"error: {path} not found (set {what}; the overlay is built by pytest tests/test_nxdi_gemma4.py)",
+            print(f"error: {path} not found (set {what}; the overlay is built by pytest tests/lanes/test_nxdi_gemma4.py)",
                   file=sys.stderr)
             return 2
     args.work.mkdir(parents=True, exist_ok=True)

@@ -21,11 +21,11 @@ router affinities as ``NeuronGemma4Router`` gives them (softmax, top-k, renormal
 Not counted: the router, the TP all-reduce of the experts' partial sums, attention, the dense MLP.
 
 Needs the neuronx-distributed v2.28.0 and neuronx-distributed-inference 0.8 sources
-(``G4_NXD_SRC`` / ``G4_NXDI_SRC``, the same defaults as ``tests/test_nxdi_gemma4.py``) and the
+(``G4_NXD_SRC`` / ``G4_NXDI_SRC``, the same defaults as ``tests/lanes/test_nxdi_gemma4.py``) and the
 transformers 4.57 overlay NxDI imports with (``G4_NXDI_OVERLAY``, default ``.venv-nxdi/tf457``,
-built by ``tests/test_nxdi_gemma4.py`` on first use); exits with one ``error:`` line when one is
+built by ``tests/lanes/test_nxdi_gemma4.py`` on first use); exits with one ``error:`` line when one is
 absent. It depends on the tests' import stubs for the Neuron-only packages
-(``tests/nxd_cpu/stubs.py``, ``install_nxdi``), which it imports from there.
+(``tests/lanes/nxd_cpu/stubs.py``, ``install_nxdi``), which it imports from there.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def missing() -> str | None:
                 "(set G4_NXDI_SRC to its src/ folder)")
     if not (OVERLAY / "transformers" / "__init__.py").is_file():
         return (f"transformers 4.57 overlay not found at {OVERLAY} (set G4_NXDI_OVERLAY, or run "
-                "tests/test_nxdi_gemma4.py once, which builds it)")
+                "tests/lanes/test_nxdi_gemma4.py once, which builds it)")
     return None
 
 
@@ -69,7 +69,7 @@ def build(tp: int):
     """(config, experts): the class's ExpertMLPsV2 at one rank's expert width, int8 expert-wise."""
     os.environ.setdefault("NXD_LOG_LEVEL", "warning")  # NxD's process-group set-up logs at info
     sys.path.insert(0, str(OVERLAY))  # NxDI 0.8's transformers, before anything imports transformers
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "lanes"))
     from nxd_cpu import stubs
 
     stubs.install_nxdi(str(NXD_SRC), str(NXDI_SRC))

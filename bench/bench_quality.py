@@ -7,7 +7,7 @@ Rows: every algorithm ``g4convert nvfp4 --algorithm`` offers (read from the CLI'
 new algorithm needs no edit here; ``max`` alone where the option does not exist yet) x {W4A4,
 W4A16}, then modelopt 0.47's NVFP4 configs that run on the CPU (``mtq.quantize`` on the whole
 transformers model with the same calibration tokens, then ``export_hf_checkpoint``, as
-``tests/test_convert_nvfp4.py::test_bit_identical_to_modelopt_export`` does); a config that fails
+``tests/convert/test_convert_nvfp4.py::test_bit_identical_to_modelopt_export`` does); a config that fails
 on the CPU is listed with its error. Every result is evaluated by ``g4convert eval``'s code
 (``g4.convert.evaluate``: the same chunks of the packaged held-out text, llama.cpp's statistics,
 W4A4 with activation emulation) against the same source in this run. Columns: mean / median /

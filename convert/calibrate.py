@@ -500,7 +500,7 @@ def calibration_device(name: str) -> torch.device:
     one, else the CPU; ``"cpu"``, ``"cuda"`` and ``"cuda:N"`` as torch names them.
 
     The CPU path is the reference: on a CUDA device the amaxes differ only by the device's
-    matmul rounding (``tests/test_calibrate_device.py`` compares them).
+    matmul rounding (``tests/convert/test_calibrate_device.py`` compares them).
 
     Raises:
         G4Error: an unknown name, or a CUDA device that torch does not see here.

@@ -115,7 +115,7 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     2 (0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4), ``round(|x|) + 2`` in [2, 4) (2.5 -> 4,
     3.5 -> 6) and ``6 + (|x| > 5)`` from 4 on; ``torch.round`` rounds half to even as the codes
     do, and ``2|x|`` and the shift by 2 are exact in fp32. Same result as modelopt's
-    ``_cast_fp4`` (searchsorted + tie fix) for every finite input (tests/test_nvfp4_quantizer.py
+    ``_cast_fp4`` (searchsorted + tie fix) for every finite input (tests/quantizers/test_nvfp4_quantizer.py
     checks every tie, its fp32 neighbours and a dense grid). Compiled, about 6-10% faster than
     counting the 7 midpoints below ``|x|``, with a 0-d global scale (with a per-row ``[rows, 1]``
     scale broadcast into it, 3.5x slower: so experts are quantized one by one). Kept in fp32, not
@@ -164,7 +164,7 @@ def _pack_codes(x: torch.Tensor, s8: torch.Tensor, g: torch.Tensor) -> torch.Ten
 # dynamic in the rows, so one compile per input width (a few seconds with inductor's
 # on-disk cache, up to ~30 s without). Tensors under 1M elements stay eager (no
 # compile for small test models). G4_NVFP4_EAGER=1, or any compile or run failure (no C
-# compiler), uses the eager chunks, which give the same bytes (tests/test_nvfp4_quantizer.py
+# compiler), uses the eager chunks, which give the same bytes (tests/quantizers/test_nvfp4_quantizer.py
 # checks both against modelopt); see g4.quantizers.compiled.
 KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4")
 
@@ -181,7 +181,7 @@ KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVF
 # ``6 s <= a / 4``, an error of at least ``(3a/4)**2 = 0.5625 a**2``, while max's error is at most
 # ``15 (a/6)**2 = 0.42 a**2`` (each of the other 15 elements off by at most half the widest E2M1
 # gap, 1, times ``a/6``): none of them can win. Above four times max's scale the block amax maps
-# below 1.6 and the small elements round to 0; tests/test_nvfp4_algorithms.py checks against the
+# below 1.6 and the small elements round to 0; tests/convert/test_nvfp4_algorithms.py checks against the
 # full 126-value sweep that the window finds the same least error on every block of Gaussian,
 # heavy-tailed and subnormal-scale weights (8 codes above was not enough for subnormal scales).
 # Ties keep max's scale (it is tried first), so a block where max is already optimal gets max's bytes.

@@ -29,7 +29,7 @@ not g4's and is refused. Weights are not copied into it: each load reads every r
 
 On a CPU the same engine runs through NxDI's CPU mode (``NeuronConfig(on_cpu=True)`` and
 ``to_cpu()``, no compile; one bucket of ``max_length``, the only shape that mode supports); that
-is for the tests (``tests/test_nxdi_gemma4.py``), not a backend users choose.
+is for the tests (``tests/lanes/test_nxdi_gemma4.py``), not a backend users choose.
 
 This module imports neither NxD nor NxDI at the top (``neuron_status`` must work without them);
 :func:`load_neuron_engine` imports them.

@@ -46,7 +46,7 @@ the experts' intermediate dimension are split over TP; a layer with fewer KV hea
 replicated (rank r holds head ``r * kv_heads // tp``), as NxDI's GQA ``REPLICATE_TO_TP_DEGREE``
 does. This module imports NxD and NxDI at the top:
 import it only where they are installed (a Neuron host, or the CPU test lane
-``tests/test_nxdi_gemma4.py``).
+``tests/lanes/test_nxdi_gemma4.py``).
 
 Known mistakes of the unmerged NxDI Gemma 4 pull requests that this class does not repeat
 (aws-neuron/neuronx-distributed-inference #172 ``contrib/models/gemma-4-26b-a4b-it``, #106

@@ -36,7 +36,7 @@ def _cut(name: str):
     return lambda sd: sd.__setitem__(name, sd[name][..., :-1].contiguous())
 
 
-# On the embedded NVFP4 W4A4 result (tests/test_serve_fixtures.py embedded_result("nvfp4")).
+# On the embedded NVFP4 W4A4 result (tests/serve_fixtures.py embedded_result("nvfp4")).
 NVFP4_TAMPERS = {
     "dropped input_scale": (
         _drop(f"{L}.3.self_attn.o_proj.input_scale"),

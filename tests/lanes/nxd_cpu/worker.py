@@ -1,4 +1,4 @@
-"""Subprocess side of the NxD CPU lane (``tests/test_nxd_cpu.py``): runs neuronx-distributed
+"""Subprocess side of the NxD CPU lane (``tests/lanes/test_nxd_cpu.py``): runs neuronx-distributed
 (NxD) v2.28.0's real sharder and quantized layers on g4's int8-neuron output and writes what it
 found as JSON. Never imported by the pytest process (it installs import stubs, ``stubs.py``).
 

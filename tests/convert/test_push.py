@@ -14,7 +14,7 @@ import shutil
 import pytest
 from mock_hub import MockHub
 from tampered import NVFP4_TAMPERS, assert_one_error_line, tampered_copy
-from test_serve_fixtures import embedded_result
+from serve_fixtures import embedded_result
 
 from helpers import run_module
 

@@ -7,7 +7,7 @@ reference and `verify`; exactly one ``<bos>`` whatever a prompt starts with
 import openai
 import pytest
 from test_serve_chat import THINKING_TEMPLATE
-from test_serve_fixtures import cpu_app
+from serve_fixtures import cpu_app
 from transformers import AutoTokenizer
 
 from g4.convert.embedded_model import CONTROL_TOKENS, EMBEDDED_DIR, MULTIMODAL_TOKENS

@@ -410,7 +410,7 @@ def test_neuron_weights_are_the_bytes_the_exporter_writes(tmp_path, attention):
 def test_a_g4_result_is_planned_as_the_result_it_is():
     """Fresh-user finding: `plan` refused an NVFP4 result as already quantized although it only
     plans, and planned an int8-neuron result at TP 1 whatever TP its rank files were written for."""
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     nvfp4, int8 = embedded_result("nvfp4"), embedded_result("int8-neuron")  # int8-neuron: TP 2
     r = run(str(nvfp4), "--json")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_serve_fixtures import cpu_engine
+from serve_fixtures import cpu_engine
 
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.serve.chat import render_prompt
@@ -57,7 +57,7 @@ def test_act_quant_needs_input_scales(tmp_path):
     import shutil
 
     from g4.core.errors import CheckpointError
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     w4a16 = tmp_path / "w4a16"
     shutil.copytree(embedded_result("nvfp4"), w4a16)
@@ -88,7 +88,7 @@ def test_end_of_turn_is_a_stop_id_even_without_generation_config(tmp_path, caplo
 def test_streamed_engine_generates_what_the_whole_model_engine_generates(monkeypatch):
     """The layer-at-a-time engine (picked when the whole model would not fit) gives the whole-model
     engine's ids on the W4A4 result (activation emulation on) past the sliding window, and stops alike."""
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     import g4.serve.engine as engine
     from g4.serve.engine import StreamedEngine, whole_model_fits
@@ -114,7 +114,7 @@ def test_int8_result_runs_a_layer_at_a_time_when_its_rank_files_do_not_fit(monke
     slice fit the available memory, otherwise reading one layer at a time; both give the same
     logits bit for bit and the same ids."""
     from safetensors.torch import load_file
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     import g4.serve.engine as engine
     from g4.exporters.neuron_int8 import rank_file
@@ -177,7 +177,7 @@ def test_the_whole_model_load_shows_a_bar_over_the_stored_bytes(capfd):
     """Fresh-user finding: g4serve printed nothing during a 170 s load. The NVFP4 load counts
     every stored byte it reads and dequantizes (KV cache scales included, unread); -q (progress
     False) draws nothing."""
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     from g4.core.checkpoint import Checkpoint
     from g4.convert.reference import load_nvfp4_as_hf

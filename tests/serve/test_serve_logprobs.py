@@ -8,7 +8,7 @@ import math
 import openai
 import pytest
 import torch
-from test_serve_fixtures import cpu_app, cpu_engine
+from serve_fixtures import cpu_app, cpu_engine
 
 from g4.serve.chat import render_prompt
 from g4.serve.engine import LOGPROB_FLOOR, SamplingParams, sample_next, sampling_logprobs

@@ -31,16 +31,16 @@ def test_no_message_in_the_sources_puts_a_before_a_vowel_sound_name():
     """'a NVFP4' came from an f-string ("this is a {kind}"): every such article is a_or_an's now."""
     import re
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     bad = [f"{p.relative_to(root)}:{n}: {line.strip()}"
-           for d in ("convert", "serve", "exporters", "quantizers") for p in sorted((root / d).glob("*.py"))
+           for d in ("core", "convert", "serve", "exporters", "quantizers") for p in sorted((root / d).glob("*.py"))
            for n, line in enumerate(p.read_text().splitlines(), 1)
            if re.search(r"""[ "'(]a \{""", line) or re.search(r"\ba (NVFP4|int8|MLP|F32|F16|unquantized)\b", line)]
     assert bad == []
 
 
 def test_neuron_backend_on_an_nvfp4_result_says_an_nvfp4_result(tmp_path):
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     r = CliRunner().invoke(g4serve, [str(embedded_result("nvfp4")), "--backend", "neuron"])
     assert r.exit_code == 2 and "this is an NVFP4 result" in r.output, r.output
@@ -93,7 +93,7 @@ def test_without_quiet_the_conversion_shows_its_bar_and_log(tmp_path):
 @pytest.mark.parametrize("args", [["-q", "{out}"], ["{out}", "-q"], ["-q", "serve", "{out}"], ["-v", "{out}"],
                                   ["{out}", "-v"]])
 def test_g4serve_takes_the_flags_before_or_after_out(args):
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     out = str(embedded_result("nvfp4"))
     r = CliRunner().invoke(g4serve, [a.format(out=out) for a in args] + ["--backend", "neuron"])

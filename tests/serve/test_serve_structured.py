@@ -7,7 +7,7 @@ import json
 
 import openai
 import pytest
-from test_serve_fixtures import ScriptedEngine, cpu_app
+from serve_fixtures import ScriptedEngine, cpu_app
 from transformers import AutoTokenizer
 
 from g4.convert.embedded_model import EMBEDDED_DIR

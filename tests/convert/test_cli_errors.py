@@ -42,7 +42,7 @@ def test_an_unknown_hidden_activation_is_one_error_line_on_every_command(tmp_pat
     import json
     import shutil
 
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     from g4.convert.embedded_model import EMBEDDED_DIR
     from g4.serve.cli import main as g4serve
@@ -73,7 +73,7 @@ _one_error_line = one_error_line
 ], ids=lambda a: " ".join(a[:2]))
 def test_an_empty_src_says_so_on_every_command(tmp_path, args):
     """Fresh-user finding: SRC "" was the working directory, reported as `config.json: missing`."""
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     from g4.serve.cli import main as g4serve
 
@@ -123,7 +123,7 @@ def test_an_out_parent_that_is_not_writable_is_named_not_the_temporary_directory
 ], ids=lambda a: a[-2])
 def test_a_text_file_of_another_kind_is_refused_not_read_as_plain_text(tmp_path, args):
     """Fresh-user finding: --calib-data x.csv was read as plain text without a word."""
-    from test_serve_fixtures import embedded_result
+    from serve_fixtures import embedded_result
 
     from g4.serve.cli import main as g4serve
 

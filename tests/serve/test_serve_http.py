@@ -8,7 +8,7 @@ import time
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from test_serve_fixtures import ScriptedEngine, cpu_app, cpu_engine, embedded_result
+from serve_fixtures import ScriptedEngine, cpu_app, cpu_engine, embedded_result
 
 from g4.serve.chat import control_text_in, render_prompt
 from g4.serve.server import BackgroundServer, create_app
@@ -413,7 +413,7 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
     import signal
     import socket
 
-    from test_serve_fixtures import start_g4serve
+    from serve_fixtures import start_g4serve
 
     from g4.convert.embedded_model import EMBEDDED_DIR
 

@@ -9,7 +9,7 @@ import asyncio
 import threading
 
 import pytest
-from test_serve_fixtures import ScriptedEngine, cpu_engine
+from serve_fixtures import ScriptedEngine, cpu_engine
 
 from g4.serve.engine import SamplingParams
 from g4.serve.server import APIError, GenerationWorker, _Job

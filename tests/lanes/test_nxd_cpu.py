@@ -6,8 +6,8 @@ aws-neuron/neuronx-distributed-inference at its "Neuron SDK Release 2.28.0" comm
 ``src/neuronx_distributed_inference``). Their PyPI packages are empty placeholders, so the lane
 needs the source trees: ``G4_NXD_SRC`` / ``G4_NXDI_SRC`` name the ``src`` folders (default: the
 team's unmodified snapshots beside the repository, ``../shared/vendor/...``); without them every
-test here is skipped with that reason. NxD runs in subprocesses (``tests/nxd_cpu/worker.py``) with
-the Neuron-only imports stubbed (``tests/nxd_cpu/stubs.py``), in g4's own venv (torch 2.13 CPU,
+test here is skipped with that reason. NxD runs in subprocesses (``tests/lanes/nxd_cpu/worker.py``) with
+the Neuron-only imports stubbed (``tests/lanes/nxd_cpu/stubs.py``), in g4's own venv (torch 2.13 CPU,
 transformers 5.x: NxD's layers, its sharder and NxDI's GQA helpers import without NxDI's
 ``transformers==4.57`` pin; only NxDI's engine would need it). Nothing is patched in g4 or NxD.
 
@@ -16,7 +16,7 @@ is g4's TP-1 result (full int8 ``weight`` + fp32 ``scale`` in NxD's layout); KV 
 replicated to T as NxDI's GQA preshard hook does (``modules/attention/gqa.py``:
 ``GQA.REPLICATE_TO_TP_DEGREE``, ``replicate_kv`` on weight and scale); the module tree is the
 layout table's (``g4/exporters/neuron_int8.py``) with each entry built as the NxD layer its rule
-names (``tests/nxd_cpu/nxd_tree.py``), on the meta device inside NxD's mocked process group, and each rank is cut by
+names (``tests/lanes/nxd_cpu/nxd_tree.py``), on the meta device inside NxD's mocked process group, and each rank is cut by
 ``trace/trace.py: get_sharded_checkpoint``, as ``trace/model_builder.py: ModelBuilder.shard_checkpoint``
 does. Every tensor must equal g4's ``weights/tp{r}_sharded_checkpoint.safetensors`` bit for bit.
 The embedded model has 2 KV heads on sliding and 1 on full-attention layers, so TP 2 and TP 4
@@ -24,7 +24,7 @@ both replicate KV heads.
 
 (b) Each NxD layer type the layout names (``QuantizedColumnParallel`` with and without
 ``gather_output``, ``QuantizedRowParallel``, ``QuantizedExpertFusedColumnParallel`` (stride 2),
-``QuantizedExpertFusedRowParallel``), built as ``tests/nxd_cpu/nxd_tree.py`` does on the meta device
+``QuantizedExpertFusedRowParallel``), built as ``tests/lanes/nxd_cpu/nxd_tree.py`` does on the meta device
 (NxD's ``parallel_layers/layers.py: _initialize_parameter_cpu`` multiplies then overwrites the
 last dim of a quantized parameter, which breaks a CPU-device build of the row and expert-column
 layers at TP>1) and loaded from g4's rank files, at TP 1 and 2 (gloo, one process per rank),
@@ -56,7 +56,7 @@ from helpers import free_port
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO.parent / "shared" / "vendor"
 NXD_SRC = Path(os.environ.get("G4_NXD_SRC", VENDOR / "neuronx-distributed-v2.28.0" / "src"))
 NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-inference-v0.8.0" / "src"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, tampered_copy
-from test_serve_fixtures import cpu_app, embedded_result, start_g4serve
+from serve_fixtures import cpu_app, embedded_result, start_g4serve
 
 from g4.serve.check import STOP, agreement, free_port, normalise_ids
 from helpers import g4serve

@@ -6,7 +6,7 @@ the bf16 source through the chat endpoint: facts answered, greedy agreement, thi
 stream/non-stream. Skipped everywhere else (this is the only test that runs vLLM's NVFP4 MoE
 kernels; it has not been run yet: no GPU was available to the project so far).
 
-    python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm pytest -e . && .venv-gpu/bin/python -m pytest -q -s tests/test_vllm_gpu.py
+    python3 -m venv .venv-gpu && .venv-gpu/bin/pip install vllm pytest -e . && .venv-gpu/bin/python -m pytest -q -s tests/lanes/test_vllm_gpu.py
 """
 
 import json

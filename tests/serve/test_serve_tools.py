@@ -8,7 +8,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from test_serve_fixtures import ScriptedEngine
+from serve_fixtures import ScriptedEngine
 
 from g4.convert.embedded_model import EMBEDDED_DIR
 from g4.core.prompt import text_ids

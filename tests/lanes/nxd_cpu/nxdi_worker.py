@@ -1,4 +1,4 @@
-"""Subprocess side of the NxDI Gemma 4 lane (``tests/test_nxdi_gemma4.py``): g4's
+"""Subprocess side of the NxDI Gemma 4 lane (``tests/lanes/test_nxdi_gemma4.py``): g4's
 ``NeuronGemma4MoEForCausalLM`` (``g4/serve/nxdi_gemma4.py``) run through NxD Inference 0.8's own CPU
 engine (``NeuronConfig(on_cpu=True)`` + ``to_cpu()``: aws-neuron/neuronx-distributed-inference
 ``src/neuronx_distributed_inference/models/application_base.py``), greedy, batch 1.

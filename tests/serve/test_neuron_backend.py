@@ -1,7 +1,7 @@
 """The neuron backend's host-side rules (``g4/serve/neuron_backend.py``, ``Manifest.serving_shape``):
 the serving length and bucket ladders in ``manifest.json`` (with the defaults older results get),
 the NxDI settings built from them, and the compiled folder's reuse / recompile / refusal rules.
-The engine itself runs through NxDI in ``tests/test_nxdi_gemma4.py``; compiling for Neuron needs
+The engine itself runs through NxDI in ``tests/lanes/test_nxdi_gemma4.py``; compiling for Neuron needs
 inf2 and is not run here."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality_model as qm  # noqa: E402

@@ -21,7 +21,7 @@ and NxD's own forward can be run against g4's files:
 
 Sources: aws-neuron/neuronx-distributed v2.28.0 ``src/neuronx_distributed/quantization/quantization_layers.py``,
 ``parallel_layers/layers.py``. (g4's serving path builds its NxD layers inside its NxDI class,
-``g4/serve/nxdi_gemma4.py``, whose lane is ``tests/test_nxdi_gemma4.py``.)
+``g4/serve/nxdi_gemma4.py``, whose lane is ``tests/lanes/test_nxdi_gemma4.py``.)
 """
 
 from __future__ import annotations
