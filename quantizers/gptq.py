@@ -118,7 +118,7 @@ def gptq_nvfp4(w: torch.Tensor, h: torch.Tensor, weight_scale_2: torch.Tensor, *
     if block_scales not in ("max", "mse"):
         raise ValueError(f"GPTQ NVFP4: unknown block_scales {block_scales!r}")
     g = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(n_exp)
-    pick = q4._mse_block_scales if block_scales == "mse" else q4._max_block_scales
+    pick = q4.mse_block_scales if block_scales == "mse" else q4.max_block_scales
     scales = torch.empty(n_exp, out_features, in_features // q4.BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     sg = torch.empty(n_exp, out_features)
 
@@ -129,7 +129,7 @@ def gptq_nvfp4(w: torch.Tensor, h: torch.Tensor, weight_scale_2: torch.Tensor, *
         sg.copy_(scales[..., b].float() * g.view(n_exp, 1))
 
     def quant_column(col, x):
-        return q4._e2m1_round(x / sg) * sg
+        return q4.e2m1_round(x / sg) * sg
 
     seen = _gptq_columns(w3.float().clone(), _inverse_hessian_factor(h3, damp)[0], start_group, quant_column)
     packed = torch.empty(n_exp, out_features, in_features // 2, dtype=torch.uint8)

@@ -135,11 +135,11 @@ def _quantize_blocks(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tenso
     or compiled by :data:`KERNEL` into one pass over the whole tensor.
     """
     x = blocks.float()
-    s8 = _max_block_scales(x, g)
+    s8 = max_block_scales(x, g)
     return _pack_codes(x, s8, g), s8
 
 
-def _max_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def max_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """modelopt's block scales ``fp8(clamp(amax_block / (6 g), 2**-9, 448))`` (1.0 before the clamp
     for an all-zero block) of fp32 blocks ``x`` ``[rows, n, 16]``: float8_e4m3fn ``[rows, n]``."""
     s = x.abs().amax(-1) / (E2M1_MAX * g)
@@ -190,7 +190,7 @@ _E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3f
 _E4M3_MAX_CODE = 126  # 448; 127 is NaN
 
 
-def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     """fp32 ``y`` rounded to the nearest signed E2M1 value (the value of :func:`_e2m1_codes`' code)."""
     a = y.abs()
     mag = torch.where(a < 2, torch.round(a * 2) * 0.5,
@@ -198,16 +198,16 @@ def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
     return torch.copysign(mag, y)
 
 
-def _mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Block scales (float8_e4m3fn ``[rows, n]``) minimising ``sum((x - dq(q(x)))**2)`` per block of
     fp32 ``x`` ``[rows, n, 16]`` over :data:`MSE_CODE_OFFSETS` around max's scale; ties keep max's."""
-    base = _max_block_scales(x, g).view(torch.uint8).to(torch.int32)
+    base = max_block_scales(x, g).view(torch.uint8).to(torch.int32)
     values = _E4M3_CODE_VALUES.to(x.device)
     best_code, best_err = base, None
     for k in MSE_CODE_OFFSETS:
         code = (base + k).clamp(1, _E4M3_MAX_CODE)
         sg = (values[code] * g).unsqueeze(-1)
-        err = (x - _e2m1_round(x / sg) * sg).square().sum(-1)
+        err = (x - e2m1_round(x / sg) * sg).square().sum(-1)
         if best_err is None:
             best_err = err
         else:
@@ -218,9 +218,9 @@ def _mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_blocks_mse(blocks: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantize_blocks` with the block scales of :func:`_mse_block_scales`."""
+    """:func:`_quantize_blocks` with the block scales of :func:`mse_block_scales`."""
     x = blocks.float()
-    s8 = _mse_block_scales(x, g)
+    s8 = mse_block_scales(x, g)
     return _pack_codes(x, s8, g), s8
 
 

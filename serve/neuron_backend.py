@@ -177,6 +177,7 @@ def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str)
 def build_nxdi_model(path: Path, settings: dict):
     """``NeuronGemma4MoEForCausalLM`` of the result ``path`` configured by ``settings``
     (:func:`nxdi_settings`), not yet compiled or loaded. Imports NxD and NxDI."""
+    # here, not at the top: nxdi_gemma4 imports NxD and NxDI, which only a Neuron host has
     from neuronx_distributed_inference.models.config import MoENeuronConfig
 
     from g4.serve.nxdi_gemma4 import Gemma4MoEInferenceConfig, NeuronGemma4MoEForCausalLM, load_gemma4_config

@@ -21,7 +21,7 @@ def full_sweep_errors(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     best = None
     for c in fp8_scale_candidates():
         sg = (c * 448).to(torch.float8_e4m3fn).float() * g
-        err = (x - q._e2m1_round(x / sg) * sg).square().sum(-1)
+        err = (x - q.e2m1_round(x / sg) * sg).square().sum(-1)
         best = err if best is None else torch.minimum(best, err)
     return best
 
