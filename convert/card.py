@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from g4.convert.resolve import EMBEDDED_DIR, REPO_ID_PATTERN
-from g4.core.checkpoint import INDEX_NAME, Checkpoint, weight_fingerprints
+from g4.core.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, weight_fingerprints
 from g4.core.errors import G4Error, a_or_an
 from g4.core.sizes import format_bytes
 from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, INT8_NEURON, NVFP4, VERIFICATION_FILE
@@ -867,7 +867,7 @@ def _nvfp4_facts(out: Path, layout=None) -> dict:
         k["tensors"] += 1
         k["dtypes"].add(t.dtype)
         k["bytes"] += t.nbytes
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / CONFIG_NAME).read_text())
     qc = config.get("quantization_config") or {}
     kv = "fp8" if declares_kv_cache(config) else None  # calibrated KV cache scales: serve them
     commands = [(label, vllm_command(out, compute_capability=cc, vllm_version=version, kv_cache_dtype=kv))

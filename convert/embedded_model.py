@@ -42,6 +42,7 @@ from transformers import (
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
 from g4.convert.resolve import EMBEDDED_DIR
+from g4.core.checkpoint import CONFIG_NAME, SINGLE_NAME
 from g4.core.gemma4 import release_config
 
 logger = logging.getLogger(__name__)
@@ -625,7 +626,7 @@ def _train(model: Gemma4ForConditionalGeneration, batch: dict[str, torch.Tensor]
 def _write_release_config(out_dir: Path) -> None:
     """Rewrite `config.json` as Gemma 4 checkpoints ship it: the full-attention overrides as
     `global_head_dim` / `num_global_key_value_heads` instead of transformers' `per_layer_config`."""
-    path = out_dir / "config.json"
+    path = out_dir / CONFIG_NAME
     config = release_config(json.loads(path.read_text()))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -637,7 +638,7 @@ def save_model(model: Gemma4ForConditionalGeneration, tokenizer: PreTrainedToken
     template."""
     model.save_pretrained(out_dir)
     # transformers writes the shard through a private temp file (mode 0600); make it readable like the rest.
-    (out_dir / "model.safetensors").chmod(0o644)
+    (out_dir / SINGLE_NAME).chmod(0o644)
     _write_release_config(out_dir)
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": PAD_ID}
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")

@@ -54,7 +54,7 @@ from g4.convert.nvfp4 import peak_rss_bytes
 from g4.convert.pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
 from g4.convert.plan import plan_memory
 from g4.convert.sources import checked_sources
-from g4.core.checkpoint import Checkpoint, copy_side_files
+from g4.core.checkpoint import CONFIG_NAME, Checkpoint, copy_side_files
 from g4.core.errors import G4Error
 from g4.core.gemma4 import EXPERT_DOWN, EXPERT_GATE_UP, LM_HEAD, VISION_PREFIXES, release_config, tower_of
 from g4.core.progress import progress_bar
@@ -263,7 +263,7 @@ def convert_int8_neuron(
 def _finish(tmp: Path, ckpt: Checkpoint, out, options: dict) -> None:
     """The result's config (release form), side files and model card (with the result-affecting
     ``options``), beside the weights."""
-    (tmp / "config.json").write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
+    (tmp / CONFIG_NAME).write_text(json.dumps(release_config(ckpt.config), indent=2) + "\n")
     copy_side_files(ckpt.root, tmp)
     write_model_card(tmp, "int8-neuron", src=ckpt, out_name=Path(out).name, options=options)  # README.md (hub helper)
 

@@ -57,7 +57,7 @@ import torch
 
 from g4.convert.resolve import EMBEDDED, resolve_source, source_name
 from g4.convert.synth import PRESETS
-from g4.core.checkpoint import Checkpoint, quantized_reason, read_json_object
+from g4.core.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint, quantized_reason, read_json_object
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.core.gemma4 import (
     LAYER_NORMS,
@@ -384,7 +384,7 @@ def _vision_params_meta(config_json: str) -> int:
 
 
 def _has_weights(root: Path) -> bool:
-    return (root / "model.safetensors").is_file() or (root / "model.safetensors.index.json").is_file()
+    return (root / SINGLE_NAME).is_file() or (root / INDEX_NAME).is_file()
 
 
 def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int, str]:
@@ -989,7 +989,7 @@ def load_source(src: str) -> tuple[str, dict, Path | None, ResultShape | None]:
         return src, PRESETS[src], None, None
     path = resolve_source(src, config_only=True)
     directory = path if path.is_dir() else None
-    file = path / "config.json" if directory else path
+    file = path / CONFIG_NAME if directory else path
     if not file.is_file():
         raise G4Error(f"{src}: not a checkpoint directory, a config.json file or a known model "
                       f"({', '.join(KNOWN_MODELS)}, {EMBEDDED}), nor a Hub repo id owner/name[@revision]")

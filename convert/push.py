@@ -47,7 +47,7 @@ from g4.convert.card import (
     write_facts,
 )
 from g4.convert.options import MIN_SHARD_BYTES
-from g4.core.checkpoint import INDEX_NAME, file_sha256, read_safetensors_header
+from g4.core.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, file_sha256, read_safetensors_header
 from g4.core.errors import CheckpointError, G4Error
 from g4.core.sizes import format_bytes
 from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, VERIFICATION_FILE, check_result
@@ -140,12 +140,12 @@ def check_complete(out: str | Path, files: list[LocalFile], *, max_file_bytes: i
     out = Path(out)
     facts = load_conversion_facts(out)
     names = {f.rel for f in files}
-    needed: list[str] = [CARD_FILE, FACTS_FILE, "config.json"]
+    needed: list[str] = [CARD_FILE, FACTS_FILE, CONFIG_NAME]
     try:
         if (out / INDEX_NAME).is_file():
             needed += sorted(set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values()))
         elif facts["format"] == "nvfp4":
-            needed.append("model.safetensors")
+            needed.append(SINGLE_NAME)
         if facts["format"] == "int8-neuron":
             manifest = Manifest.from_dir(out)
             needed += [MANIFEST, *manifest.rank_files, manifest.host_embedding["file"]]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from g4.convert.calibrate import experts_forward_with_input_hook
-from g4.core.checkpoint import Checkpoint, read_json_object
+from g4.core.checkpoint import CONFIG_NAME, Checkpoint, read_json_object
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, fuse_gate_up, is_tied
 from g4.core.prompt import chat_ids
@@ -179,7 +179,7 @@ def load_converted_model(out_dir: str | Path, src: str | Path | None = None, dty
     config = AutoConfig.from_pretrained(config_dir, experts_implementation="eager")
     if hasattr(config, "quantization_config"):  # built as a plain model; weights are dequantized below
         del config.quantization_config
-    raw_config = read_json_object(config_dir / "config.json")
+    raw_config = read_json_object(config_dir / CONFIG_NAME)
     model = empty_model(config, raw_config, dtype)
     sd, input_scales = load_nvfp4_as_hf(out_dir, dtype, on_read=on_read)
     missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -24,7 +24,7 @@ import logging
 import re
 from pathlib import Path
 
-from g4.core.checkpoint import SOURCE_META_FILES, SRC_FORMS, refuse_quantized, weight_files
+from g4.core.checkpoint import CONFIG_NAME, SOURCE_META_FILES, SRC_FORMS, refuse_quantized, weight_files
 from g4.core.errors import G4Error, OptionError
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
@@ -115,13 +115,13 @@ def _from_hub(text: str, repo_id: str, revision: str | None, *, config_only: boo
     cache_only = offline is not None
     try:
         # config.json alone first: a gated, unknown or uncached repo fails here, before any progress bar
-        root = Path(hf_hub_download(repo_id, "config.json", revision=revision,
+        root = Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision,
                                     local_files_only=cache_only)).parent  # snapshots/<commit>
         if not config_only:
             root = Path(snapshot_download(repo_id, revision=root.name, allow_patterns=list(SOURCE_META_FILES),
                                           ignore_patterns=top_level_only, local_files_only=cache_only))
             try:
-                config = json.loads((root / "config.json").read_text())
+                config = json.loads((root / CONFIG_NAME).read_text())
             except (OSError, ValueError):
                 config = None  # reported by Checkpoint, with its file name
             if isinstance(config, dict):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from g4.convert.resolve import EMBEDDED_DIR
+from g4.core.checkpoint import CONFIG_NAME
 from g4.core.errors import G4Error
 from g4.core.gemma4 import LM_HEAD, MULTIMODAL_PREFIX, TEXT_PREFIX, read_architecture
 from g4.core.progress import progress_bar
@@ -150,7 +151,7 @@ def write_synthetic(out: str | Path, *, like: str | dict = "gemma-4-26B-A4B", la
                 writer.write(spec.name, _random_tensor(spec, gen, ones=spec.name in scalars))
                 bar.update(spec.nbytes)
         writer.close()
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         for name in _SIDE_FILES:
             shutil.copy2(EMBEDDED_DIR / name, tmp / name)
     return out

@@ -26,6 +26,7 @@ from g4.core.gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_ar
 SRC_FORMS = "a local checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision]"
 """What SRC may be (g4.convert.resolve resolves it), for the messages that name it."""
 
+CONFIG_NAME = "config.json"  # a Hugging Face checkpoint's config (transformers.utils.CONFIG_NAME)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -302,7 +303,7 @@ class Checkpoint:
         self._handles: dict[Path, object] = {}
 
     def _read_config(self) -> dict:
-        path = self.root / "config.json"
+        path = self.root / CONFIG_NAME
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)")
         config = read_json_object(path)
@@ -434,7 +435,7 @@ SIDE_FILE_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 # Everything else g4 reads of a source checkpoint (the safetensors weights aside): a Hub repo
 # id is downloaded with exactly these top-level files, the side files and the shards the index
 # names (convert/resolve.py), never pickles (*.bin, *.pt), other weight formats or folders.
-SOURCE_META_FILES = ("config.json", INDEX_NAME, "README.md", "facts.json",
+SOURCE_META_FILES = (CONFIG_NAME, INDEX_NAME, "README.md", "facts.json",
                      HF_QUANT_CONFIG) + SIDE_FILE_PATTERNS  # hf_quant_config.json: to refuse a quantized repo
 
 
@@ -572,7 +573,7 @@ def check_converted_from(out: str | Path, src: str | Path) -> None:
     Raises:
         CheckpointError: ``<OUT>: its config.json differs from <SRC>'s (key, ...)``.
     """
-    out_cfg = release_config(read_json_object(Path(out) / "config.json"))  # a bf16 OUT may be in either form
+    out_cfg = release_config(read_json_object(Path(out) / CONFIG_NAME))  # a bf16 OUT may be in either form
     src_cfg = release_config(Checkpoint(src, source=True).config)
     out_cfg = {k: v for k, v in out_cfg.items() if k != "quantization_config"}
     if out_cfg != src_cfg:

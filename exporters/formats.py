@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from g4.core.checkpoint import HF_QUANT_CONFIG, Checkpoint, read_json_object
+from g4.core.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, Checkpoint, read_json_object
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import MODEL_TYPES
 from g4.exporters.modelopt_nvfp4 import check_export
@@ -69,7 +69,7 @@ def detect_format(path: str | Path) -> ResultFormat:
         if layout == LAYOUT_NAME:
             return ResultFormat(INT8_NEURON, path, False, f"int8-neuron ({layout})")
         raise CheckpointError(f"{manifest}: unknown layout {layout!r} (expected {LAYOUT_NAME!r})")
-    config_path = path / "config.json"
+    config_path = path / CONFIG_NAME
     config = read_json_object(config_path) if config_path.is_file() else None
     hf_quant = path / HF_QUANT_CONFIG
     algo = None

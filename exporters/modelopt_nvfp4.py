@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from g4.core.checkpoint import HF_QUANT_CONFIG, SOURCE_DTYPES, Checkpoint, read_json_object
+from g4.core.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, SOURCE_DTYPES, Checkpoint, read_json_object
 from g4.core.errors import ExportError
 from g4.core.gemma4 import LM_HEAD, is_tied, release_config, tower_of
 from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
@@ -84,7 +84,7 @@ def write_metadata(out_dir: Path, src_config: dict, *, excludes: list[str], weig
     """
     config = release_config(src_config)
     config["quantization_config"] = quantization_config(excludes, weight_only=weight_only, kv_cache=kv_cache)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant_config(excludes, kv_cache=kv_cache), indent=2)
                                                   + "\n")
 
@@ -180,7 +180,7 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
     """
     out_dir = Path(out_dir)
     label = label or out_dir
-    config = read_json_object(out_dir / "config.json", shown=Path(label) / "config.json", error=ExportError)
+    config = read_json_object(out_dir / CONFIG_NAME, shown=Path(label) / CONFIG_NAME, error=ExportError)
     qc = config.get("quantization_config") or {}
     hq = read_json_object(out_dir / HF_QUANT_CONFIG, shown=Path(label) / HF_QUANT_CONFIG, error=ExportError).get("quantization")
     if not isinstance(qc, dict) or not isinstance(hq, dict):

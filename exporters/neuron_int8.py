@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from g4.core.checkpoint import read_json_object, read_safetensors_header
+from g4.core.checkpoint import CONFIG_NAME, read_json_object, read_safetensors_header
 from g4.core.errors import CheckpointError, G4Error
 from g4.core.gemma4 import (
     ATTENTION_NORMS,
@@ -800,7 +800,7 @@ def check_rank_files(out_dir: str | Path, ranks: list[int] | None = None, *, hos
     """
     out_dir = Path(out_dir)
     manifest = Manifest.from_dir(out_dir)
-    config = read_json_object(out_dir / "config.json")
+    config = read_json_object(out_dir / CONFIG_NAME)
     tp = manifest.tp_degree
     want_files = [rank_file(r) for r in range(tp)] if isinstance(tp, int) and tp > 0 else None
     if manifest.rank_files != want_files:

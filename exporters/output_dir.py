@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from g4.core.checkpoint import HF_QUANT_CONFIG, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
+from g4.core.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, SIDE_FILE_PATTERNS, SINGLE_NAME
 from g4.core.errors import CheckpointError, ExportError, note_output_placed, raise_if_signalled, signal_received
 from g4.core.sizes import format_bytes
 from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, VERIFICATION_FILE
@@ -60,7 +60,7 @@ def _is_g4_output(path: Path) -> bool:
 # names and the side files (SIDE_FILE_PATTERNS): the converters' metadata, the model card and
 # its facts (convert/card.py), g4serve check's report, g4convert eval's, and the Neuron compile cache
 # (serve/neuron_backend.py) as a whole folder.
-G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json", *G4_OUTPUT_MARKERS, FACTS_FILE, CARD_FILE,
+G4_RESULT_FILES = (INDEX_NAME, SINGLE_NAME, CONFIG_NAME, *G4_OUTPUT_MARKERS, FACTS_FILE, CARD_FILE,
                    VERIFICATION_FILE, EVAL_FILE)
 G4_RESULT_FOLDERS = (COMPILED_DIR,)
 

@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from g4.core.checkpoint import read_json_object
+from g4.core.checkpoint import CONFIG_NAME, read_json_object
 from g4.core.errors import G4Error
 from g4.exporters.formats import detect_format
 from g4.exporters.modelopt_nvfp4 import declares_kv_cache
@@ -57,7 +57,7 @@ def kv_cache_warning(model_dir: str | Path, kv_cache_dtype: str | None) -> str |
     """
     if not (kv_cache_dtype or "").startswith("fp8"):
         return None
-    if declares_kv_cache(read_json_object(Path(model_dir) / "config.json")):
+    if declares_kv_cache(read_json_object(Path(model_dir) / CONFIG_NAME)):
         return None
     return (f"warning: {model_dir} has no KV cache scales (k_scale/v_scale), so vLLM's --kv-cache-dtype "
             f"{kv_cache_dtype} uses 1.0 for every layer; calibrate them with `g4convert nvfp4 SRC OUT "

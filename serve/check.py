@@ -46,7 +46,7 @@ from g4.convert.card import source_label as pushable_source_label
 from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS
-from g4.core.checkpoint import Checkpoint, check_converted_from, read_json_object, weight_fingerprints
+from g4.core.checkpoint import CONFIG_NAME, Checkpoint, check_converted_from, read_json_object, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.serve.backends import choose_backend
@@ -175,7 +175,7 @@ def out_context(out: Path) -> int:
     """Tokens of context (prompt plus reply) OUT's engine allows, read as
     :class:`g4.serve.engine.Engine` reads it (:func:`g4.serve.engine.max_context`)."""
     try:
-        config = json.loads((Path(out) / "config.json").read_text())
+        config = json.loads((Path(out) / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         config = {}
     return max_context(config)
@@ -477,7 +477,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     failures = _failures(overall_agreement, min_agreement, fact_rows, checks)
     report = {
         "g4_verification": 1, "format": fmt.format, "backend": chosen, "engine": engine_desc,
-        "source": pushable_source_label(src, read_json_object(src / "config.json")),  # never a local path: it can be pushed
+        "source": pushable_source_label(src, read_json_object(src / CONFIG_NAME)),  # never a local path: it can be pushed
         "min_agreement": min_agreement, "passed": not failures, "failures": failures,
         "overall": {"prompts": len(prompts), "token_agreement": round(overall_agreement, 6),
                     "exact_match_prompts": exact,

@@ -44,10 +44,19 @@ import torch
 
 from g4.convert.reference import load_converted_model, load_source_model, no_input_scales
 from g4.convert.stream import Nvfp4Stream, SourceStream, decode_step, new_cache
-from g4.core.checkpoint import Checkpoint
+from g4.core.checkpoint import CONFIG_NAME, Checkpoint
 from g4.core.errors import CheckpointError
 from g4.core.progress import progress_bar
-from g4.exporters.formats import BF16, CARD_FILE, EVAL_FILE, INT8_NEURON, NVFP4, VERIFICATION_FILE, ResultFormat, detect_format
+from g4.exporters.formats import (
+    BF16,
+    CARD_FILE,
+    EVAL_FILE,
+    INT8_NEURON,
+    NVFP4,
+    VERIFICATION_FILE,
+    ResultFormat,
+    detect_format,
+)
 from g4.serve.neuron_emulator import NeuronEmulator, whole_model_bytes as emulator_bytes
 
 log = logging.getLogger(__name__)
@@ -196,7 +205,7 @@ class Engine:
         self.path, self.tokenizer, self.description = Path(path).resolve(), tokenizer, description
         self.served_files = served_file_stats(self.path)
         gen = _read_json_if(self.path / "generation_config.json")
-        config = _read_json_if(self.path / "config.json")
+        config = _read_json_if(self.path / CONFIG_NAME)
         text = config.get("text_config") or config
         eos = gen.get("eos_token_id", text.get("eos_token_id", config.get("eos_token_id")))
         eos = [eos] if isinstance(eos, int) else list(eos or [])

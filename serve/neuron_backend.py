@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from g4.core.checkpoint import CONFIG_NAME
 from g4.core.errors import CheckpointError, G4Error
 from g4.exporters.neuron_int8 import COMPILED_DIR, COMPILED_STAMP, MANIFEST, Manifest
 from g4.serve.engine import Engine, load_tokenizer
@@ -128,7 +129,7 @@ def compile_stamp(path: Path, settings: dict) -> dict:
     """
     h = hashlib.sha256()
     try:
-        for name in (MANIFEST, "config.json"):
+        for name in (MANIFEST, CONFIG_NAME):
             h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
     except OSError as e:
         raise CheckpointError(f"{path}: not a readable int8-neuron result ({e})") from e
@@ -195,7 +196,7 @@ def _result_settings(path: Path, *, on_cpu: bool) -> dict:
     """
     manifest = Manifest.from_dir(path)
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/config.json: unreadable ({e})") from e
     return nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16")

@@ -102,8 +102,8 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
 from torch import nn
 
-from g4.core.errors import CheckpointError
-from g4.core.errors import G4Error
+from g4.core.checkpoint import CONFIG_NAME
+from g4.core.errors import CheckpointError, G4Error
 from g4.core.gemma4 import (
     ATTENTION_CONFIG_KEYS,
     LAYER_NORMS,
@@ -191,7 +191,7 @@ def load_gemma4_config(model_path: str):
     NxDI 0.8 pins, 4.57, has no Gemma 4): reads ``config.json`` itself."""
 
     def load(config: InferenceConfig) -> None:
-        with open(os.path.join(model_path, "config.json")) as f:
+        with open(os.path.join(model_path, CONFIG_NAME)) as f:
             raw = json.load(f)
         text = raw.get("text_config") or raw
         if "per_layer_config" in text:
