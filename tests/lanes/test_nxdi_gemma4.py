@@ -447,8 +447,10 @@ def test_a_config_without_its_optional_keys_is_read_alike(lane):
     assert [(a.sliding, a.head_dim, a.has_v) for a in arch.layers] == [(True, 256, True)] * 3 + [(False, 512, True)]
     assert arch.tied and not arch.k_eq_v
     hf = AutoConfig.from_pretrained(lane["defaults_dir"])
-    hf = getattr(hf, "text_config", hf)
-    assert (hf.global_head_dim, hf.layer_types, hf.tie_word_embeddings) == (512, arch.layer_types, True)
+    hf = getattr(hf, "text_config", hf)  # transformers 5.24 keeps per-layer sizes in per_layer_config
+    assert [(hf.per_layer_config[i].head_dim, hf.per_layer_config[i].num_key_value_heads)
+            for i in range(arch.num_layers)] == [(a.head_dim, a.kv_heads) for a in arch.layers]
+    assert (hf.layer_types, hf.tie_word_embeddings, hf.attention_k_eq_v) == (arch.layer_types, True, False)
     kv = [shape for a in arch.layers for shape in [[1, a.kv_heads, SEQ_LEN, a.head_dim]] * 2]
     for case in ("defaults", "defaults_int8"):
         r = lane[case]
