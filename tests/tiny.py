@@ -72,7 +72,8 @@ def build_with_geometry_of(out: Path, like: dict, *, seed: int = 0, **overrides)
     Weights are transformers' seeded initialisation, made non-degenerate: embedding rows ~ N(0, 0.3^2)
     (tied lm_head: logits of about 10-20, below the softcap of 30 where tanh would flatten
     differences); ``layer_scalar`` of layer ``L`` = ``0.5 + 0.3 L`` (transformers initialises them to
-    1); q_norm / k_norm weights ``d^-0.25`` times U(0.5, 1.5), so that the scale-1.0 attention scores
+    1); the router's ``per_expert_scale`` and ``scale`` U(0.5, 1.5) (initialised to ones, which would
+    leave a dropped or misplaced scale unseen); q_norm / k_norm weights ``d^-0.25`` times U(0.5, 1.5), so that the scale-1.0 attention scores
     are O(1) rather than O(sqrt(d)) and RoPE moves the attention pattern; post_attention /
     post_feedforward norm weights 20 times U(0.5, 1.5), so that the layers outweigh the scaled
     embedding in the residual (else the tied head's top id is the input id and greedy repeats it)."""
@@ -94,6 +95,8 @@ def build_with_geometry_of(out: Path, like: dict, *, seed: int = 0, **overrides)
                 norm.weight.copy_((0.5 + torch.rand(d, generator=gen)) * d ** -0.25)
             for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
                 norm.weight.copy_(20.0 * (0.5 + torch.rand(norm.weight.numel(), generator=gen)))
+            for scale in (layer.router.per_expert_scale, layer.router.scale):
+                scale.copy_(0.5 + torch.rand(scale.numel(), generator=gen))
     model.save_pretrained(out)
     path = Path(out) / "config.json"
     config = release_config(json.loads(path.read_text()))

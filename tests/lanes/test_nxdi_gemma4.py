@@ -506,6 +506,30 @@ def test_bf16_weights_give_the_fp32_reference_ids_within_bf16_rounding(lane):
     assert diff < TOL_BF16, diff
 
 
+@pytest.mark.parametrize("case", ["chat_bf16", "int8_bf16"])
+def test_bf16_embedding_is_transformers_scaled_embedding_bit_for_bit(lane, case):
+    """The class's embedding output in bf16 (context encoding, the prompt's rows) equals
+    transformers' ``Gemma4TextScaledWordEmbedding`` of the source in bf16, bit for bit: the table
+    times ``sqrt(hidden_size)`` rounded to bf16 (case P12). The embedded model's hidden size, 128,
+    is not a perfect square, so the unrounded constant (11.3137 for bf16's 11.3125) changes about 3%
+    of the elements; the logits move by less than bf16 noise, so only this check sees it."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    r = lane[case]
+    model = Gemma4ForConditionalGeneration.from_pretrained(EMBEDDED_DIR, dtype=torch.bfloat16).eval()
+    emb = model.model.language_model.embed_tokens
+    hidden = emb.weight.shape[1]
+    assert round(hidden**0.5) ** 2 != hidden and float(torch.tensor(hidden**0.5).bfloat16()) != hidden**0.5
+    with torch.no_grad():
+        want = emb(torch.tensor([_chat_ids(QUESTION)]))
+    got = r["embeds"][:, : want.shape[1]]
+    assert got.dtype == want.dtype == torch.bfloat16
+    differ = (got != want).sum().item()
+    assert differ == 0, f"{case}: {differ} of {want.numel()} embedding elements differ from transformers'"
+
+
 def test_the_window_case_differs_from_the_full_window(lane):
     """window 4 changes the answer, so the windowed mask really took part in both runs."""
     assert lane["window4"]["ref_tokens"] != lane["chat"]["ref_tokens"]

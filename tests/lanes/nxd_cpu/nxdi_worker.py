@@ -91,6 +91,10 @@ def main(job: dict) -> dict:
             setattr(em, name, wrapped)
     shapes = []
     net.register_forward_pre_hook(lambda m, args: shapes.append(list(args[0].shape)))
+    # the embedding module's output of the first call (context encoding: the prompt, padded to
+    # seq_len), in the module's dtype: the lane holds it to transformers' scaled embedding bit for bit
+    embeds = []
+    net.embed_tokens.register_forward_hook(lambda m, args, out: None if embeds else embeds.append(out.detach().clone()))
 
     t1 = time.perf_counter()
     tokens, logits = g.greedy_generate(model, job["prompt"], job["new_tokens"])
@@ -102,7 +106,7 @@ def main(job: dict) -> dict:
         torch.distributed.barrier()  # a clean exit at TP > 1 needs barrier + destroy
         torch.distributed.destroy_process_group()
     return {"tokens": tokens, "logits": logits, "missing": missing, "unexpected": unexpected, "specs": specs,
-            "loaded_equal": loaded_equal, "rank_file_keys": len(sd),
+            "loaded_equal": loaded_equal, "rank_file_keys": len(sd), "embeds": embeds[0],
             "expert_calls": calls, "input_shapes": shapes, "kv_shapes": kv, "kv_bytes": kv_bytes, "local_shapes": local, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
