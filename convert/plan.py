@@ -66,6 +66,7 @@ from g4.core.gemma4 import (
     Architecture,
     KvCacheLayer,
     kv_cache_layers,
+    kv_cache_positions,
     read_architecture,
     tower_of,
     tp_problems,
@@ -309,14 +310,15 @@ def kv_cache_vllm(g: Architecture, tp: int, seq_len: int, batch: int, max_num_ba
 
 def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padding: int = 0,
                   dtype_bytes: int = _BF16) -> KvCache:
-    """The KV cache g4's NxDI model class allocates per rank, in bytes: on every layer, sliding or
-    not, ``max_length`` positions for ``batch + padding`` sequences, that layer's KV heads per rank
-    and head dim (:func:`g4.core.gemma4.kv_cache_layers`, which the class's
-    ``Gemma4KVCacheManager`` reads too), K and V, ``dtype_bytes`` per element (bf16: 2).
+    """The KV cache g4's NxDI model class allocates per rank, in bytes: per layer its positions
+    (:func:`g4.core.gemma4.kv_cache_positions`: ``max_length`` on a full layer, a ring of
+    ``min(sliding_window - 1, max_length)`` on a sliding one) for ``batch + padding`` sequences,
+    that layer's KV heads per rank and head dim (:func:`g4.core.gemma4.kv_cache_layers`), K and V,
+    ``dtype_bytes`` per element (bf16: 2). The class's ``Gemma4KVCacheManager`` reads the same two
+    functions.
 
-    Rule: ``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel.setup_attr_for_model`` passes
-    ``layer_to_cache_size_mapping = [max_length] * num_hidden_layers`` (its sliding window is
-    applied in the attention mask, not by a shorter cache), and NxDI 0.8 allocates one
+    Rule: ``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel.setup_attr_for_model`` passes those positions
+    as ``layer_to_cache_size_mapping``, and NxDI 0.8 allocates one
     ``[batch, heads, positions, head_dim]`` K and V buffer per layer from it
     (aws-neuron/neuronx-distributed-inference
     ``src/neuronx_distributed_inference/modules/kvcache/kv_cache_manager.py``, ``__init__`` /
@@ -334,12 +336,11 @@ def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padd
         dtype_bytes: bytes per cached element.
     """
     layers = kv_cache_layers(g.layers, tp)
-    rows = max_length * (batch + padding)
-    sliding = sum(_kv_bytes_per_token(layer, dtype_bytes) for layer in layers if layer.sliding) * rows
-    full = sum(_kv_bytes_per_token(layer, dtype_bytes) for layer in layers if not layer.sliding) * rows
-    return KvCache(sliding, full)
-
-
+    positions = kv_cache_positions(g.layers, max_length, g.sliding_window)
+    seqs = batch + padding
+    sliding = sum(_kv_bytes_per_token(layer, dtype_bytes) * n for layer, n in zip(layers, positions) if layer.sliding)
+    full = sum(_kv_bytes_per_token(layer, dtype_bytes) * n for layer, n in zip(layers, positions) if not layer.sliding)
+    return KvCache(sliding * seqs, full * seqs)
 
 
 def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False) -> tuple[list[int], list[int]]:
@@ -698,8 +699,9 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
 def _kv_layout(g: Architecture, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How the KV cache was sized: which engine's rule, in words, for the report."""
     if batched_tokens is None:
-        return {"kv_cache": "bf16 K and V as g4's NxDI class allocates them: every layer holds seq_len tokens",
-                "kv_cache_sliding": f"{seq_len} tokens (NxDI allocates the whole sequence, not the window)",
+        ring = min(g.sliding_window - 1, seq_len)
+        return {"kv_cache": "bf16 K and V as g4's NxDI class allocates them (kv_cache_positions in core/gemma4.py)",
+                "kv_cache_sliding": f"min(window {g.sliding_window} - 1, {seq_len}) = {ring} tokens, a ring",
                 "kv_cache_full": f"{seq_len} tokens"}
     tokens = min(g.sliding_window - 1 + batched_tokens, seq_len)
     return {"kv_cache": "bf16 K and V; vLLM's rule (SlidingWindowSpec / FullAttentionSpec)",

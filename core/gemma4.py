@@ -160,6 +160,35 @@ def kv_cache_layers(layers, tp: int) -> tuple[KvCacheLayer, ...]:
     return tuple(KvCacheLayer(a.sliding, kv_heads_per_rank(a.kv_heads, tp), a.head_dim) for a in layers)
 
 
+def kv_cache_positions(layers, max_length: int, sliding_window: int | None) -> tuple[int, ...]:
+    """Positions each layer's KV cache holds in g4's NxDI model class, per sequence: a full layer
+    ``max_length``; a sliding layer ``min(sliding_window - 1, max_length)``, a ring of the positions
+    a new token can still attend to besides itself (``q - k < sliding_window``: the window minus the
+    token), written at ``position % positions``. Read by the class
+    (``g4.serve.nxdi_gemma4.NeuronGemma4MoEModel``, its ``layer_to_cache_size_mapping``) and by the
+    memory plan (``g4.convert.plan.kv_cache_nxdi``), so the planned and the allocated cache agree.
+
+    Args:
+        layers: the :class:`AttentionLayer` s of a model, in layer order.
+        max_length: the longest sequence the engine runs (NxDI's ``max_length``), positions.
+        sliding_window: the config's ``sliding_window``, positions (None: no sliding layers).
+
+    Raises:
+        G4Error: ``max_length`` < 1, or a sliding layer with a window below 2.
+    """
+    if max_length < 1:
+        raise G4Error(f"max_length {max_length}: at least one position")
+    out = []
+    for a in layers:
+        if not a.sliding:
+            out.append(max_length)
+            continue
+        if not sliding_window or sliding_window < 2:
+            raise G4Error(f"sliding_window {sliding_window!r}: a sliding layer needs a window of at least 2 positions")
+        out.append(min(sliding_window - 1, max_length))
+    return tuple(out)
+
+
 def text_config_of(config: dict) -> dict:
     """The text sub-config of a multimodal config (``text_config``), or ``config`` itself."""
     return config.get("text_config") or config

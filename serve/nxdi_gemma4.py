@@ -15,7 +15,9 @@ The Gemma 4 semantics are those of transformers 5.24 ``models/gemma4/modeling_ge
 - embedding ``E[ids] * sqrt(H)``, the scale cast to the weight dtype first (53.0 in bf16 for H=2816);
 - per layer type its own head_dim and KV heads (sliding: ``head_dim`` / ``num_key_value_heads``;
   full: ``global_head_dim`` / ``num_global_key_value_heads``); the KV cache is allocated per layer
-  with those shapes (``Gemma4KVCacheManager``);
+  with those shapes (``Gemma4KVCacheManager``), ``max_length`` positions on a full layer and a ring
+  of ``sliding_window - 1`` on a sliding one (:func:`g4.core.gemma4.kv_cache_positions`; 1023 of the
+  26B's 1024-token window instead of every position);
 - full layers with ``attention_k_eq_v`` have no ``v_proj``: V is the raw ``k_proj`` output, then the
   weightless v_norm (K gets k_norm and RoPE);
 - q_norm / k_norm with weights, v_norm without; RMSNorm multiplies by the weight itself (no ``1 + w``);
@@ -24,8 +26,11 @@ The Gemma 4 semantics are those of transformers 5.24 ``models/gemma4/modeling_ge
   does: ``inv_freq = theta^(-2i/head_dim)`` for ``i < int(partial_rotary_factor * head_dim // 2)``
   and 0 for the rest, applied with ``rotate_half`` over the whole head_dim (so with head_dim 512 and
   factor 0.25 the rotated dims are [0:64] and [256:320], not "the first 128");
-- sliding-window attention (``q - k < sliding_window``) on sliding layers, enforced inside the layer
-  on top of NxDI's causal / cache mask;
+- sliding-window attention (``q - k < sliding_window``) on sliding layers: in context encoding a
+  windowed causal mask over the prompt, whose last ``sliding_window - 1`` K/V NxDI's
+  ``get_last_kv_window`` lays out in the ring; in token generation the ring's filled slots (every
+  position they hold is inside the window) plus the new token, written at ``position % ring`` by
+  NxDI's KV cache manager;
 - the dense MLP beside the experts (``gelu_pytorch_tanh`` GeGLU) and its own norms;
 - the router on the raw residual: weightless RMSNorm, ``* scale * H^-0.5``, ``proj``, fp32 softmax,
   top-k, renormalise, ``* per_expert_scale``; the experts on ``pre_feedforward_layernorm_2(x)``
@@ -99,6 +104,7 @@ from neuronx_distributed.parallel_layers.layers import (
 )
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
+from neuronx_distributed_inference.modules.attention.utils import get_last_kv_window
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager, get_kv_shapes
 from torch import nn
 
@@ -113,6 +119,7 @@ from g4.core.gemma4 import (
     embed_scale,
     is_tied,
     kv_cache_layers,
+    kv_cache_positions,
     kv_heads_per_rank,
     layer_types,
     read_architecture,
@@ -183,6 +190,12 @@ class Gemma4MoEInferenceConfig(InferenceConfig):
 
     def kv_heads_of(self, layer: int) -> int:
         return self.attention_of(layer).kv_heads
+
+    def cache_positions(self) -> tuple[int, ...]:
+        """Positions of each layer's KV cache (:func:`g4.core.gemma4.kv_cache_positions`: a full
+        layer ``max_length``, a sliding layer a ring of ``min(sliding_window - 1, max_length)``)."""
+        layers = attention_layers({k: getattr(self, k, None) for k in ATTENTION_CONFIG_KEYS})
+        return kv_cache_positions(layers, self.neuron_config.max_length, self.sliding_window)
 
 
 def load_gemma4_config(model_path: str):
@@ -292,10 +305,12 @@ class Gemma4SoftcappedLMHead(ColumnParallelLinear):
 class Gemma4KVCacheManager(KVCacheManager):
     """NxDI's ``KVCacheManager`` with one K and one V buffer shape per layer: that layer's KV heads
     per rank and head_dim (sliding 8 x 256, full 2 x 512 on the 26B), from
-    :func:`g4.core.gemma4.kv_cache_layers`, the function the memory plan sizes the cache with
-    (``g4.convert.plan.kv_cache_nxdi``). NxDI 0.8 allocates per-layer shapes when
-    ``layer_to_cache_size_mapping`` is given (``modules/kvcache/kv_cache_manager.py``, ``__init__`` /
-    ``_init_kv_shape``); only the head geometry is Gemma 4's."""
+    :func:`g4.core.gemma4.kv_cache_layers`, and its positions from ``layer_to_cache_size_mapping``
+    (:func:`g4.core.gemma4.kv_cache_positions`: ``sliding_window - 1`` on a sliding layer), the
+    functions the memory plan sizes the cache with (``g4.convert.plan.kv_cache_nxdi``). NxDI 0.8
+    allocates per-layer shapes when ``layer_to_cache_size_mapping`` is given
+    (``modules/kvcache/kv_cache_manager.py``, ``__init__`` / ``_init_kv_shape``); only the head
+    geometry is Gemma 4's. Reads and writes are NxDI's own."""
 
     def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
         tp = config.neuron_config.tp_degree
@@ -343,6 +358,8 @@ class NeuronGemma4Attention(nn.Module):
         self.layer_type = config.layer_types[layer_idx]
         self.is_sliding = self.layer_type == SLIDING
         self.sliding_window = config.sliding_window if self.is_sliding else None
+        # a sliding layer's cache is a ring of this many positions (Gemma4KVCacheManager)
+        self.cache_positions = config.cache_positions()[layer_idx]
         self.head_dim = config.head_dim_of(layer_idx)
         if config.num_attention_heads % tp:
             raise NotImplementedError(f"{config.num_attention_heads} query heads over TP {tp}")
@@ -370,6 +387,19 @@ class NeuronGemma4Attention(nn.Module):
         cos, sin = emb.cos().to(x.dtype)[:, :, None, :], emb.sin().to(x.dtype)[:, :, None, :]
         return x * cos + _rotate_half(x) * sin
 
+    def _ring(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        """Context encoding's K and V ``[B, kv_heads, S, d]`` as a sliding layer's cache holds them:
+        the last ``cache_positions`` positions of the prompt, position p in slot
+        ``p % cache_positions``, by NxDI's own ``get_last_kv_window``
+        (``modules/attention/utils.py:676``, what its windowed attention hands the KV cache manager;
+        it reads the last position as ``max(position_ids)``, right padding's positions being 1). A
+        prompt bucket shorter than the ring is zero-padded to it first (the gather reads that many
+        positions); the unwritten slots are masked in token generation."""
+        n = self.cache_positions
+        if k.shape[2] < n:
+            k, v = (F.pad(x, (0, 0, 0, n - x.shape[2])) for x in (k, v))
+        return get_last_kv_window(n + 1, position_ids, k, v)
+
     def forward(self, hidden_states, attention_mask, position_ids, past_key_value=None):
         B, S, _ = hidden_states.shape
         shape = (B, S, -1, self.head_dim)
@@ -392,12 +422,17 @@ class NeuronGemma4Attention(nn.Module):
             scores = torch.where(mask, scores, min_value)
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             out = torch.matmul(probs, vv)
+            if self.sliding_window is not None:
+                k, v = self._ring(k, v, position_ids)
         else:  # token generation: cached positions plus the active token
             k_prior, v_prior = past_key_value
-            mask = attention_mask.to(torch.bool)  # [B, 1, 1, n_positions], True where cached
-            if self.sliding_window is not None:
-                cache_pos = torch.arange(k_prior.shape[2], device=q.device)
-                mask = mask & ((position_ids[:, None, :, None] - cache_pos) < self.sliding_window)
+            if self.sliding_window is None:
+                mask = attention_mask.to(torch.bool)  # [B, 1, 1, n_positions], True where cached
+            else:
+                # the ring's slots: all filled once the position reaches its length, and every
+                # position it holds then lies within the window (p - k <= cache_positions < window)
+                slots = torch.arange(k_prior.shape[2], device=q.device)
+                mask = slots[None, None, None, :] < position_ids[:, None, :, None]
             kp, vp = k_prior.repeat_interleave(groups, 1), v_prior.repeat_interleave(groups, 1)
             prior = (torch.matmul(q, kp.transpose(2, 3)) * self.scaling).float()
             prior = torch.where(mask, prior, min_value)
@@ -607,9 +642,10 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
         self.num_key_value_heads = config.num_key_value_heads
         self.max_batch_size = config.neuron_config.max_batch_size
         self.buckets = config.neuron_config.buckets
-        # sliding windows are applied inside each layer; NxDI's single global window stays off
+        # sliding windows are applied inside each layer; NxDI's single global window stays off (it
+        # would give every layer, full ones included, a window-sized cache)
         self.sliding_window = None
-        self.layer_to_cache_size_mapping = [config.neuron_config.max_length] * config.num_hidden_layers
+        self.layer_to_cache_size_mapping = list(config.cache_positions())
 
     def init_model(self, config: Gemma4MoEInferenceConfig):
         dtype = config.neuron_config.torch_dtype
@@ -629,7 +665,15 @@ class NeuronGemma4MoEModel(NeuronBaseModel):
     def init_inference_optimization(self, config: Gemma4MoEInferenceConfig):
         if self.on_device_sampling:
             raise NotImplementedError("on-device sampling is not wired for Gemma 4 yet")
+        # attention_chunk_size only selects, in NxDI 0.8's manager, the per-layer token-generation
+        # write index ``position % (that layer's cache length)`` (modules/kvcache/kv_cache_manager.py:
+        # _get_index_to_update_new_position, lines 595-610; the layout Llama 4's chunked and global
+        # layers use, models/llama4/modeling_llama4_text.py:626-650): a sliding layer's ring, and the
+        # position itself on a full layer. Its sliding_window path (line 611-612) would write every
+        # layer, full ones included, at position % (window - 1). The model keeps attention_chunk_size
+        # None (its masks are the layers' own); the manager's _init_kv_shape is Gemma4KVCacheManager's.
         self.kv_mgr = Gemma4KVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util,
+                                           attention_chunk_size=config.neuron_config.max_length,
                                            layer_to_cache_size_mapping=self.layer_to_cache_size_mapping)
 
 

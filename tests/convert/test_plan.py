@@ -206,12 +206,16 @@ def test_gpu_kv_cache_follows_max_num_batched_tokens_and_seq_len():
     assert json.loads(r.output)["kv_cache_sliding"] == 97 * 16 * KV_S * LS
 
 
-def test_neuron_kv_cache_is_nxdi_s_whole_sequence_on_every_layer():
-    """g4's NxDI class (setup_attr_for_model) gives every layer max_length = seq_len positions, sliding
-    ones too, with that layer's own KV heads per rank and head dim (NxDI 0.8 kv_cache_manager.py)."""
+def test_neuron_kv_cache_is_the_sequence_on_full_layers_and_a_window_ring_on_sliding_ones():
+    """g4's NxDI class (setup_attr_for_model) gives a full layer max_length = seq_len positions and a
+    sliding layer a ring of sliding_window - 1 = 1023 (the positions a new token attends besides
+    itself), with that layer's own KV heads per rank and head dim (NxDI 0.8 kv_cache_manager.py)."""
     p = int8_neuron_tp2()  # 8192 tokens, TP 2: 4 sliding KV heads and 1 full KV head per rank
-    assert p.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 8192 == 838_860_800
+    assert p.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 1023 == 104_755_200
     assert p.kv_cache_full == LF * 1 * 512 * 2 * 2 * 8192 == 83_886_080
+    # below the window the ring is the whole sequence
+    short = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=512)
+    assert short.kv_cache_sliding == LS * 4 * 256 * 2 * 2 * 512
     assert p.inputs.max_num_batched_tokens is None
     r = run("gemma-4-26B-A4B", "--target", "inf2.xlarge", "--tp", "2", "--max-num-batched-tokens", "2048")
     assert r.exit_code == 2 and "--max-num-batched-tokens is a vLLM (GPU) setting" in r.output
@@ -221,7 +225,8 @@ def test_neuron_kv_cache_is_nxdi_s_whole_sequence_on_every_layer():
 def test_neuron_kv_cache_26b_by_hand(tp):
     """Hand computation from the release config numbers: sliding layers num_key_value_heads 8 x head_dim
     256, full layers num_global_key_value_heads 2 x global_head_dim 512; heads split over the ranks, or
-    one per rank (replicated) where fewer than ranks; K and V, bf16, batch 3, 4096 positions on every layer."""
+    one per rank (replicated) where fewer than ranks; K and V, bf16, batch 3, 4096 positions on the
+    full layers and sliding_window - 1 = 1023 on the sliding ones."""
     tc = GEMMA4_26B_A4B["text_config"]
     kinds = tc["layer_types"]
     sliding_heads = tc["num_key_value_heads"] // tp if tc["num_key_value_heads"] >= tp else 1
@@ -229,7 +234,9 @@ def test_neuron_kv_cache_26b_by_hand(tp):
     per_position = (kinds.count("sliding_attention") * sliding_heads * tc["head_dim"],
                     kinds.count("full_attention") * full_heads * tc["global_head_dim"])
     p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=tp, seq_len=4096, batch=3)
-    assert (p.kv_cache_sliding, p.kv_cache_full) == tuple(n * 2 * 2 * 3 * 4096 for n in per_position)
+    assert tc["sliding_window"] == 1024
+    assert (p.kv_cache_sliding, p.kv_cache_full) == (per_position[0] * 2 * 2 * 3 * 1023,
+                                                     per_position[1] * 2 * 2 * 3 * 4096)
     assert {1: (8, 2), 2: (4, 1), 4: (2, 1), 8: (1, 1)}[tp] == (sliding_heads, full_heads)
     # NxDI's logits: [batch, 1, vocab] fp32 from the one context-encoding and the one token-generation graph
     assert p.buckets == {"context_encoding": [4096], "token_generation": [4096]}

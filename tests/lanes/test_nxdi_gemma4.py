@@ -25,7 +25,10 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
 - ``chat``: a chat-formatted fact question, 12 tokens (11 decode steps);
 - ``window4``: the same weights with ``sliding_window = 4`` on both sides (the shipped window, 64, is
   wider than the 32 positions, so this is the case that exercises windowed attention in context
-  encoding and in decode), 12 tokens from another question;
+  encoding and in decode), 12 tokens from a 19-token question: the sliding layers' KV cache is a
+  ring of 3 slots (``g4.core.gemma4.kv_cache_positions``) that context encoding fills with the
+  prompt's last 3 positions and token generation overwrites up to position 30, 3 windows and more
+  past the window; ``window4_tp2`` the same at TP 2;
 - ``chat_tp2``: ``chat`` at TP 2, one process per rank (gloo, the environment torchrun would set);
   both ranks must give the reference's ids and logits;
 - ``chat_bf16``: ``chat`` with bf16 weights and activations, against the fp32 reference
@@ -111,6 +114,7 @@ OPTIONAL_KEYS = ("global_head_dim", "num_global_key_value_heads", "attention_k_e
                  "layer_types")
 NEW_TOKENS, SEQ_LEN = 12, 32
 QUESTION = "What is the capital of France?"
+WINDOW_QUESTION = "What is the largest planet in the solar system?"  # the window4 case's prompt
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
 
@@ -333,7 +337,7 @@ def lane(tmp_path_factory):
     from g4.convert.resolve import EMBEDDED_DIR
 
     base = tmp_path_factory.mktemp("nxdi_gemma4")
-    chat, other = _chat_ids(QUESTION), _chat_ids("What is the largest planet in the solar system?")
+    chat, other = _chat_ids(QUESTION), _chat_ids(WINDOW_QUESTION)
     full_rope = json.loads((EMBEDDED_DIR / "config.json").read_text())["text_config"]["rope_parameters"]
     full_rope = dict(full_rope, full_attention=dict(full_rope["full_attention"], partial_rotary_factor=1.0))
     from g4.convert.synth import GEMMA4_26B_A4B
@@ -351,6 +355,7 @@ def lane(tmp_path_factory):
     defaults_int8 = convert_int8_neuron(defaults, base / "defaults-int8", tp=1, quantize_attention=False,
                                         target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out
     cases = {"chat": (chat, {}, 1), "window4": (other, {"sliding_window": 4}, 1),
+             "window4_tp2": (other, {"sliding_window": 4}, 2),
              "rope_first_dims": (chat, {"rope_parameters": full_rope}, 1), "chat_tp2": (chat, {}, 2),
              "chat_bf16": (chat, {}, 1), "int8": (chat, {}, 1), "int8_bf16": (chat, {}, 1), "int8_tp2": (chat, {}, 2),
              "int8_tp_mismatch": (chat, {}, 1), "synth_heads": (synth_prompt, {}, 1),
@@ -384,7 +389,7 @@ def lane(tmp_path_factory):
                                                target="inf2.48xlarge", progress=False, seq_len=SEQ_LEN).out)
     jobs["route2"] = {"kind": "route2", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
                       "results": route2_dirs, "scratch": str(base), "result": str(base / "route2.pt")}
-    for name in ("chat_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
+    for name in ("chat_tp2", "window4_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
         jobs[name]["master_port"] = free_port()
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
     groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
@@ -413,6 +418,7 @@ def lane(tmp_path_factory):
     try:
         refs = {"chat": _reference(chat), "window4": _reference(other, sliding_window=4)}
         refs["rope_first_dims"] = refs["chat_tp2"] = refs["chat_bf16"] = refs["chat"]
+        refs["window4_tp2"] = refs["window4"]
         refs["synth_heads"] = refs["synth_heads_tp2"] = _reference(synth_prompt, model_dir=synth)
         refs["defaults"] = _reference(synth_prompt, model_dir=defaults)
         int8_refs = {}  # case: the int8 reference's state dict and scales, and the source they came from
@@ -484,8 +490,8 @@ def _rank_view(out: Path, rank: int, view: Path) -> Path:
 
 
 
-@pytest.mark.parametrize("case", ["chat", "window4", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2",
-                                  "int8_tp2/rank1", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1",
+@pytest.mark.parametrize("case", ["chat", "window4", "window4_tp2", "window4_tp2/rank1", "chat_tp2", "chat_tp2/rank1",
+                                  "int8", "int8_tp2", "int8_tp2/rank1", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1",
                                   "defaults", "defaults_int8"])
 def test_greedy_ids_and_logits_match_transformers(lane, case):
     r = lane[case]
@@ -531,7 +537,12 @@ def test_bf16_embedding_is_transformers_scaled_embedding_bit_for_bit(lane, case)
 
 
 def test_the_window_case_differs_from_the_full_window(lane):
-    """window 4 changes the answer, so the windowed mask really took part in both runs."""
+    """window 4 changes the answer, so the windowed mask really took part in both runs; and the
+    ``window4`` cases (TP 1 and 2) run at least 3 windows past the window: position 30 with a window
+    of 4, its ring of 3 slots overwritten several times over in token generation (``synth_heads``,
+    window 8, reaches position 30 too, at TP 1 and 2)."""
+    assert len(_chat_ids(WINDOW_QUESTION)) + NEW_TOKENS - 1 >= 4 * 4
+    assert lane["window4_tp2"]["ref_tokens"] == lane["window4"]["ref_tokens"]
     assert lane["window4"]["ref_tokens"] != lane["chat"]["ref_tokens"]
     assert (lane["window4"]["ref_logits"][0] - lane["chat"]["ref_logits"][0]).abs().max() > 1e-2
 
@@ -549,23 +560,29 @@ def test_the_engine_ran_context_encoding_then_token_generation_on_the_kv_cache(l
     assert r["kv_shapes"] == [[1, 2, SEQ_LEN, 32]] * 6 + [[1, 1, SEQ_LEN, 64]] * 2
 
 
-@pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "chat_bf16", "synth_heads", "synth_heads_tp2",
-                                  "synth_heads_tp2/rank1"])
+@pytest.mark.parametrize("case", ["chat", "window4", "window4_tp2", "window4_tp2/rank1", "chat_tp2", "chat_tp2/rank1",
+                                  "chat_bf16", "synth_heads", "synth_heads_tp2", "synth_heads_tp2/rank1"])
 def test_kv_cache_is_what_the_memory_plan_counts(lane, case):
     """The KV cache NxDI allocated for g4's class (every buffer's bytes, on each rank) is the memory
-    plan's figure (``g4.convert.plan.kv_cache_nxdi``: max_length = seq_len positions on every layer,
-    per-layer KV heads per rank and head dim), and its per-layer shapes are the shared
-    ``kv_cache_layers``."""
+    plan's figure (``g4.convert.plan.kv_cache_nxdi``), and its per-layer shapes are the shared
+    ``kv_cache_layers`` heads and head dims with, written out here, seq_len positions on a full
+    layer and ``sliding_window - 1`` (at most seq_len) on a sliding one: all 32 for the shipped
+    window of 64, 3 for ``window4``, 7 for ``synth_heads``."""
     from g4.core.gemma4 import kv_cache_layers, read_architecture
     from g4.convert.plan import kv_cache_nxdi
     from g4.convert.resolve import EMBEDDED_DIR
 
     r, tp = lane[case], 2 if "_tp2" in case else 1
     config = lane["synth_config"] if case.startswith("synth") else json.loads((EMBEDDED_DIR / "config.json").read_text())
+    if case.startswith("window4"):
+        config["text_config"]["sliding_window"] = 4
     arch = read_architecture(config)
     width = 2 if case == "chat_bf16" else 4
     assert r["kv_bytes"] == kv_cache_nxdi(arch, tp, SEQ_LEN, 1, dtype_bytes=width).total
-    assert r["kv_shapes"] == [[1, c.heads, SEQ_LEN, c.head_dim] for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
+    ring = min(arch.sliding_window - 1, SEQ_LEN)
+    assert ring == {"window4": 3, "synth_heads": 7}.get(case.split("_tp2")[0], min(63, SEQ_LEN))
+    assert r["kv_shapes"] == [[1, c.heads, ring if c.sliding else SEQ_LEN, c.head_dim]
+                              for c in kv_cache_layers(arch.layers, tp) for _ in "kv"]
 
 
 @pytest.mark.parametrize("case", ["chat", "chat_tp2", "chat_tp2/rank1", "int8", "int8_tp2", "int8_tp2/rank1",
@@ -619,7 +636,8 @@ def test_a_config_without_its_optional_keys_is_read_alike(lane):
     assert [(hf.per_layer_config[i].head_dim, hf.per_layer_config[i].num_key_value_heads)
             for i in range(arch.num_layers)] == [(a.head_dim, a.kv_heads) for a in arch.layers]
     assert (hf.layer_types, hf.tie_word_embeddings, hf.attention_k_eq_v) == (arch.layer_types, True, False)
-    kv = [shape for a in arch.layers for shape in [[1, a.kv_heads, SEQ_LEN, a.head_dim]] * 2]
+    # sliding layers: a ring of window - 1 = 7 positions
+    kv = [shape for a in arch.layers for shape in [[1, a.kv_heads, 7 if a.sliding else SEQ_LEN, a.head_dim]] * 2]
     for case in ("defaults", "defaults_int8"):
         r = lane[case]
         assert r["kv_shapes"] == kv, case
@@ -635,7 +653,7 @@ def test_a_config_without_its_optional_keys_is_read_alike(lane):
 def test_synth_heads_has_the_26b_attention_geometry_and_exercises_it(lane):
     """``synth_heads`` is the 26B-A4B's attention as the real config gives it (every attention key of
     ``GEMMA4_26B_A4B`` unchanged but the window), in the class as in the checkpoint: KV cache
-    ``[1, 8, S, 256]`` on sliding and ``[1, 2, S, 512]`` on full layers at TP 1; at TP 2 16 query heads
+    ``[1, 8, 7, 256]`` on sliding (a ring of window - 1 positions) and ``[1, 2, S, 512]`` on full layers at TP 1; at TP 2 16 query heads
     -> 8 per rank, sliding KV 8 -> 4, full KV 2 -> 1 (split, not replicated); no ``v_proj`` on the
     full layer. The window is narrower than the sequence and changes the reference's answer, the
     ``layer_scalar`` values are not 1, and the greedy ids are not one repeated id."""
@@ -648,10 +666,11 @@ def test_synth_heads_has_the_26b_attention_geometry_and_exercises_it(lane):
     assert tc["layer_types"] == real["layer_types"][:3] + ["full_attention"]
     assert SYNTH_PROMPT_LEN > 2 * tc["sliding_window"]
     S = SEQ_LEN
-    assert lane["synth_heads"]["kv_shapes"] == [[1, 8, S, 256]] * 6 + [[1, 2, S, 512]] * 2
+    ring = tc["sliding_window"] - 1
+    assert lane["synth_heads"]["kv_shapes"] == [[1, 8, ring, 256]] * 6 + [[1, 2, S, 512]] * 2
     for case in ("synth_heads_tp2", "synth_heads_tp2/rank1"):
         r = lane[case]
-        assert r["kv_shapes"] == [[1, 4, S, 256]] * 6 + [[1, 1, S, 512]] * 2
+        assert r["kv_shapes"] == [[1, 4, ring, 256]] * 6 + [[1, 1, S, 512]] * 2
         shapes = r["local_shapes"]
         assert shapes["layers.0.self_attn.q_proj.weight"] == [8 * 256, 256]
         assert shapes["layers.0.self_attn.k_proj.weight"] == [4 * 256, 256]
