@@ -459,6 +459,12 @@ class MemoryPlan:
             ``--gpu-mem`` times vLLM's ``--gpu-memory-utilization``); None without a target.
         margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
         fits: device verdict (``margin >= 0``); None without a target.
+        longest_seq_len: the largest ``seq_len`` (tokens, at most the model's
+            ``max_position_embeddings`` where the config gives it) at which ``total_per_rank`` still
+            fits ``device_mem_per_rank`` at this ``batch`` and every other input unchanged (KV cache and
+            logits outputs recomputed, :func:`longest_seq_len`); 0 when not even one token fits;
+            None without a target.
+        max_positions: the model's ``max_position_embeddings`` (tokens; None when the config has none).
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
         host_rank_files: bytes of all local ranks' weights. int8-neuron: its rank files, handed to
             the Neuron runtime's ``initialize`` memory-mapped (g4's ``load_weights``): page cache,
@@ -499,6 +505,8 @@ class MemoryPlan:
     device_mem_per_rank: int | None
     margin: int | None
     fits: bool | None
+    longest_seq_len: int | None
+    max_positions: int | None
     host_embedding: int
     host_rank_files: int
     host_page_cache_kept: int
@@ -569,10 +577,32 @@ class MemoryPlan:
         lines.append("")
         if self.fits is not None:
             lines.append(f"device: {_verdict(self.fits)} ({_amount(self.margin)} per rank)")
+        if self.longest_seq_len is not None:
+            cap = self.longest_seq_len == self.max_positions
+            lines.append(f"longest --seq-len that fits the device at --batch {p.batch}: "
+                         + (f"{self.longest_seq_len} tokens" + (" (the model's max_position_embeddings)" if cap else "")
+                            if self.longest_seq_len else "none"))
         if self.host_fits is not None:
             lines.append(f"host:   {_verdict(self.host_fits)} ({_amount(self.host_margin)})")
         lines += ["notes:"] + [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def longest_seq_len(device_total, device_mem: int, max_positions: int | None) -> int:
+    """The largest sequence length ``n`` (tokens) with ``device_total(n) <= device_mem``, searched in
+    ``[1, max_positions]`` (``2**24`` when the model states none) by bisection; 0 when ``n = 1``
+    does not fit. ``device_total`` (bytes per rank for ``n`` tokens) must not decrease with ``n``,
+    as weights plus KV cache plus logits outputs do."""
+    hi = max_positions or 2**24
+    if device_total(1) > device_mem:
+        return 0
+    if device_total(hi) <= device_mem:
+        return hi
+    lo = 1  # fits; hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if device_total(mid) <= device_mem else (lo, mid)
+    return lo
 
 
 def _batched(p: PlanInputs) -> str:
@@ -838,16 +868,25 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
             attention=_attention_bytes(g, attention, tp), norms_and_routers=_norms_and_routers_bytes(g),
             embedding=table // tp if embedding == "device" else 0, vision=vision)
     weights = sum(groups.values())
-    if on_neuron:
-        kv_parts = kv_cache_nxdi(g, tp, seq_len, batch)
-        cte, tkg = nxdi_buckets(seq_len, enable_bucketing=enable_bucketing)
-        buckets = {"context_encoding": cte, "token_generation": tkg}
-        logits = nxdi_logits_bytes(g, batch, (cte, tkg))
-    else:
-        kv_parts, buckets, logits = kv_cache_vllm(g, tp, seq_len, batch, batched), None, 0
+
+    def sequence_bytes(n: int) -> tuple[KvCache, dict[str, list[int]] | None, int]:
+        """KV cache, buckets and logits outputs for sequences of ``n`` tokens."""
+        if on_neuron:
+            cte, tkg = nxdi_buckets(n, enable_bucketing=enable_bucketing)
+            return (kv_cache_nxdi(g, tp, n, batch), {"context_encoding": cte, "token_generation": tkg},
+                    nxdi_logits_bytes(g, batch, (cte, tkg)))
+        return kv_cache_vllm(g, tp, n, batch, batched), None, 0
+
+    kv_parts, buckets, logits = sequence_bytes(seq_len)
     kv = kv_parts.total
     device = t.hbm_per_core_bytes if t else None if gpu_mem_bytes is None else int(gpu_mem_bytes * utilization)
     margin = None if device is None else device - weights - kv - logits
+
+    def device_total(n: int) -> int:
+        kv_n, _, logits_n = sequence_bytes(n)
+        return weights + kv_n.total + logits_n
+
+    longest = None if device is None else longest_seq_len(device_total, device, g.max_positions)
     host_embedding = table if embedding == "host" else 0
     host_files = tp * weights if t else 0
     # int8-neuron: g4's pre-sharded rank files, memory-mapped (measured rule, HOST_LOAD_ANON_BYTES);
@@ -864,7 +903,9 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         **groups, weights_per_rank=weights, kv_cache=kv, kv_cache_sliding=kv_parts.sliding,
         kv_cache_full=kv_parts.full, logits_outputs=logits, buckets=buckets, total_per_rank=weights + kv + logits,
         device_mem_per_rank=device,
-        margin=margin, fits=None if margin is None else margin >= 0, host_embedding=host_embedding,
+        margin=margin, fits=None if margin is None else margin >= 0, longest_seq_len=longest,
+        max_positions=g.max_positions,
+        host_embedding=host_embedding,
         host_rank_files=host_files, host_page_cache_kept=host_load[0], host_anonymous=host_load[1],
         host_reserve=host_load[2], host_ram_need=host_need, host_ram=host_ram,
         host_margin=host_margin, host_fits=None if host_margin is None else host_margin >= 0,

@@ -319,6 +319,7 @@ def test_cli_json_has_integer_bytes():
                            "attention": "bf16", "embedding": "device", "max_num_batched_tokens": None,
                            "enable_bucketing": False, "gpu_memory_utilization": None}
     assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [8192], "token_generation": [8192]}
+    assert (d["longest_seq_len"], d["max_positions"]) == (262144, 262144)
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
     assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == int(128 * GiB * 0.9) and d["fits"] is True
@@ -466,3 +467,29 @@ def test_check_exits_1_when_something_does_not_fit(monkeypatch):
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "24GiB", "--check")
     assert r.exit_code == 1 and "device: DOES NOT FIT" in r.output
     assert run("embedded", "--check").exit_code == 0  # no target: nothing to check
+
+
+def test_longest_seq_len_on_inf2_xlarge_by_hand():
+    """Issue 21's targets: the 26B-A4B at TP 2 on inf2.xlarge fits its whole trained context (262144)
+    at batch 1, and at batch 4 the longest sequence is what the spare device memory buys at 10240 bytes
+    per token per sequence (5 full layers x 1 KV head per rank x 512 x K and V x bf16) once the 25
+    sliding layers' rings (1023 positions) and the two graphs' fp32 logits are paid."""
+    one = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=1)
+    assert one.longest_seq_len == GEMMA4_26B_A4B["text_config"]["max_position_embeddings"] == 262144
+    four = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4)
+    rings = 4 * LS * 4 * 256 * 2 * 2 * 1023
+    logits = 2 * 4 * V * 4
+    spare = 16 * 2**30 - four.weights_per_rank - rings - logits
+    assert four.longest_seq_len == spare // (4 * LF * 1 * 512 * 2 * 2) == 67630
+    assert four.fits  # 8192 x 4 fits too
+    at = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4, seq_len=67630)
+    past = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4, seq_len=67631)
+    assert at.fits and not past.fits
+    assert "longest --seq-len that fits the device at --batch 4: 67630 tokens" in four.summary()
+    assert plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2).longest_seq_len is None  # no target
+
+
+def test_longest_seq_len_bisects_and_caps():
+    assert plan_module.longest_seq_len(lambda n: 100 + n, 1000, None) == 900
+    assert plan_module.longest_seq_len(lambda n: 100 + n, 1000, 512) == 512
+    assert plan_module.longest_seq_len(lambda n: 100 + n, 100, 512) == 0
