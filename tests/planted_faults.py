@@ -110,8 +110,11 @@ FAULTS: tuple[Fault, ...] = (
     _f("rope-all-dims", "proportional RoPE on every dim of the full layers (partial_rotary_factor ignored)", "nxdi",
        (NXDI, '    angles = int(params.get("partial_rotary_factor", 1.0) * dim // 2)',
         "    angles = dim // 2")),
-    _f("all-experts-decode", "the experts left in training mode: every decode step computes all experts", "nxdi",
-       (NXDI, "    experts.eval()\n    return experts", "    experts.train()\n    return experts")),
+    # (the same numbers: the affinities are zero off the top-k; only the path taken tells. Leaving the
+    # experts in training mode is no such fault: NxDI puts the whole model in eval mode before it runs)
+    _f("all-experts-decode", "the experts built with top_k = num_experts: every token-generation step runs "
+       "all experts (NxD's ExpertMLPsV2 selects by tokens x top_k / experts)", "nxdi",
+       (NXDI, "top_k=config.top_k_experts,", "top_k=config.num_experts,")),
     _f("window-off-by-one", "sliding window q - k <= window instead of < window: the context-encoding mask, "
        "and a ring of window positions in token generation (window - 1 besides the new token)", "nxdi",
        (NXDI, "mask = mask & ((pos[:, None] - pos[None, :]) < self.sliding_window)",
