@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import openai
 import pytest
@@ -81,6 +83,10 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert [(c["thinking"], c["stream"], c["ok"], c["content"]) for c in report["chat_checks"]] == [
         (False, False, True, "4"), (False, True, True, "4"), (True, False, True, "4"), (True, True, True, "4")]
     assert not list(nvfp4_copy.glob(".verification.json.*"))  # atomic write left no temp file
+    # the README quotes this result's summary (the set-up command's, default algorithm) as printed
+    summary = re.search(r"token agreement (\S+ over \d+ positions of \d+ prompts \(\d+ identical\))", r.output)
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert f"embedded NVFP4 result (the set-up command's, default `--algorithm mse`): agreement {summary[1]}," in readme
 
 
 @pytest.fixture(scope="module")
