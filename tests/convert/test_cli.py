@@ -214,3 +214,22 @@ def test_no_local_spec_paths_in_package_readme_or_help():
     texts = list(helps(main, "g4convert")) + list(helps(serve_main, "g4serve"))
     assert len(texts) >= 8 and all("Usage:" in t for t in texts)
     assert [t.splitlines()[0] for t in texts if "../shared" in t] == []
+
+
+@pytest.mark.parametrize("command", ["nvfp4", "int8-neuron"])
+def test_existing_out_is_refused_before_src_is_resolved(command, tmp_path, monkeypatch):
+    """An existing OUT without --overwrite: one error line naming OUT, before SRC is fetched or
+    read and before the plan table (not quiet, as a user runs it); OUT is left as it was."""
+    import g4.convert.cli as cli
+
+    def no_source(src, **kwargs):
+        raise AssertionError(f"SRC {src} resolved although OUT exists")
+
+    monkeypatch.setattr(cli, "resolve_source", no_source)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run(command, "embedded", str(out), quiet=False)
+    assert r.exit_code == 2, r.output
+    assert r.output == f"error: {out}: already exists; choose another OUT or pass --overwrite\n"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
