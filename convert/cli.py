@@ -34,6 +34,7 @@ from g4.convert.options import (
     SEED,
     SHARD_SIZE,
     ByteSize,
+    OneLineUsageGroup,
     act_quant_option,
     configure_output,
     is_quiet,
@@ -137,7 +138,7 @@ def _check_calibration(ctx: click.Context, calibrates: bool, why: str, what_cali
 # --- end of calibration options ---
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
 @verbosity_options
 def main() -> None:
