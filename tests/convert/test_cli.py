@@ -233,3 +233,18 @@ def test_existing_out_is_refused_before_src_is_resolved(command, tmp_path, monke
     assert r.exit_code == 2, r.output
     assert r.output == f"error: {out}: already exists; choose another OUT or pass --overwrite\n"
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_int8_neuron_bad_tp_names_the_degrees_that_work(tmp_path):
+    """--tp 3 on the embedded model: the error lists the TP degrees that work, the same problems
+    and degrees as `g4convert plan` (one rule, core/gemma4.py), and plan accepts each of them."""
+    from helpers import one_error_line
+
+    line = one_error_line(run("int8-neuron", "embedded", tmp_path / "o", "--tp", "3"),
+                          "tensor parallel degree 3 cannot be used: ", "(TP degrees that work: 1, 2, 4)")
+    planned = one_error_line(run("plan", "embedded", "--format", "int8-neuron", "--tp", "3"))
+    assert line.split(" cannot be used: ")[1] == planned.split(" cannot be mapped onto this model: ")[1]
+    for tp in (1, 2, 4):
+        r = run("plan", "embedded", "--format", "int8-neuron", "--tp", tp, "--target", "inf2.24xlarge")
+        assert r.exit_code == 0, r.output
+    assert not (tmp_path / "o").exists()
