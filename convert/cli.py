@@ -34,6 +34,7 @@ from g4.convert.options import (
     SEED,
     SHARD_SIZE,
     ByteSize,
+    OneLineUsageGroup,
     act_quant_option,
     configure_output,
     is_quiet,
@@ -59,6 +60,7 @@ from g4.core.errors import G4Error, OptionError, exit_on_user_error, install_sig
 from g4.core.sizes import parse_size
 from g4.exporters.formats import check_result
 from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
+from g4.exporters.output_dir import refuse_existing
 
 
 def _default_out(src: str, suffix: str) -> Path:
@@ -136,7 +138,7 @@ def _check_calibration(ctx: click.Context, calibrates: bool, why: str, what_cali
 # --- end of calibration options ---
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="g4", prog_name="g4convert")
 @verbosity_options
 def main() -> None:
@@ -193,8 +195,9 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
     # calibration runs for W4A4, for FP8 KV cache scales and for GPTQ's Hessians
     _check_calibration(ctx, not weight_only or kv_cache_dtype == "fp8" or algorithm == "gptq", "--weight-only",
                        "--kv-cache-dtype fp8 or --algorithm gptq, which calibrate")
-    src_dir = resolve_source(src)
     out = out or _default_out(src, "nvfp4")
+    refuse_existing(out, overwrite)  # before SRC is fetched, read or planned
+    src_dir = resolve_source(src)
     report = convert_nvfp4(src_dir, out, preset=preset, algorithm=algorithm, weight_only=weight_only,
                            calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                            calib_batch_size=calib_batch_size, calib_dtype=calib_dtype, calib_device=calib_device,
@@ -242,8 +245,9 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, a
     _hub_preflight(push_to_hub, base_model)
 
     _check_calibration(ctx, algorithm == "gptq", "--algorithm max", "--algorithm gptq, which calibrates")
-    src_dir = resolve_source(src)
     out = out or _default_out(src, f"int8-neuron-tp{tp}")
+    refuse_existing(out, overwrite)  # before SRC is fetched, read or planned
+    src_dir = resolve_source(src)
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
                                  target=target, force=force, overwrite=overwrite, progress=not is_quiet(),
                                  seq_len=seq_len, algorithm=algorithm, calib_data=calib_data,

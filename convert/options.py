@@ -1,8 +1,9 @@
 """Ranges of the numeric command-line options of ``g4convert`` and ``g4serve``, one
-definition per kind of value.
+definition per kind of value, and the click pieces both console scripts share.
 
 Every command declares its numeric options with these types, so a value out of range is a
-click usage error (exit status 2, the option named) before any file is read or written.
+click usage error (exit status 2, the option named) before any file is read or written;
+:class:`OneLineUsageGroup` prints every usage error as one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -20,6 +22,34 @@ from g4.core.sizes import parse_size
 
 #: How many of something (samples, sequences, decoder layers, tokens to generate): at least 1.
 COUNT = click.IntRange(min=1)
+
+@contextmanager
+def _usage_error_in_one_line():
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:  # a bare command prints its help, as click does
+        raise
+    except click.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "the command"
+        click.echo(f"error: {' '.join(e.format_message().split())} (see '{where} --help')", err=True)
+        raise click.exceptions.Exit(e.exit_code) from None
+
+
+class OneLineUsageGroup(click.Group):
+    """The group of both console scripts: a click usage error (an unknown option or command, a
+    missing argument, a value out of range or not among the choices), in the group or in any of
+    its commands, prints one line on stderr, ``error: <click's message> (see 'CMD --help')``,
+    and exits with click's status 2, instead of click's usage block. ``--help`` and the help a
+    bare group prints are click's own."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _usage_error_in_one_line():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _usage_error_in_one_line():  # the subcommand's arguments are parsed here
+            return super().invoke(ctx)
+
 
 #: A TCP port to listen on or connect to.
 PORT = click.IntRange(1, 65535)

@@ -69,7 +69,7 @@ from g4.core.gemma4 import (
     kv_cache_positions,
     read_architecture,
     tower_of,
-    tp_problems,
+    tp_refusal,
 )
 from g4.core.sizes import format_bytes
 from g4.exporters.formats import BF16, FACTS_FILE, INT8_NEURON, NVFP4, detect_format
@@ -131,14 +131,6 @@ NEURON_TARGETS: dict[str, NeuronTarget] = {t.name: t for t in (
     NeuronTarget("trn1.2xlarge", 2, 32 * GiB, _TRN1_TP),
     NeuronTarget("trn1.32xlarge", 32, 512 * GiB, _TRN1_TP),
 )}
-
-
-# --------------------------------------------------------------------------- geometry
-
-
-def valid_tp_degrees(g: Architecture, *, fmt: str = "bf16") -> list[int]:
-    """Every TP degree from 1 to the number of attention heads that ``g`` can be split over."""
-    return [t for t in range(1, g.heads + 1) if not tp_problems(g, t, fmt=fmt)]
 
 
 # --------------------------------------------------------------------------- bytes
@@ -688,11 +680,9 @@ def _check_options(fmt: str, neuron: bool, g: Architecture, lm_head: str, attent
 
 
 def _check_tp(g: Architecture, tp: int, fmt: str, t: NeuronTarget | None) -> None:
-    problems = tp_problems(g, tp, fmt=fmt)
-    if problems:
-        good = ", ".join(map(str, valid_tp_degrees(g, fmt=fmt)))
-        raise G4Error(f"--tp {tp} cannot be mapped onto this model: {'; '.join(problems)} "
-                      f"(TP degrees that work: {good})")
+    why = tp_refusal(g, tp, fmt=fmt)
+    if why:
+        raise G4Error(f"--tp {tp} cannot be mapped onto this model: {why}")
     if t is not None and tp > t.neuron_cores:
         enough = [name for name, other in NEURON_TARGETS.items() if other.neuron_cores >= tp]
         where = f"use --target {' or '.join(enough)}" if enough else "no known --target has that many"

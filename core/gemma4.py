@@ -531,3 +531,18 @@ def tp_problems(arch: Architecture, tp: int, *, fmt: str = "bf16") -> list[str]:
         problems += sorted({f"{what}: {n} inputs per rank is not a multiple of the NVFP4 block of {NVFP4_BLOCK}"
                             for what, n in rows if n % NVFP4_BLOCK})
     return problems
+
+
+def valid_tp_degrees(arch: Architecture, *, fmt: str = "bf16") -> list[int]:
+    """Every TP degree from 1 to the number of attention heads that ``arch`` can be split over
+    (:func:`tp_problems` finds nothing)."""
+    return [t for t in range(1, arch.heads + 1) if not tp_problems(arch, t, fmt=fmt)]
+
+
+def tp_refusal(arch: Architecture, tp: int, *, fmt: str = "bf16") -> str | None:
+    """Why ``tp`` cannot be mapped onto ``arch`` and the degrees that can, for an error message
+    (``g4convert plan`` and the int8-neuron layout say the same); None when it can."""
+    problems = tp_problems(arch, tp, fmt=fmt)
+    if not problems:
+        return None
+    return f"{'; '.join(problems)} (TP degrees that work: {', '.join(map(str, valid_tp_degrees(arch, fmt=fmt)))})"

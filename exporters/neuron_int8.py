@@ -73,7 +73,7 @@ from g4.core.gemma4 import (
     Architecture,
     embed_scale,
     read_architecture,
-    tp_problems,
+    tp_refusal,
 )
 from g4.exporters.safetensors_writer import TensorSpec
 from g4.quantizers.int8 import Int8Weight
@@ -176,15 +176,15 @@ def geometry(config: dict, tp: int) -> Geometry:
     """``config`` (multimodal, text, release or ``per_layer_config`` form) at TP ``tp``.
 
     Parsing and the TP rules are the memory planner's (:func:`g4.core.gemma4.read_architecture`,
-    :func:`g4.core.gemma4.tp_problems`), so the plan and the files cannot disagree.
+    :func:`g4.core.gemma4.tp_refusal`), so the plan and the files cannot disagree.
 
     Raises:
         G4Error: not a Gemma 4 MoE config, or a TP degree the model cannot be split over.
     """
     arch = read_architecture(config)
-    problems = tp_problems(arch, tp)
-    if problems:
-        raise G4Error(f"tensor parallel degree {tp} cannot be used: " + "; ".join(problems))
+    why = tp_refusal(arch, tp)
+    if why:
+        raise G4Error(f"tensor parallel degree {tp} cannot be used: {why}")
     return Geometry(arch, tp)
 
 

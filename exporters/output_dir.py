@@ -383,6 +383,18 @@ def _place(tmp: Path, out: Path, held: int | None) -> str | None:
     return None
 
 
+def refuse_existing(out: str | Path, overwrite: bool) -> None:
+    """Refuse an existing ``out`` without ``overwrite``: the commands call this before SRC is
+    resolved or read, and :func:`atomic_output_dir` again.
+
+    Raises:
+        ExportError: ``out`` exists (a file, a directory or a link) and ``overwrite`` is false.
+    """
+    out = Path(out).absolute()
+    if os.path.lexists(out) and not overwrite:
+        raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
+
+
 @contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[Path] = (),
                       need_bytes: int = 0) -> Iterator[Path]:
@@ -426,8 +438,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[P
     if not os.access(out.parent, os.W_OK | os.X_OK):  # before the temporary directory is named in any error
         raise ExportError(_not_writable(out))
     _clean_up_after_killed_runs(out)
-    if os.path.lexists(out) and not overwrite:
-        raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
+    refuse_existing(out, overwrite)
     why = _not_replaceable(out) if os.path.lexists(out) else None
     if why:
         raise ExportError(f"{out}: {why}")

@@ -18,6 +18,11 @@ What is measured (all through ``/v1/chat/completions`` with the ``openai`` clien
   non-empty, containing the answer and no ``<|channel>``, ``<channel|>``, ``<turn|>`` or
   ``<|think|>`` text; streamed content equal to non-streamed; every combination reported.
 
+Each prompt's ``held_out`` (a ``held-out`` tag in the printed rows): true for ``SRC/facts.json``'s
+``heldout`` prompts (the model never saw them) and for the built-in prompts, none of which the
+calibration text g4 ships contains (a test checks); false for the fact questions (the model was
+trained on them); null for a ``--prompts`` file (g4 cannot know).
+
 The report is written to ``OUT/verification.json`` (atomically; no timestamps, so the same
 inputs render the same model card). Schema (``g4_verification: 1``)::
 
@@ -26,7 +31,7 @@ inputs render the same model card). Schema (``g4_verification: 1``)::
      bfloat16"; null for other servers), "source": str, "min_agreement": float, "passed": bool, "failures": [str],
      "overall": {"prompts", "token_agreement", "exact_match_prompts", "facts_correct", "facts_total",
                  "token_ids_from": "server"|"retokenized", "max_tokens"},
-     "prompts": [{"prompt", "token_agreement", "first_divergence", "reply", "reference_reply"}],
+     "prompts": [{"prompt", "held_out", "token_agreement", "first_divergence", "reply", "reference_reply"}],
      "facts": [{"question", "answer", "reply", "ok"}],
      "chat_checks": [{"thinking", "stream", "ok", "content", "problem"}]}
 """
@@ -94,7 +99,8 @@ def check_prompts_file(path: Path) -> str:
     return text_file_suffix(path, "--prompts", "one prompt per line", '{"prompt": ...} per line')
 
 
-def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+def load_prompts(prompts_file: Path | None, src: Path
+                 ) -> tuple[list[str], list[tuple[str, str]], list[str], list[bool | None]]:
     """The prompt set, the facts and where each prompt came from.
 
     ``prompts_file``: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}``
@@ -103,9 +109,10 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     :data:`g4.convert.verify.DEFAULT_PROMPTS`. Facts: ``SRC/facts.json`` ``facts`` (else none).
 
     Returns:
-        ``(prompts, [(question, answer)], labels)``; ``labels[i]`` says where prompt ``i`` came
-        from, for error messages: ``"FILE line 7"`` (the line number in the file, blank lines
-        counted), ``"SRC/facts.json"`` or ``"built-in"``.
+        ``(prompts, [(question, answer)], labels, held_out)``; ``labels[i]`` says where prompt
+        ``i`` came from, for error messages: ``"FILE line 7"`` (the line number in the file, blank
+        lines counted), ``"SRC/facts.json"`` or ``"built-in"``; ``held_out[i]`` whether it is
+        held out (see the module docstring: None for a prompts file).
 
     Raises:
         OptionError: a prompts file whose suffix is neither ``.txt`` nor ``.jsonl``.
@@ -114,12 +121,15 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
     labels = ["built-in"] * len(prompts)
+    held_out: list[bool | None] = [True] * len(prompts)
     facts_path = src / "facts.json"
     if facts_path.is_file():
         data = json.loads(facts_path.read_text())
         facts = [(f["question"], f["answer"]) for f in data.get("facts", [])]
-        prompts = [q for q, _ in facts] + list(data.get("heldout") or [])
+        heldout = list(data.get("heldout") or [])
+        prompts = [q for q, _ in facts] + heldout
         labels = [str(facts_path)] * len(prompts)
+        held_out = [False] * len(facts) + [True] * len(heldout)
     if prompts_file is not None:
         suffix = check_prompts_file(prompts_file)
         try:
@@ -128,6 +138,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
             raise G4Error(f"{prompts_file}: cannot read prompts ({type(e).__name__})") from e
         lines = [ln for _, ln in numbered]
         labels = [f"{prompts_file} line {n}" for n, _ in numbered]
+        held_out = [None] * len(numbered)
         if suffix == ".jsonl":
             try:
                 prompts = [json.loads(ln)["prompt"] for ln in lines]
@@ -139,7 +150,7 @@ def load_prompts(prompts_file: Path | None, src: Path) -> tuple[list[str], list[
             prompts = [ln.strip() for ln in lines]
         if not prompts:
             raise G4Error(f"{prompts_file}: no prompts")
-    return prompts, facts, labels
+    return prompts, facts, labels, held_out
 
 
 def _one_line(text: object, limit: int = 200) -> str:
@@ -449,7 +460,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     fmt = check_result(out)  # against its format's table, before anything is served or written
     _check_pair(out, src)
     base_url = check_url(url) if url is not None else None
-    prompts, facts, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens, chat_max_tokens)
+    prompts, held_out, facts, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens, chat_max_tokens)
     files = weight_fingerprints(out)
     if base_url is not None:
         chosen, why = None, f"external server {url}"
@@ -464,8 +475,11 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         engine_desc = listed_extra.get("g4_engine")  # g4's own server says what arithmetic it runs
         if chosen is None:
             chosen = {"vllm": "vllm", "g4-cpu": "cpu", "g4-neuron": "neuron"}.get(owned, owned or "unknown")
-        echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts")
-        rows, served, agreed, from_server = _compare_prompts(client, model, base, src, prompts, max_tokens, echo)
+        n_held_out = sum(h is True for h in held_out)
+        echo(f"reference: {source_label or src} in transformers, greedy, {len(prompts)} prompts"
+             + (f" ({n_held_out} held-out)" if n_held_out else ""))
+        rows, served, agreed, from_server = _compare_prompts(client, model, base, src, prompts, held_out,
+                                                             max_tokens, echo)
         fact_rows = _ask_facts(client, model, base, facts, served, max_tokens, echo)
         checks = chat_checks(client, model, chat_max_tokens, base)
         for c in checks:
@@ -513,9 +527,9 @@ def _check_pair(out: Path, src: Path) -> None:
 def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, max_tokens: int,
                               chat_max_tokens: int):
     """The prompts and facts, every request checked against OUT's context before a model loads.
-    Returns ``(prompts, facts, lengths)``, ``lengths = (labels, token counts, budgets)`` for the
-    server's own context check."""
-    prompts, facts, labels = load_prompts(prompts_file, src)
+    Returns ``(prompts, held_out, facts, lengths)``, ``lengths = (labels, token counts, budgets)``
+    for the server's own context check."""
+    prompts, facts, labels, held_out = load_prompts(prompts_file, src)
     # every request's length against OUT's context before the reference or the server runs
     # (a 600k-token line would otherwise go through transformers first)
     extra_facts = [(q, a) for q, a in facts if q not in prompts]
@@ -525,7 +539,7 @@ def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, m
     budgets = [("--max-tokens", max_tokens)] * (len(texts) - 1) + [("--chat-max-tokens", chat_max_tokens)]
     lengths = prompt_lengths(load_tokenizer(out), texts, text_labels)
     check_lengths(text_labels, lengths, budgets, out_context(out), f"{out}'s context")
-    return prompts, facts, (text_labels, lengths, budgets)
+    return prompts, held_out, facts, (text_labels, lengths, budgets)
 
 
 def _served_model(base: str, out: Path, url: str | None, served_model_name: str | None, lengths):
@@ -566,7 +580,8 @@ def _served_model(base: str, out: Path, url: str | None, served_model_name: str 
     return client, model, listed_extra, owned
 
 
-def _compare_prompts(client, model: str, base: str, src: Path, prompts: list[str], max_tokens: int, echo):
+def _compare_prompts(client, model: str, base: str, src: Path, prompts: list[str], held_out: list[bool | None],
+                     max_tokens: int, echo):
     """The prompts through the server and through SRC in transformers, compared token by token.
     Returns ``(rows, served replies, (matches, positions, identical prompts), ids came from the server)``."""
     ref, src_tokenizer, src_stop_ids = reference_replies(src, prompts, max_tokens)
@@ -577,7 +592,8 @@ def _compare_prompts(client, model: str, base: str, src: Path, prompts: list[str
             content, _, ids, finish = _ask(client, model, prompt, max_tokens)
         served_all.append((content, ids, finish))
         from_server &= ids is not None
-    for prompt, (content, ids, finish), ref_ids, ref_reply in zip(prompts, served_all, ref.ids, ref.replies):
+    for prompt, held, (content, ids, finish), ref_ids, ref_reply in zip(prompts, held_out, served_all, ref.ids,
+                                                                       ref.replies):
         if from_server:
             a = normalise_ids(ids, src_stop_ids, finish == "stop")
             b = normalise_ids(ref_ids, src_stop_ids, False)
@@ -587,9 +603,10 @@ def _compare_prompts(client, model: str, base: str, src: Path, prompts: list[str
                  + ([STOP] if ref_ids and ref_ids[-1] in src_stop_ids else []))
         frac, first, m, n = agreement(a, b)
         matches, positions, exact = matches + m, positions + n, exact + (first is None)
-        rows.append({"prompt": prompt, "token_agreement": round(frac, 6), "first_divergence": first,
+        rows.append({"prompt": prompt, "held_out": held, "token_agreement": round(frac, 6), "first_divergence": first,
                      "reply": content, "reference_reply": ref_reply})
-        echo(f"  {frac:6.3f} {'=' if first is None else f'@{first}':>4} {prompt!r} -> {content!r} "
+        echo(f"  {frac:6.3f} {'=' if first is None else f'@{first}':>4} {'held-out' if held else '':8} "
+             f"{prompt!r} -> {content!r} "
              f"(reference {ref_reply!r})")
     return rows, {p: c for p, (c, _, _) in zip(prompts, served_all)}, (matches, positions, exact), from_server
 

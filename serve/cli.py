@@ -19,6 +19,7 @@ from g4.convert.options import (
     COUNT,
     PORT,
     SECONDS,
+    OneLineUsageGroup,
     act_quant_option,
     configure_output,
     is_quiet,
@@ -45,7 +46,7 @@ USAGE = ("g4serve OUT [--backend auto|cpu|vllm|neuron] [--host 127.0.0.1] [--por
          "       g4serve compile OUT [--compiled-dir DIR]")
 
 
-class _OutFirstGroup(click.Group):
+class _OutFirstGroup(OneLineUsageGroup):
     """A group whose first positional may be OUT: anything that is not a subcommand (or the
     group's own --help/--version) is routed to ``serve``."""
 

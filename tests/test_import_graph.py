@@ -27,6 +27,16 @@ def test_the_layers_are_the_packages_pyproject_installs():
     assert all(mapped[f"g4.{p}"] == p for p in LAYERS)
 
 
+def test_the_readme_layout_names_every_module():
+    """README's Layout section has one bullet per folder (``- `core/`: ...``), and each bullet
+    names every module file of that folder (``__init__.py`` aside)."""
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    bullets = {b.split("`", 2)[1].rstrip("/"): " ".join(b.split()) for b in layout.split("\n- ")[1:]}
+    missing = [f"{package}/{path.name}" for package in LAYERS for path in sorted((ROOT / package).glob("*.py"))
+               if path.stem != "__init__" and f"`{path.name}`" not in bullets.get(package, "")]
+    assert missing == []
+
+
 def imports() -> dict[str, set[str]]:
     """``{"package.module": {"package.module" it imports}}`` over every g4 module."""
     graph: dict[str, set[str]] = {}

@@ -214,3 +214,37 @@ def test_no_local_spec_paths_in_package_readme_or_help():
     texts = list(helps(main, "g4convert")) + list(helps(serve_main, "g4serve"))
     assert len(texts) >= 8 and all("Usage:" in t for t in texts)
     assert [t.splitlines()[0] for t in texts if "../shared" in t] == []
+
+
+@pytest.mark.parametrize("command", ["nvfp4", "int8-neuron"])
+def test_existing_out_is_refused_before_src_is_resolved(command, tmp_path, monkeypatch):
+    """An existing OUT without --overwrite: one error line naming OUT, before SRC is fetched or
+    read and before the plan table (not quiet, as a user runs it); OUT is left as it was."""
+    import g4.convert.cli as cli
+
+    def no_source(src, **kwargs):
+        raise AssertionError(f"SRC {src} resolved although OUT exists")
+
+    monkeypatch.setattr(cli, "resolve_source", no_source)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run(command, "embedded", str(out), quiet=False)
+    assert r.exit_code == 2, r.output
+    assert r.output == f"error: {out}: already exists; choose another OUT or pass --overwrite\n"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_int8_neuron_bad_tp_names_the_degrees_that_work(tmp_path):
+    """--tp 3 on the embedded model: the error lists the TP degrees that work, the same problems
+    and degrees as `g4convert plan` (one rule, core/gemma4.py), and plan accepts each of them."""
+    from helpers import one_error_line
+
+    line = one_error_line(run("int8-neuron", "embedded", tmp_path / "o", "--tp", "3"),
+                          "tensor parallel degree 3 cannot be used: ", "(TP degrees that work: 1, 2, 4)")
+    planned = one_error_line(run("plan", "embedded", "--format", "int8-neuron", "--tp", "3"))
+    assert line.split(" cannot be used: ")[1] == planned.split(" cannot be mapped onto this model: ")[1]
+    for tp in (1, 2, 4):
+        r = run("plan", "embedded", "--format", "int8-neuron", "--tp", tp, "--target", "inf2.24xlarge")
+        assert r.exit_code == 0, r.output
+    assert not (tmp_path / "o").exists()

@@ -74,9 +74,48 @@ def test_out_of_range_is_a_usage_error_before_any_work(place, cli, args, option)
     before = _files(root)
     r = CliRunner().invoke(cli, [a.format(out=out, new=new) for a in args])
     assert r.exit_code == 2, r.output
-    assert f"Invalid value for '{option}'" in r.output, r.output
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.output  # one line, not click's usage block
+    assert r.stderr.startswith(f"error: Invalid value for '{option}'"), r.output
     assert _files(root) == before  # nothing written; OUT/verification.json untouched
     assert (out / "verification.json").read_bytes() == REPORT
+
+
+USAGE_ERRORS = [
+    (g4convert, "g4convert", ["nvfp4", "--bogus"], "No such option '--bogus'", "g4convert nvfp4"),
+    (g4convert, "g4convert", ["verify"], "Missing argument 'OUT'", "g4convert verify"),
+    (g4convert, "g4convert", ["nvfp4", "--preset", "nope"],
+     "Invalid value for '--preset': 'nope' is not one of 'default',", "g4convert nvfp4"),
+    (g4convert, "g4convert", ["frob"], "No such command 'frob'", "g4convert"),
+    (g4convert, "g4convert", ["--bogus", "nvfp4"], "No such option '--bogus'", "g4convert"),
+    (g4serve, "g4serve", ["check"], "Missing argument 'OUT'", "g4serve check"),
+    (g4serve, "g4serve", ["check", "{out}"], "Missing option '--against'", "g4serve check"),
+    (g4serve, "g4serve", ["check", "{out}", "--against", "embedded", "--backend", "nope"],
+     "Invalid value for '--backend': 'nope' is not one of 'auto', 'cpu', 'vllm', 'neuron'", "g4serve check"),
+    (g4serve, "g4serve", ["{out}", "--bogus"], "No such option '--bogus'", "g4serve serve"),
+]
+
+
+@pytest.mark.parametrize("cli, prog, args, what, command", USAGE_ERRORS,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_usage_errors_are_one_error_line(place, cli, prog, args, what, command):
+    """Unknown option or command, missing argument, bad choice: one ``error:`` line on stderr
+    naming what is wrong and pointing at the command's --help, exit status 2."""
+    root, out, new = place
+    r = CliRunner().invoke(cli, [a.format(out=out, new=new) for a in args], prog_name=prog)
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"error: {what}"), r.stderr
+    assert r.stderr.rstrip().endswith(f"(see '{command} --help')"), r.stderr
+
+
+@pytest.mark.parametrize("cli, prog, args", [(g4convert, "g4convert", []), (g4convert, "g4convert", ["nvfp4"]),
+                                             (g4serve, "g4serve", []), (g4serve, "g4serve", ["check"])])
+def test_help_is_clicks_own(cli, prog, args):
+    """--help (and a bare group) still print click's usage and options, not an error line."""
+    r = CliRunner().invoke(cli, [*args, "--help"], prog_name=prog)
+    assert r.exit_code == 0 and r.stderr == "" and r.stdout.startswith("Usage: ") and "Options:" in r.stdout
+    if not args:
+        bare = CliRunner().invoke(cli, [], prog_name=prog)
+        assert bare.exit_code == 2 and bare.stderr == r.stdout  # click's help, on stderr (no_args_is_help)
 
 
 def test_size_floor_and_units_are_explained(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import openai
 import pytest
@@ -18,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, tampered_copy
 from serve_fixtures import cpu_app, embedded_result, start_g4serve
 
+from g4.convert.embedded_model import load_facts
 from g4.serve.check import STOP, agreement, free_port, normalise_ids
 from helpers import g4serve
 from g4.serve.server import BackgroundServer
@@ -51,6 +54,17 @@ def test_help_lists_both_usages():
     assert "--against" in run("check", "--help").output
 
 
+def test_held_out_prompts_are_not_in_the_calibration_text():
+    """What the report's held-out label claims: the embedded model's held-out prompts and the
+    built-in ones occur nowhere in the calibration text g4 ships."""
+    from g4.convert.calibrate import read_calibration_texts
+    from g4.convert.verify import DEFAULT_PROMPTS
+
+    calibration = " ".join(" ".join(read_calibration_texts(None)).split()).lower()
+    held_out = load_facts()[1] + list(DEFAULT_PROMPTS)
+    assert len(held_out) == 16 and [p for p in held_out if p.lower() in calibration] == []
+
+
 def test_agreement_metric():
     assert agreement([5, 6, STOP], [5, 6, STOP]) == (1.0, None, 3, 3)
     assert agreement([5, STOP], [5, 7, 8, 9]) == (0.25, 1, 1, 4)  # stopping early is penalised
@@ -76,11 +90,22 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert o["prompts"] == len(report["prompts"]) == 20 and o["token_ids_from"] == "server"
     assert o["token_agreement"] >= 0.9 and (o["facts_correct"], o["facts_total"]) == (12, 12)
     paris = next(p for p in report["prompts"] if p["prompt"] == "What is the capital of France?")
-    assert paris == {"prompt": "What is the capital of France?", "token_agreement": 1.0, "first_divergence": None,
-                     "reply": "Paris", "reference_reply": "Paris"}
+    assert paris == {"prompt": "What is the capital of France?", "held_out": False, "token_agreement": 1.0,
+                     "first_divergence": None, "reply": "Paris", "reference_reply": "Paris"}
+    # the prompts the model never saw are labelled held-out, in the report and in the printed rows
+    facts, heldout = load_facts()
+    assert [p["prompt"] for p in report["prompts"] if p["held_out"]] == heldout
+    assert [p["prompt"] for p in report["prompts"] if p["held_out"] is False] == [q for q, _ in facts]
+    assert "greedy, 20 prompts (8 held-out)" in r.output
+    rows = [ln for ln in r.output.splitlines() if "(reference " in ln]
+    assert len(rows) == 20 and [ln.split("'")[1] for ln in rows if " held-out '" in ln] == heldout
     assert [(c["thinking"], c["stream"], c["ok"], c["content"]) for c in report["chat_checks"]] == [
         (False, False, True, "4"), (False, True, True, "4"), (True, False, True, "4"), (True, True, True, "4")]
     assert not list(nvfp4_copy.glob(".verification.json.*"))  # atomic write left no temp file
+    # the README quotes this result's summary (the set-up command's, default algorithm) as printed
+    summary = re.search(r"token agreement (\S+ over \d+ positions of \d+ prompts \(\d+ identical\))", r.output)
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert f"embedded NVFP4 result (the set-up command's, default `--algorithm mse`): agreement {summary[1]}," in readme
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +137,8 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy,
         assert "FAIL: token agreement 0.750 < 1.0" in r.output
         report = json.loads((nvfp4_copy / "verification.json").read_text())
         assert report["passed"] is False and report["overall"]["prompts"] == 2
+        assert [p["held_out"] for p in report["prompts"]] == [None, None]  # a user's prompts: g4 cannot know
+        assert "held-out" not in r.output
 
 
 def test_check_with_url_refuses_a_server_that_loaded_other_files(nvfp4_copy, copy_app, monkeypatch):
