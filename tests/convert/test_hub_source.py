@@ -146,7 +146,8 @@ def test_prefilled_cache_resolves_offline_and_converts(tiny_mm, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["inputs"]["model"] == "gemma-4-tiny-test", r.stderr
     r = g4("g4.convert.cli", "nvfp4", "google/not-cached", cache=cache, cwd=tmp_path, offline=True)
     one_error_line(r, "google/not-cached", "HF_HUB_OFFLINE=1")
-    r = g4("g4.convert.cli", "nvfp4", f"{REPO}@v2", cache=cache, cwd=tmp_path, offline=True)
+    # (an OUT of its own: the default one exists by now, and an existing OUT is refused before SRC is resolved)
+    r = g4("g4.convert.cli", "nvfp4", f"{REPO}@v2", str(tmp_path / "v2-nvfp4"), cache=cache, cwd=tmp_path, offline=True)
     one_error_line(r, f"{REPO}@v2: unknown revision 'v2'", f"holds {REPO} at main, {commit[:12]}", "HF_HUB_OFFLINE=1")
     # a short commit id: only the Hub resolves those; the cache's one commit that starts with it is named
     r = g4("g4.convert.cli", "plan", f"{REPO}@{commit[:7]}", cache=cache, cwd=tmp_path, offline=True)
