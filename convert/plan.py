@@ -719,7 +719,8 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
 def _kv_layout(g: Architecture, batched_tokens: int | None, seq_len: int) -> dict[str, str]:
     """How the KV cache was sized: which engine's rule, in words, for the report."""
     if batched_tokens is None:
-        ring = min(g.sliding_window - 1, seq_len)
+        ring = next((n for a, n in zip(g.layers, kv_cache_positions(g.layers, seq_len, g.sliding_window))
+                     if a.sliding), 0)
         return {"kv_cache": "bf16 K and V as g4's NxDI class allocates them (kv_cache_positions in core/gemma4.py)",
                 "kv_cache_sliding": f"min(window {g.sliding_window} - 1, {seq_len}) = {ring} tokens, a ring",
                 "kv_cache_full": f"{seq_len} tokens"}
