@@ -35,10 +35,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -185,7 +187,9 @@ def request_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 class Engine:
-    """Generates token ids for prompt ids; one request at a time (callers serialise).
+    """Generates token ids for prompt ids; ``max_batch_size`` sequences at a time (1: callers
+    serialise; more: :meth:`start`, :meth:`step` and :meth:`finish` may be called from that many
+    threads at once, each driving its own sequence, as :class:`StepBatcher` runs them).
 
     Attributes:
         backend: ``"cpu"`` (or ``"neuron"`` for the Neuron engine).
@@ -200,6 +204,7 @@ class Engine:
     """
 
     backend = "cpu"
+    max_batch_size = 1
 
     def __init__(self, path: Path, tokenizer, description: str):
         self.path, self.tokenizer, self.description = Path(path).resolve(), tokenizer, description
@@ -228,6 +233,11 @@ class Engine:
         """Append ``token``; return ``(state, logits [V] fp32)`` for the next position."""
         raise NotImplementedError
 
+    def finish(self, state) -> None:
+        """The sequence of ``state`` (from :meth:`start` or :meth:`step`) will not be stepped again:
+        a batched engine frees its KV cache slot. Called once per started sequence, also when it
+        ends by an error; nothing to do for an engine whose state holds its own cache."""
+
     @torch.no_grad()
     def generate_steps(self, prompt_ids: list[int], params: SamplingParams,
               should_stop: Callable[[], bool] = lambda: False, *, top_logprobs: int | None = None,
@@ -246,23 +256,166 @@ class Engine:
         if generator is None:
             generator = request_generator(params)
         state, logits = self.start(list(prompt_ids))
-        for n in range(params.max_tokens):
-            if constraint is not None:
-                logits = constraint.mask(logits)
-            token = sample_next(logits, params, generator)
-            if constraint is not None:
-                constraint.advance(token)
-            lp = None if top_logprobs is None else TokenLogprobs.of(sampling_logprobs(logits, params), token,
-                                                                     top_logprobs)
-            yield Step(token, lp)
-            if token in self.stop_ids or n + 1 == params.max_tokens or should_stop():
-                return
-            state, logits = self.step(state, token)
+        try:
+            for n in range(params.max_tokens):
+                if constraint is not None:
+                    logits = constraint.mask(logits)
+                token = sample_next(logits, params, generator)
+                if constraint is not None:
+                    constraint.advance(token)
+                lp = None if top_logprobs is None else TokenLogprobs.of(sampling_logprobs(logits, params), token,
+                                                                         top_logprobs)
+                yield Step(token, lp)
+                if token in self.stop_ids or n + 1 == params.max_tokens or should_stop():
+                    return
+                state, logits = self.step(state, token)
+        finally:  # also when the caller closes the generator early (a stop string, a client gone)
+            self.finish(state)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
         """The ids of :meth:`generate_steps`."""
         return (s.token for s in self.generate_steps(prompt_ids, params, should_stop))
+
+
+class _Call:
+    """One sequence's call waiting in a :class:`StepBatcher`: a context encoding (``ids``) or a
+    token generation (``position``, ``token``); ``logits`` or ``error`` once run."""
+
+    __slots__ = ("slot", "ids", "position", "token", "logits", "error", "done")
+
+    def __init__(self, slot: int, ids: list[int] | None = None, position: int = 0, token: int = 0):
+        self.slot, self.ids, self.position, self.token = slot, ids, position, token
+        self.logits, self.error, self.done = None, None, False
+
+
+class StepBatcher:
+    """Continuous batching for an engine whose backend runs one sequence's context encoding into a
+    KV cache slot, and one token generation for several slots in one call (NxDI's
+    ``is_continuous_batching``: context encoding at ``ctx_batch_size`` 1 with ``seq_ids = [slot]``,
+    token generation at ``tkg_batch_size`` B with one row per slot; aws-neuron/
+    neuronx-distributed-inference ``src/neuronx_distributed_inference/models/model_wrapper.py``,
+    ``_forward_with_pad``, which pads the rows of idle slots).
+
+    Each sequence is driven by its own thread (:meth:`start`, then :meth:`step` per token, then
+    :meth:`finish`), as the server's workers drive :meth:`Engine.generate_steps`. The batcher
+    coalesces them: a waiting context encoding runs first (one at a time: a new request's first
+    token is not delayed by the others' decoding); otherwise token generation runs once every
+    sequence holding a slot is waiting to step, all of them in one call, so B sequences decode in
+    about the time of one. Whichever waiting thread finds the backend idle runs the call and hands
+    each thread its row. A backend error reaches every thread of that call.
+
+    Args:
+        max_batch_size: KV cache slots (B); a :meth:`start` waits while all are held.
+        encode: ``encode(slot, ids)``: context encoding of ``ids`` (list of int, positions
+            ``0..len-1``) into ``slot``; fp32 logits ``[V]`` of the last position.
+        decode: ``decode(rows)``, rows a list of ``(slot, position, token)``: one token generation
+            for those slots (each ``token`` at ``position``); fp32 logits ``[len(rows), V]``.
+
+    State of a sequence: ``(slot, next position)``.
+    """
+
+    def __init__(self, max_batch_size: int, encode: Callable[[int, list[int]], torch.Tensor],
+                 decode: Callable[[Sequence[tuple[int, int, int]]], torch.Tensor]):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, not {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self._encode, self._decode = encode, decode
+        self._cv = threading.Condition()
+        self._free = list(range(max_batch_size))
+        self._encodes: deque[_Call] = deque()
+        self._decodes: list[_Call] = []
+        self._between = 0  # sequences holding a slot that are neither waiting nor being run
+        self._busy = False
+        self.decode_batches: list[int] = []  # rows of each token-generation call, in order (stats, tests)
+
+    @property
+    def active(self) -> int:
+        """Sequences holding a slot."""
+        with self._cv:
+            return self.max_batch_size - len(self._free)
+
+    def start(self, ids: list[int]):
+        """Take the lowest free slot (waiting for one) and run ``ids``' context encoding into it.
+        Returns ``((slot, len(ids)), logits [V] fp32)``; on an error the slot is free again."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._free)
+            call = _Call(self._free.pop(0), ids=list(ids))
+            self._encodes.append(call)
+            self._wait(call)
+            if call.error is not None:
+                self._release(call.slot)
+                raise call.error
+        return (call.slot, len(ids)), call.logits
+
+    def step(self, state, token: int):
+        """Token generation of ``token`` at the state's position, batched with the other
+        sequences' steps. Returns ``((slot, position + 1), logits [V] fp32)``."""
+        slot, position = state
+        with self._cv:
+            self._between -= 1
+            call = _Call(slot, position=position, token=int(token))
+            self._decodes.append(call)
+            self._wait(call)
+            if call.error is not None:
+                raise call.error  # the slot stays held until finish()
+        return (slot, position + 1), call.logits
+
+    def finish(self, state) -> None:
+        """The sequence of ``state`` ends: its slot is free for the next :meth:`start`."""
+        with self._cv:
+            self._between -= 1
+            self._release(state[0])
+
+    def _release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort()
+        self._cv.notify_all()
+
+    def _runnable(self) -> list[_Call] | None:
+        """The next call to run, or None: the oldest context encoding, else every waiting token
+        generation once no sequence holding a slot is between its calls."""
+        if self._busy:
+            return None
+        if self._encodes:
+            return [self._encodes.popleft()]
+        if self._decodes and self._between == 0:
+            batch, self._decodes = sorted(self._decodes, key=lambda c: c.slot), []
+            return batch
+        return None
+
+    def _wait(self, call: _Call) -> None:
+        """With the lock held: until ``call`` has run, running whatever is runnable meanwhile."""
+        while not call.done:
+            batch = self._runnable()
+            if batch is None:
+                self._cv.wait()
+                continue
+            self._busy = True
+            self._cv.release()
+            logits, error = None, None
+            try:
+                if batch[0].ids is not None:
+                    logits = self._encode(batch[0].slot, batch[0].ids)[None]
+                else:
+                    self.decode_batches.append(len(batch))
+                    logits = self._decode([(c.slot, c.position, c.token) for c in batch])
+            except BaseException as e:  # handed to every sequence of this call
+                error = e
+            finally:
+                self._cv.acquire()
+                self._busy = False
+            for i, c in enumerate(batch):
+                c.done = True
+                if error is not None:
+                    c.error = error
+                else:
+                    c.logits = logits[i]
+            # counted as between their calls from now, not from when each thread wakes: else the
+            # first to wake would run its next step alone while the others still sleep
+            if error is None or batch[0].ids is None:  # a failed start frees its slot instead
+                self._between += len(batch)
+            self._cv.notify_all()
 
 
 class HFEngine(Engine):

@@ -354,13 +354,13 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(path, prompt)
             s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
             assert engine.at_gate.wait(WAIT_S)
-        job = worker._current
+        job, = worker.running
         deadline = time.monotonic() + WAIT_S
         while not job.cancelled.is_set():  # the server noticed the disconnect
             assert time.monotonic() < deadline
             time.sleep(0.01)
         engine.gate.set()
-        while worker._current is not None:
+        while worker.running:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert engine.steps < 10
