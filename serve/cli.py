@@ -123,13 +123,16 @@ _dtype_opt = click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
 @click.option("--compiled-dir", type=click.Path(file_okay=False, path_type=Path),
               help="neuron backend: where the compiled model is kept (default: OUT/neuron_compiled); compiled on "
                    "the first start, reused while it matches OUT, recompiled when it does not.")
+@click.option("--max-batch-size", type=COUNT, default=1, show_default=True,
+              help="neuron backend: requests generated at once (NxDI continuous batching, B KV cache lines; "
+                   "compiled for it). Plan the memory with g4convert plan --batch B.")
 @click.option("--shutdown-timeout", type=SECONDS, default=30, show_default=True,
               metavar="SECONDS", help="On SIGTERM or Ctrl-C, requests in flight get this long to finish; then "
               "they are answered 503 (a second Ctrl-C: at once). CPU and neuron backends.")
 @verbosity_options
 @exit_on_user_error
 def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_model_len, kv_cache_dtype,
-          compiled_dir, shutdown_timeout):
+          compiled_dir, max_batch_size, shutdown_timeout):
     """Serve OUT at http://HOST:PORT/v1 until SIGTERM or Ctrl-C."""
     _setup_logging()
     fmt = check_result(out)  # before anything loads or listens
@@ -144,16 +147,18 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
         raise G4Error("--max-model-len and --kv-cache-dtype are vllm backend options")
     if compiled_dir and chosen != "neuron":
         raise G4Error("--compiled-dir is a neuron backend option")
+    if max_batch_size > 1 and chosen != "neuron":
+        raise G4Error(f"--max-batch-size is a neuron backend option (the {chosen} backend runs one request at a time)")
     sock = _bind(host, port)
     if chosen == "neuron":
-        engine = load_neuron_engine(out, compiled_dir=compiled_dir, log=click.echo)
+        engine = load_neuron_engine(out, compiled_dir=compiled_dir, max_batch_size=max_batch_size, log=click.echo)
     else:
         engine = load_cpu_engine(out, act_quant=act_quant, dtype=dtype, fmt=fmt, progress=not is_quiet())
 
     app = create_app(engine, served_model_name=name)
     click.echo(f"engine: {engine.description}")
-    click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 "
-               f"(one request at a time; Ctrl-C stops)")
+    at_once = "one request at a time" if engine.max_batch_size == 1 else f"up to {engine.max_batch_size} requests at once"
+    click.echo(f"serving {name!r} on http://{host}:{sock.getsockname()[1]}/v1 ({at_once}; Ctrl-C stops)")
     # uvicorn re-raises SIGINT/SIGTERM after its shutdown (restoring the handlers it found): with
     # this handler both end in the except below, with "stopped" and exit code 0.
     signal.signal(signal.SIGTERM, _terminate)
@@ -168,9 +173,11 @@ def serve(out, backend, host, port, served_model_name, act_quant, dtype, max_mod
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--compiled-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to write the compiled model (default: OUT/neuron_compiled).")
+@click.option("--max-batch-size", type=COUNT, default=1, show_default=True,
+              help="Compile for this many requests at once; serve with the same --max-batch-size.")
 @verbosity_options
 @exit_on_user_error
-def compile_(out, compiled_dir):
+def compile_(out, compiled_dir, max_batch_size):
     """Compile the int8-neuron result OUT for NeuronCores (NxDI 0.8), without serving it.
 
     Runs on any x86 machine with the Neuron SDK 2.28 packages (neuronx-distributed,
@@ -184,7 +191,7 @@ def compile_(out, compiled_dir):
     fmt = check_result(out)
     if fmt.format != INT8_NEURON:
         raise G4Error(f"{out}: {fmt.detail}; g4serve compile takes an int8-neuron result (g4convert int8-neuron)")
-    compile_neuron(out, compiled_dir=compiled_dir, log=click.echo)
+    compile_neuron(out, compiled_dir=compiled_dir, max_batch_size=max_batch_size, log=click.echo)
 
 
 def _bind(host: str, port: int) -> socket.socket:

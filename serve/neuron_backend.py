@@ -6,7 +6,10 @@ behind the same engine interface as the CPU engines.
 aws-neuron/neuronx-distributed-inference ``src/neuronx_distributed_inference/models/model_base.py``):
 ``start`` is one context-encoding call on the prompt (NxDI pads it to the smallest context-encoding
 bucket that holds it), ``step`` one token-generation call for the new token on NxDI's KV cache, no
-recompute. Batch 1; the logits ``[V]`` go to the host sampler (``g4.serve.engine.sample_next``):
+recompute. With ``max_batch_size`` B > 1 (``g4serve --backend neuron --max-batch-size B``) the
+model is built for NxDI's continuous batching (B KV cache lines) and up to B requests run at once:
+each prompt is encoded into its own line, and one token-generation call advances all running
+requests (:class:`~g4.serve.engine.StepBatcher`). The logits ``[V]`` go to the host sampler (``g4.serve.engine.sample_next``):
 NxDI's on-device sampling stays off (the class does not wire it). The embedding runs on the device
 (the class reads ``embed_tokens.safetensors`` and scales it by ``sqrt(hidden_size)``).
 
@@ -49,7 +52,7 @@ import torch
 from g4.core.checkpoint import CONFIG_NAME
 from g4.core.errors import CheckpointError, G4Error
 from g4.exporters.neuron_int8 import COMPILED_DIR, COMPILED_STAMP, MANIFEST, Manifest
-from g4.serve.engine import Engine, load_tokenizer
+from g4.serve.engine import Engine, StepBatcher, load_tokenizer
 
 # NxDI's compiled model file inside the compiled folder
 # (models/application_base.py: COMPILED_MODEL_FILE_NAME)
@@ -78,45 +81,66 @@ class NeuronEngine(Engine):
 
     Args:
         path: the int8-neuron result.
-        model: the class after ``load`` (Neuron) or ``to_cpu`` (CPU), batch 1.
+        model: the class after ``load`` (Neuron) or ``to_cpu`` (CPU), built with
+            ``max_batch_size`` KV cache lines (:func:`nxdi_settings`).
         tokenizer: the result's tokenizer.
         max_length: tokens of prompt plus reply the model was built for (its KV cache).
         description: one line for ``/v1/models`` and the start-up message.
+        max_batch_size: sequences generated at once (B). 1: one request at a time. More: NxDI's
+            continuous batching through :class:`~g4.serve.engine.StepBatcher`: each request's
+            prompt is one context-encoding call into its own KV cache line (``seq_ids = [slot]``),
+            and every running request's next token comes from one ``[B', 1]`` token-generation
+            call (B' <= B rows; NxDI pads the idle lines).
 
-    State between calls is the number of positions in the KV cache; the cache itself lives in
-    ``model`` (one request at a time, as every engine: :meth:`start` resets it).
+    State of a sequence: ``(slot, positions in its KV cache line)``.
     """
 
     backend = "neuron"
 
-    def __init__(self, path: Path, model, tokenizer, *, max_length: int, description: str):
+    def __init__(self, path: Path, model, tokenizer, *, max_length: int, description: str,
+                 max_batch_size: int = 1):
         super().__init__(path, tokenizer, description)
         self.model, self.max_length = model, max_length
         self.max_context = min(self.max_context, max_length)
+        self.max_batch_size = max_batch_size
+        self.batcher = StepBatcher(max_batch_size, self._encode, self._decode)
 
     @torch.no_grad()
-    def _forward(self, ids: list[int], first: int) -> torch.Tensor:
-        """NxDI forward of ``ids`` at positions ``first..``: fp32 logits ``[V]`` of the last one."""
-        n = len(ids)
-        if first + n > self.max_length:
-            raise G4Error(f"prompt plus reply is {first + n} tokens; the neuron model holds {self.max_length}")
+    def _encode(self, slot: int, ids: list[int]) -> torch.Tensor:
+        """Context encoding of ``ids`` at positions ``0..`` into KV cache line ``slot``: fp32
+        logits ``[V]`` of the last position."""
         input_ids = torch.tensor([ids], dtype=torch.long)
-        positions = torch.arange(first, first + n, dtype=torch.long)[None]
-        # context encoding: a mask of the real (unpadded) tokens; token generation: none, NxDI
-        # infers it from the positions (models/model_base.py: _infer_attention_mask)
-        mask = torch.ones_like(input_ids) if first == 0 else None
-        out = self.model(input_ids=input_ids, position_ids=positions, seq_ids=torch.zeros(1, dtype=torch.int32),
-                         attention_mask=mask)
+        positions = torch.arange(len(ids), dtype=torch.long)[None]
+        # a mask of the real (unpadded) tokens; NxDI pads to the context-encoding bucket
+        out = self.model(input_ids=input_ids, position_ids=positions, seq_ids=torch.tensor([slot], dtype=torch.int32),
+                         attention_mask=torch.ones_like(input_ids))
         return out.logits[0, -1].float()
+
+    @torch.no_grad()
+    def _decode(self, rows) -> torch.Tensor:
+        """One token-generation call: ``rows`` ``[(slot, position, token)]`` sorted by slot; fp32
+        logits ``[len(rows), V]``. No mask: NxDI infers it from the positions
+        (models/model_base.py: _infer_attention_mask)."""
+        input_ids = torch.tensor([[t] for _, _, t in rows], dtype=torch.long)
+        positions = torch.tensor([[p] for _, p, _ in rows], dtype=torch.long)
+        seq_ids = torch.tensor([s for s, _, _ in rows], dtype=torch.int32)
+        out = self.model(input_ids=input_ids, position_ids=positions, seq_ids=seq_ids, attention_mask=None)
+        return out.logits[:, -1].float()
 
     def start(self, prompt_ids):
         if not prompt_ids:
             raise G4Error("empty prompt")
-        self.model.reset()
-        return len(prompt_ids), self._forward(list(prompt_ids), 0)
+        if len(prompt_ids) > self.max_length:
+            raise G4Error(f"prompt is {len(prompt_ids)} tokens; the neuron model holds {self.max_length}")
+        return self.batcher.start(list(prompt_ids))
 
     def step(self, state, token):
-        return state + 1, self._forward([int(token)], state)
+        if state[1] + 1 > self.max_length:
+            raise G4Error(f"prompt plus reply is {state[1] + 1} tokens; the neuron model holds {self.max_length}")
+        return self.batcher.step(state, token)
+
+    def finish(self, state) -> None:
+        self.batcher.finish(state)
 
 
 def compile_stamp(path: Path, settings: dict) -> dict:
@@ -157,16 +181,30 @@ def compiled_state(compiled: Path, stamp: dict) -> str:
     return "current" if found == stamp and (compiled / COMPILED_MODEL).is_file() else "stale"
 
 
-def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str) -> dict:
+def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str, max_batch_size: int = 1) -> dict:
     """The ``MoENeuronConfig`` arguments g4 builds ``NeuronGemma4MoEForCausalLM`` with for an
     int8-neuron result (JSON-able; they go into the compile stamp). On a CPU: one bucket of
-    ``max_length`` and no bucketing (NxDI's CPU mode builds one module for ``seq_len``)."""
+    ``max_length`` and no bucketing (NxDI's CPU mode builds one module for ``seq_len``).
+
+    ``max_batch_size`` B > 1: NxDI's continuous batching (``models/config.py``: ``batch_size`` =
+    ``max_batch_size`` = ``tkg_batch_size`` = ``kv_cache_batch_size`` B, ``ctx_batch_size`` 1,
+    ``is_continuous_batching``): B KV cache lines, context encoding one request at a time,
+    token generation for B rows.
+
+    Raises:
+        G4Error: ``max_batch_size`` below 1.
+    """
+    if max_batch_size < 1:
+        raise G4Error(f"--max-batch-size must be at least 1, not {max_batch_size}")
     text = config.get("text_config") or config
     length, cte, tkg = manifest.serving_shape(text.get("max_position_embeddings"))
-    settings = {"tp_degree": manifest.tp_degree, "batch_size": 1, "seq_len": length, "max_length": length,
+    settings = {"tp_degree": manifest.tp_degree, "batch_size": max_batch_size, "seq_len": length, "max_length": length,
                 "torch_dtype": dtype, "quantized": True,
                 "quantization_type": "expert_wise_per_channel_symmetric",
                 "modules_to_not_convert": ["self_attn", "router", "embed_tokens"]}
+    if max_batch_size > 1:
+        settings.update(is_continuous_batching=True, ctx_batch_size=1, tkg_batch_size=max_batch_size,
+                        max_batch_size=max_batch_size)
     if on_cpu:
         settings.update(on_cpu=True, max_context_length=length)
     else:
@@ -188,7 +226,7 @@ def build_nxdi_model(path: Path, settings: dict):
     return NeuronGemma4MoEForCausalLM(str(path), config)
 
 
-def _result_settings(path: Path, *, on_cpu: bool) -> dict:
+def _result_settings(path: Path, *, on_cpu: bool, max_batch_size: int = 1) -> dict:
     """:func:`nxdi_settings` of the int8-neuron result ``path`` from its manifest and config.
 
     Raises:
@@ -199,7 +237,8 @@ def _result_settings(path: Path, *, on_cpu: bool) -> dict:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/config.json: unreadable ({e})") from e
-    return nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16")
+    return nxdi_settings(manifest, config, on_cpu=on_cpu, dtype="float32" if on_cpu else "bfloat16",
+                         max_batch_size=max_batch_size)
 
 
 def _ensure_compiled(path: Path, model, settings: dict, compiled: Path, log) -> str:
@@ -215,7 +254,8 @@ def _ensure_compiled(path: Path, model, settings: dict, compiled: Path, log) -> 
     return state
 
 
-def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, log=print) -> Path:
+def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, max_batch_size: int = 1,
+                   log=print) -> Path:
     """``g4serve compile``: compile the int8-neuron result ``path`` for NeuronCores with NxDI's
     ``compile`` (``models/application_base.py``: ``get_builder().trace(initialize_model_weights=False)``,
     no weights loaded) into ``compiled_dir`` (default ``PATH/neuron_compiled``), with exactly the
@@ -223,14 +263,15 @@ def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, 
     the serving box's ``PATH/neuron_compiled`` (or passed there as ``--compiled-dir``) is reused by
     its stamp check (:func:`compiled_state`) instead of compiling again. NeuronCores are not needed
     (:func:`neuron_status` with ``need_device=False``); the Neuron SDK 2.28 packages are. A folder
-    that holds this compile already is left as it is. Returns the folder.
+    that holds this compile already is left as it is. Returns the folder. ``max_batch_size``: as
+    :func:`load_neuron_engine`'s (the stamp holds it: a compile for another batch size is stale).
 
     Raises:
         G4Error: no Neuron SDK here (one line), a ``compiled_dir`` that is not g4's, a result the
             class cannot load yet; ``CheckpointError`` for a result that is not int8-neuron.
     """
     path = Path(path)
-    settings = _result_settings(path, on_cpu=False)  # the result's own errors first
+    settings = _result_settings(path, on_cpu=False, max_batch_size=max_batch_size)  # the result's own errors first
     if Manifest.from_dir(path).quantize_attention:
         # the class refuses it only when the weights are loaded (nxdi_gemma4._check_g4_int8_neuron),
         # which NxDI's compile skips: refused here, before hours of compile for a box that cannot use it
@@ -250,7 +291,7 @@ def compile_neuron(path: str | Path, *, compiled_dir: str | Path | None = None, 
 
 
 def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = None, on_cpu: bool = False,
-                       log=print) -> NeuronEngine:
+                       max_batch_size: int = 1, log=print) -> NeuronEngine:
     """The :class:`NeuronEngine` of the int8-neuron result ``path``.
 
     On Neuron: compile with NxDI into ``compiled_dir`` (default ``PATH/neuron_compiled``) unless
@@ -259,6 +300,8 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
     ``on_cpu`` (tests): NxDI's CPU mode, ``to_cpu()``, fp32, nothing written.
 
     Args:
+        max_batch_size: requests run at once (:class:`NeuronEngine`); > 1 compiles for NxDI's
+            continuous batching (B KV cache lines: the memory plan's ``--batch B``).
         log: called with one line per phase (compile, load).
 
     Raises:
@@ -270,19 +313,19 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
         ok, why = neuron_status()
         if not ok:
             raise G4Error(f"neuron backend unavailable: {why}")
-    settings = _result_settings(path, on_cpu=on_cpu)
+    settings = _result_settings(path, on_cpu=on_cpu, max_batch_size=max_batch_size)
     tokenizer = load_tokenizer(path)
     model = build_nxdi_model(path, settings)
-    where = f"TP={settings['tp_degree']}, max_length {settings['max_length']}"
+    where = f"TP={settings['tp_degree']}, max_length {settings['max_length']}, batch {max_batch_size}"
     if on_cpu:
         _what_the_class_cannot_load(path, model.to_cpu)
-        return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
+        return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"], max_batch_size=max_batch_size,
                             description=f"int8-neuron through NxDI's CPU mode, {where}, float32")
     compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
     _ensure_compiled(path, model, settings, compiled, log)  # on the serving box: better done apart (compile_neuron)
     log(f"loading the compiled model from {compiled}")
     _what_the_class_cannot_load(path, lambda: model.load(str(compiled)))
-    return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"],
+    return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"], max_batch_size=max_batch_size,
                         description=f"int8-neuron on NeuronCores through NxDI 0.8, {where}, bfloat16")
 
 

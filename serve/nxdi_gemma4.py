@@ -728,7 +728,8 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         result this method takes NxDI's steps itself, in its order: ``NXD_CPU_MODE=1``, its dtype
         checks, the gloo group (``WORLD_SIZE`` from torchrun, else a world of 1), NxD's
         ``initialize_model_parallel(..., skip_collective_init=True)``, one module shared by every
-        wrapper, ``eval()``; the load is the rank file's. The module is built as NxDI builds the one
+        wrapper (with continuous batching one per wrapper, as NxDI's), ``eval()``; the load is the
+        rank file's. The module is built as NxDI builds the one
         it traces for Neuron (``DecoderModelInstance.load_module``, ``models/model_wrapper.py:1454``:
         floating tensors cast to ``torch_dtype``, then every parameter named ``*scale`` back to fp32,
         then NxD's ``convert`` with the global q_config), so the CPU runs Neuron's dtypes. Any other checkpoint goes through NxDI's ``to_cpu`` unchanged.
@@ -738,7 +739,7 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
                 or malformed rank file, or a rank file whose keys are not the module's.
             ValueError: int8 weights without ``NeuronConfig(quantized=True)``.
             NotImplementedError: what NxDI's ``to_cpu`` refuses (bf16 at TP > 1, fp16,
-                speculation), continuous batching, or int8 attention.
+                speculation), or int8 attention.
         """
         if not is_g4_int8_neuron(self.model_path):
             return super().to_cpu()
@@ -746,8 +747,8 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         _check_g4_int8_neuron(self.model_path, self.config)  # before any process group is opened
         if nc.torch_dtype == torch.bfloat16 and nc.tp_degree > 1:
             raise NotImplementedError("gloo has no bfloat16 all-reduce: use float32 on the CPU at TP > 1")
-        if nc.torch_dtype == torch.float16 or nc.speculation_length > 0 or nc.is_continuous_batching:
-            raise NotImplementedError("fp16, speculation and continuous batching are not supported on the CPU here")
+        if nc.torch_dtype == torch.float16 or nc.speculation_length > 0:
+            raise NotImplementedError("fp16 and speculation are not supported on the CPU here")
         os.environ["NXD_CPU_MODE"] = "1"
         if "WORLD_SIZE" in os.environ:
             if int(os.environ["WORLD_SIZE"]) != nc.world_size:
@@ -767,13 +768,20 @@ class NeuronGemma4MoEForCausalLM(NeuronBaseForCausalLM):
         # the module NxDI traces on Neuron: the model wrapper's DecoderModelInstance.load_module()
         # (models/model_wrapper.py:1454-1530: cast_type casts, fp32 ``*scale`` parameters, the
         # global q_config convert), not NxDI's CPU build (model_cls(config) then .bfloat16())
-        instance = self.models[0].get_model_instance()
-        instance.load_module()
-        module = instance.module
         sd = load_g4_int8_neuron(self.model_path, self.config, rank=torch.distributed.get_rank())
-        _load_rank_state(module, sd, self.model_path)
-        for wrapper in self.models:
-            wrapper.model = module
+        # continuous batching: one module per wrapper, built from that wrapper's config (context
+        # encoding at ctx_batch_size, token generation at tkg_batch_size), as NxDI's own to_cpu does
+        # (models/application_base.py:610-620); NxDI copies each call's KV cache into both modules'
+        # managers (models/model_base.py:3480-3482, _copy_past_key_values). Otherwise one shared module.
+        wrappers = self.models if nc.is_continuous_batching else self.models[:1]
+        modules = []
+        for wrapper in wrappers:
+            instance = wrapper.get_model_instance()
+            instance.load_module()
+            _load_rank_state(instance.module, sd, self.model_path)
+            modules.append(instance.module)
+        for i, wrapper in enumerate(self.models):
+            wrapper.model = modules[i if nc.is_continuous_batching else 0]
         self.eval()
 
     def load_weights(self, compiled_model_path, start_rank_id=None, local_ranks_size=None):

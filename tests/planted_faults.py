@@ -120,6 +120,14 @@ FAULTS: tuple[Fault, ...] = (
        (NXDI, "mask = mask & ((pos[:, None] - pos[None, :]) < self.sliding_window)",
         "mask = mask & ((pos[:, None] - pos[None, :]) <= self.sliding_window)"),
        ("core/gemma4.py", "out.append(min(sliding_window - 1, max_length))", "out.append(min(sliding_window, max_length))")),
+    # ---- g4serve's neuron engine with several requests at once (NxDI continuous batching)
+    _f("batch-encode-slot0", "every request's context encoding written into KV cache line 0 (seq_ids [0], "
+       "not its own slot)", "nxdi",
+       ("serve/neuron_backend.py", "seq_ids=torch.tensor([slot], dtype=torch.int32),",
+        "seq_ids=torch.zeros(1, dtype=torch.int32),")),
+    _f("batch-rows-reversed", "each request handed another row of the token-generation call's logits", "nxdi",
+       ("serve/neuron_backend.py", "        return out.logits[:, -1].float()\n",
+        "        return out.logits[:, -1].float().flip(0)\n")),
     # ---- int8-neuron weights and their sharding
     _f("int8-absmax-128", "int8 per-channel scales absmax / 128 instead of NxD's absmax / 127", "nxd,nxdi",
        ("quantizers/int8.py", "INT8_QMAX = 127.0", "INT8_QMAX = 128.0")),

@@ -52,6 +52,12 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
   the same result, tolerance ``TOL``; the ``engine`` case (g4serve's ``NeuronEngine`` on the TP-1
   result) and ``int8_bf16`` (below) against ``int8``'s reference;
 - ``int8_tp_mismatch``: the TP-2 result at TP 1, which must be refused with a clear error;
+- ``batch``: g4serve's ``NeuronEngine`` at ``max_batch_size`` 2 and 4 (NxDI's continuous batching:
+  ``is_continuous_batching``, B KV cache lines) on ``g4convert int8-neuron --tp 1`` of the embedded
+  model with ``sliding_window = 4`` in its config, :data:`BATCH_REQUESTS` (six prompts, 2 to 12
+  new tokens) in six threads at once: each against the int8 reference on its own prompt
+  (``TOL``) and the batch-1 engine; the token-generation calls' rows and shapes; two HTTP chat
+  requests at once against the same two one after the other;
 - ``synth_heads``: a random fp32 checkpoint built here with transformers 5.24 (``tests/tiny.py:
   build_with_geometry_of``) with the real 26B-A4B attention geometry (``g4.convert.synth.GEMMA4_26B_A4B``:
   16 query heads, sliding head_dim 256 / 8 KV heads, full global_head_dim 512 / 2 KV heads with k_eq_v,
@@ -113,6 +119,11 @@ SYNTH_PROMPT_LEN = 20
 OPTIONAL_KEYS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "tie_word_embeddings",
                  "layer_types")
 NEW_TOKENS, SEQ_LEN = 12, 32
+# batch: (question, new tokens) per request, more requests than the larger batch size
+BATCH_REQUESTS = (("What is the capital of France?", 12), ("What is the capital of Japan?", 4),
+                  ("What is the capital of Italy?", 9), ("What is the largest planet in the solar system?", 12),
+                  ("What is the capital of Germany?", 2), ("What is the capital of Spain?", 7))
+BATCH_SIZES = (2, 4)
 QUESTION = "What is the capital of France?"
 WINDOW_QUESTION = "What is the largest planet in the solar system?"  # the window4 case's prompt
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
@@ -376,6 +387,18 @@ def lane(tmp_path_factory):
     jobs["engine"] = {"kind": "engine", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": chat,
                       "question": QUESTION, "model": str(int8_dirs[1]), "new_tokens": NEW_TOKENS, "tp": 1,
                       "result": str(base / "engine.pt")}
+    # g4serve's NeuronEngine at --max-batch-size 2 and 4 (NxDI's continuous batching) on the int8
+    # result of the embedded model with sliding_window 4 (each KV cache line's sliding layers a ring)
+    window_src = shutil.copytree(EMBEDDED_DIR, base / "window4-src")
+    config = json.loads((window_src / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 4
+    (window_src / "config.json").write_text(json.dumps(config, indent=2))
+    batch_int8 = convert_int8_neuron(window_src, base / "batch-int8", tp=1, quantize_attention=False,
+                                     target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out
+    batch_prompts = [[_chat_ids(q), n] for q, n in BATCH_REQUESTS]
+    jobs["batch"] = {"kind": "batch", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "model": str(batch_int8),
+                     "batch_sizes": list(BATCH_SIZES), "prompts": batch_prompts,
+                     "questions": [QUESTION, WINDOW_QUESTION], "tp": 1, "result": str(base / "batch.pt")}
     # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
     (base / "26b").mkdir()
     (base / "26b" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
@@ -411,6 +434,7 @@ def lane(tmp_path_factory):
     # the int8 cases' references: (result, its source checkpoint, prompt)
     int8_sources = {"int8": (int8_dirs[1], EMBEDDED_DIR, chat), "int8_tp2": (int8_dirs[2], EMBEDDED_DIR, chat),
                     "defaults_int8": (defaults_int8, defaults, synth_prompt)}
+    int8_sources.update({f"batch/{i}": (batch_int8, window_src, prompt) for i, (prompt, _) in enumerate(batch_prompts)})
     # the references run beside the workers on the same cores: one thread, as the workers have
     # (OMP_NUM_THREADS=1); torch's default of one thread per core made them 20-100x slower there
     threads = torch.get_num_threads()
@@ -443,6 +467,11 @@ def lane(tmp_path_factory):
                 assert name == "int8_tp_mismatch" or "error" not in r, (name, r["error"], r["where"])
                 found[name] = r
                 continue
+            if name == "batch":  # several generations: each request's reference is refs["batch/<i>"]
+                assert "error" not in r, (name, r["error"], r["where"])
+                r["ref"] = [refs[f"batch/{i}"] for i in range(len(batch_prompts))]
+                found[name] = r
+                continue
             assert "error" not in r, (name, rank, r["error"], r["where"])
             r["ref_tokens"], r["ref_logits"] = refs[name]
             found[name if rank == 0 else f"{name}/rank{rank}"] = r
@@ -459,6 +488,10 @@ def lane(tmp_path_factory):
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
         f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"] if "t_gen" in found[n]))
+    print("nxdi_gemma4 batch: " + ", ".join(
+        f"B={b}: {len(found['batch'][b]['decode_batches'])} token-generation calls for "
+        f"{sum(found['batch'][b]['decode_batches'])} steps (rows {found['batch'][b]['decode_batches']})"
+        for b in BATCH_SIZES) + f"; worker {found['batch']['wall_s']:.1f} s")
     return found
 
 
@@ -887,7 +920,7 @@ def test_neuron_engine_steps_on_the_kv_cache_within_the_manifest_length(lane):
     r = lane["engine"]
     assert r["input_shapes"] == [[1, SEQ_LEN]] + [[1, 1]] * (NEW_TOKENS - 1)
     assert r["max_context"] == SEQ_LEN
-    assert r["state"] == len(_chat_ids(QUESTION)) + NEW_TOKENS - 1
+    assert r["state"] == (0, len(_chat_ids(QUESTION)) + NEW_TOKENS - 1)  # (KV cache slot, positions)
 
 
 def test_neuron_serving_modules_import_under_transformers_457(lane):
@@ -913,3 +946,52 @@ def test_http_chat_through_the_neuron_engine(lane):
     too_long = r["too_long"]
     assert too_long["status"] == 400 and too_long["body"]["error"]["code"] == "context_length_exceeded", too_long
     assert r["models"]["data"][0]["max_model_len"] == SEQ_LEN
+
+
+# ------------------------------------------- several requests at once: NxDI's continuous batching
+@pytest.mark.parametrize("size", BATCH_SIZES)
+def test_batched_requests_each_get_the_int8_reference_ids(lane, size):
+    """``NeuronEngine`` at ``max_batch_size`` 2 and 4 (``is_continuous_batching``; a window-4 int8
+    result, so each KV cache line's sliding layers are a ring) with the six requests of
+    :data:`BATCH_REQUESTS` in six threads at once: each gets the int8 reference's ids and logits
+    (``_int8_reference`` on its own, ``TOL``) for its own prompt, and what the batch-1 engine gives
+    it, though it shared token-generation calls with requests of other lengths that joined and
+    left."""
+    r = lane["batch"]
+    for i, (question, n) in enumerate(BATCH_REQUESTS):
+        tokens, logits = r[size]["tokens"][i], r[size]["logits"][i]
+        ref_tokens, ref_logits = r["ref"][i]
+        assert tokens == ref_tokens[:n], (size, question, tokens, ref_tokens[:n])
+        assert (logits - ref_logits[:n]).abs().max().item() < TOL, (size, question)
+        assert tokens == r[1]["tokens"][i] and (logits - r[1]["logits"][i]).abs().max().item() < TOL
+        assert logits.abs().max() > 5
+    assert len({tuple(t) for t in r[size]["tokens"]}) > 3  # the requests' answers differ: no row mix-up passes
+
+
+@pytest.mark.parametrize("size", BATCH_SIZES)
+def test_batched_requests_share_token_generation_calls_in_b_kv_cache_lines(lane, size):
+    """Context encoding one request at a time (``[1, 32]``, its own KV cache line), token
+    generation ``[B, 1]`` (NxDI pads idle lines) with up to B requests per call: fewer calls than
+    the requests' steps one by one; B KV cache lines; every slot free at the end. NxDI's CPU
+    mode builds one module per wrapper (``models/application_base.py``: ``to_cpu``)."""
+    r = lane["batch"][size]
+    assert r["shapes"]["cte"] == [[1, SEQ_LEN]] * len(BATCH_REQUESTS)
+    assert r["shapes"]["tkg"] == [[size, 1]] * len(r["decode_batches"])
+    assert max(r["decode_batches"]) == size and sum(r["decode_batches"]) == sum(n - 1 for _, n in BATCH_REQUESTS)
+    assert len(r["decode_batches"]) < sum(n - 1 for _, n in BATCH_REQUESTS)
+    assert r["kv_lines"] == size and r["modules"] == 2 and r["active_after"] == 0
+
+
+def test_http_requests_at_once_are_answered_as_one_at_a_time(lane):
+    """``create_app`` over the batch-2 engine: two chat requests sent together are generated
+    together (two threads; a 2-row token-generation call happened) and answered exactly as the
+    same requests one after another, with the int8 reference's greedy ids for their prompts."""
+    r = lane["batch"]["http"]
+    assert r["threads"] == 2
+    refs = {q: lane["batch"]["ref"][i][0] for i, (q, _) in enumerate(BATCH_REQUESTS)}
+    for question, together, alone in zip((QUESTION, WINDOW_QUESTION), r["together"], r["alone"]):
+        ids = together["choices"][0]["token_ids"]
+        assert ids == alone["choices"][0]["token_ids"], (together, alone)
+        assert together["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+        assert ids and ids == refs[question][:len(ids)], (question, ids, refs[question])
+    assert 2 in r["decode_batches"], r["decode_batches"]

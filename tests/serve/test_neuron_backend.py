@@ -84,6 +84,20 @@ def test_nxdi_settings_on_neuron_and_on_cpu(int8_out):
     assert neuron["tp_degree"] == 1 and neuron["quantized"]
     cpu = nb.nxdi_settings(m, config, on_cpu=True, dtype="float32")
     assert cpu["on_cpu"] and "context_encoding_buckets" not in cpu and cpu["max_context_length"] == 300
+    assert neuron["batch_size"] == 1 and "is_continuous_batching" not in neuron  # B=1: earlier compiles stay current
+
+
+def test_nxdi_settings_for_several_requests_at_once_are_continuous_batching(int8_out):
+    """``--max-batch-size 4``: NxDI's continuous batching (4 KV cache lines, context encoding one
+    request at a time, token generation for 4 rows); another batch size is another compile."""
+    m, config = Manifest.from_dir(int8_out), json.loads((int8_out / "config.json").read_text())
+    one = nb.nxdi_settings(m, config, on_cpu=False, dtype="bfloat16")
+    four = nb.nxdi_settings(m, config, on_cpu=False, dtype="bfloat16", max_batch_size=4)
+    assert four == dict(one, batch_size=4, max_batch_size=4, tkg_batch_size=4, ctx_batch_size=1,
+                        is_continuous_batching=True)
+    assert nb.compile_stamp(int8_out, four) != nb.compile_stamp(int8_out, one)
+    with pytest.raises(G4Error, match="--max-batch-size must be at least 1"):
+        nb.nxdi_settings(m, config, on_cpu=False, dtype="bfloat16", max_batch_size=0)
 
 
 class _Compiles:
@@ -146,6 +160,10 @@ def test_g4serve_neuron_without_neuron_is_one_error_line(int8_out):
     assert r.output.strip().splitlines()[-1].startswith("error: backend neuron unavailable: ")
     r = CliRunner().invoke(main, [str(int8_out), "--backend", "cpu", "--compiled-dir", str(int8_out / "c")])
     assert r.exit_code == 2 and "error: --compiled-dir is a neuron backend option" in r.output
+    r = CliRunner().invoke(main, [str(int8_out), "--backend", "cpu", "--max-batch-size", "2"])
+    assert r.exit_code == 2 and "error: --max-batch-size is a neuron backend option" in r.output, r.output
+    r = CliRunner().invoke(main, [str(int8_out), "--max-batch-size", "0"])
+    assert r.exit_code == 2 and "--max-batch-size" in r.output, r.output
 
 
 def test_load_neuron_engine_refuses_without_neuron(int8_out):

@@ -154,6 +154,7 @@ def engine(job: dict) -> dict:
         logits.append(step_logits)
         if i + 1 < job["new_tokens"]:
             state, step_logits = eng.step(state, tokens[-1])
+    eng.finish(state)  # its KV cache slot free again, for the HTTP requests below
     t_gen = time.perf_counter() - t1
     hook.remove()
     ref_tokens, ref_logits = g.greedy_generate(eng.model, job["prompt"], job["new_tokens"])
@@ -177,6 +178,104 @@ def engine(job: dict) -> dict:
             "imports": imports, "transformers": transformers.__version__,
             "classes": sorted({type(m).__name__ for m in net.modules()}),
             "t_import": t_import, "t_load": t_load, "t_gen": t_gen}
+
+
+def batch(job: dict) -> dict:
+    """g4serve's ``NeuronEngine`` with NxDI's continuous batching (``max_batch_size`` B) on
+    ``job["model"]`` in NxDI's CPU mode, against the same result at batch 1.
+
+    For each B in ``job["batch_sizes"]``: every ``[prompt, new_tokens]`` of ``job["prompts"]`` is
+    greedy-decoded in a thread of its own, all threads started together (so sequences join and
+    leave while others decode, and a slot freed by a short request is taken by a waiting one), each
+    through ``start``, ``step`` and ``finish`` (as ``Engine.generate_steps`` drives them). Returns
+    per B the ids and logits of each prompt, the rows of every token-generation call, and the
+    context-encoding and token-generation input shapes; then the batch-1 engine's ids and logits
+    for each prompt one after another. Then the HTTP app over the B = 2 engine with two chat
+    requests at once."""
+    stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
+    import threading
+
+    import torch
+
+    from g4.serve.neuron_backend import load_neuron_engine
+
+    def run(eng, prompt, n):
+        tokens, logits = [], []
+        state, step_logits = eng.start(prompt)
+        try:
+            for i in range(n):
+                tokens.append(int(step_logits.argmax()))
+                logits.append(step_logits)
+                if i + 1 < n:
+                    state, step_logits = eng.step(state, tokens[-1])
+        finally:
+            eng.finish(state)
+        return tokens, torch.stack(logits)
+
+    t0 = time.perf_counter()
+    found = {}
+    for size in job["batch_sizes"]:
+        eng = load_neuron_engine(job["model"], on_cpu=True, max_batch_size=size)
+        shapes = {"cte": [], "tkg": []}
+        for tag, wrapper in (("cte", eng.model.context_encoding_model), ("tkg", eng.model.token_generation_model)):
+            wrapper.model.register_forward_pre_hook(lambda m, args, tag=tag: shapes[tag].append(list(args[0].shape)))
+        results, errors = {}, []
+        gate = threading.Barrier(len(job["prompts"]))
+
+        def one(i, prompt, n, eng=eng, results=results, gate=gate):
+            try:
+                gate.wait()
+                results[i] = run(eng, prompt, n)
+            except Exception as e:  # noqa: BLE001 - reported
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(job["prompts"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        found[size] = {"tokens": [results[i][0] for i in range(len(job["prompts"]))],
+                       "logits": [results[i][1] for i in range(len(job["prompts"]))],
+                       "decode_batches": list(eng.batcher.decode_batches),
+                       "shapes": {k: list(v) for k, v in shapes.items()},  # before the HTTP requests below
+                       "kv_lines": eng.model.context_encoding_model.model.kv_mgr.past_key_values[0].shape[0],
+                       "modules": len({id(w.model) for w in eng.model.models}), "active_after": eng.batcher.active}
+        if size == 2:
+            from fastapi.testclient import TestClient
+
+            from g4.serve.server import create_app
+
+            app = create_app(eng, served_model_name="tiny-neuron")
+            before = len(eng.batcher.decode_batches)
+
+            def post(client, q):
+                return client.post("/v1/chat/completions", json={
+                    "model": "tiny-neuron", "messages": [{"role": "user", "content": q}], "temperature": 0,
+                    "max_tokens": 8, "return_token_ids": True}).json()
+
+            together = [None] * len(job["questions"])
+            with TestClient(app) as client:
+                asks = [threading.Thread(target=lambda i=i, q=q: together.__setitem__(i, post(client, q)))
+                        for i, q in enumerate(job["questions"])]
+                for t in asks:
+                    t.start()
+                for t in asks:
+                    t.join(120)
+                batches = eng.batcher.decode_batches[before:]
+                alone = [post(client, q) for q in job["questions"]]  # one after another: the same answers
+            app.state.worker.close()
+            found["http"] = {"together": together, "alone": alone, "decode_batches": batches,
+                             "threads": len(app.state.worker.threads)}
+        del eng
+    eng = load_neuron_engine(job["model"], on_cpu=True)
+    found[1] = {"tokens": [], "logits": []}
+    for prompt, n in job["prompts"]:
+        tokens, logits = run(eng, prompt, n)
+        found[1]["tokens"].append(tokens)
+        found[1]["logits"].append(logits)
+    found["t_gen"] = time.perf_counter() - t0
+    return found
 
 
 def specs(job: dict) -> dict:
@@ -284,8 +383,8 @@ def run(job: dict) -> None:
     t = time.perf_counter()
     try:
         kind = job.get("kind")
-        result = (specs(job) if kind == "specs" else engine(job) if kind == "engine" else route2(job)
-                  if kind == "route2" else main(job))
+        result = (specs(job) if kind == "specs" else engine(job) if kind == "engine" else batch(job)
+                  if kind == "batch" else route2(job) if kind == "route2" else main(job))
     except Exception as e:  # reported, with where, to the test
         result = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.perf_counter() - t
