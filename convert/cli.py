@@ -59,7 +59,7 @@ from g4.core.checkpoint import SRC_FORMS
 from g4.core.errors import G4Error, OptionError, exit_on_user_error, install_signal_handlers
 from g4.core.sizes import parse_size
 from g4.exporters.formats import check_result
-from g4.exporters.neuron_int8 import DEFAULT_MAX_LENGTH
+from g4.exporters.neuron_int8 import DEFAULT_MAX_CONTEXT_LENGTH, DEFAULT_MAX_LENGTH
 from g4.exporters.output_dir import refuse_existing
 
 
@@ -221,6 +221,10 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
 @click.option("--seq-len", type=COUNT, default=None,
               help="Tokens (prompt plus reply) to compile and serve for on Neuron; the memory plan sizes the KV "
                    f"cache for it. Default: {DEFAULT_MAX_LENGTH}, at most the model's max_position_embeddings.")
+@click.option("--max-context-length", type=COUNT, default=None,
+              help="Longest prompt in tokens (NxDI's max_context_length: context-encoding buckets up to it, token "
+                   "generation up to --seq-len); the plan counts its attention, which grows with its square. "
+                   f"Default: {DEFAULT_MAX_CONTEXT_LENGTH}, at most --seq-len.")
 @click.option("--algorithm", type=click.Choice(INT8_ALGORITHMS), default=INT8_DEFAULT_ALGORITHM, show_default=True,
               help="How the int8 codes are chosen under NxD's per-channel scales (absmax/127, the same for both): "
                    "max (round to nearest, NxD's own quantizer bit for bit) or gptq (GPTQ on each quantized linear's "
@@ -230,7 +234,8 @@ def nvfp4(ctx, src, out, preset, algorithm, weight_only, calib_data, calib_sampl
 @_hub_options
 @click.pass_context
 @exit_on_user_error
-def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, algorithm, calib_data, calib_samples,
+def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, max_context_length, algorithm,
+                calib_data, calib_samples,
                 calib_seq_len, calib_batch_size, calib_dtype, calib_device, overwrite, push_to_hub, private,
                 base_model):
     """Write AWS Neuron (NxD) int8 per-channel weights of SRC (a checkpoint directory,
@@ -250,7 +255,8 @@ def int8_neuron(ctx, src, out, tp, quantize_attention, target, force, seq_len, a
     src_dir = resolve_source(src)
     report = convert_int8_neuron(src_dir, out, tp=tp, quantize_attention=quantize_attention,
                                  target=target, force=force, overwrite=overwrite, progress=not is_quiet(),
-                                 seq_len=seq_len, algorithm=algorithm, calib_data=calib_data,
+                                 seq_len=seq_len, max_context_length=max_context_length, algorithm=algorithm,
+                                 calib_data=calib_data,
                                  calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                                  calib_batch_size=calib_batch_size, calib_dtype=calib_dtype,
                                  calib_device=calib_device)
@@ -361,6 +367,9 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
 @click.option("--seq-len", type=COUNT, default=8192, show_default=True,
               help="KV cache tokens per sequence (vLLM's --max-model-len).")
 @click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences in the KV cache.")
+@click.option("--max-context-length", type=COUNT, default=None,
+              help="Neuron plans: longest prompt in tokens (NxDI's max_context_length, the largest context-encoding "
+                   f"bucket), whose attention is counted. Default: {DEFAULT_MAX_CONTEXT_LENGTH}, at most --seq-len.")
 @click.option("--max-num-batched-tokens", type=COUNT,
               help="GPU plans: vLLM's --max-num-batched-tokens, which sets what each sliding-window layer "
                    "reserves (window - 1 + this, in blocks). Default: vllm serve's, 8192 for --gpu-mem of 70 GiB "
@@ -381,8 +390,8 @@ def synth(ctx, out, preset, layers, no_vision, seed, max_shard_size, overwrite):
                    "whatever the verdict.")
 @click.pass_context
 @exit_on_user_error
-def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tokens, gpu_memory_utilization,
-         bucketing, lm_head, attention, embedding, as_json, check):
+def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_context_length, max_num_batched_tokens,
+         gpu_memory_utilization, bucketing, lm_head, attention, embedding, as_json, check):
     """Plan per-rank memory of SRC_OR_CONFIG from its config alone (no weights read).
 
     SRC_OR_CONFIG: a checkpoint directory, a config.json, a Hub repo id owner/name[@revision]
@@ -402,7 +411,8 @@ def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tok
 
     gpu_mem_bytes = None if gpu_mem is None else parse_size(gpu_mem)
     name, config, directory, shape = load_source(src)
-    options = dict(fmt=fmt, tp=tp, seq_len=seq_len, attention=attention, target=target, bucketing=bucketing)
+    options = dict(fmt=fmt, tp=tp, seq_len=seq_len, attention=attention, target=target, bucketing=bucketing,
+                   max_context_length=max_context_length)
     if shape is not None:
         given = {k for k in options if ctx.get_parameter_source(k).name != "DEFAULT"}
         options = apply_result_shape(src, shape, options, given)
@@ -411,7 +421,8 @@ def plan(ctx, src, fmt, tp, target, gpu_mem, seq_len, batch, max_num_batched_tok
                          gpu_mem_bytes=gpu_mem_bytes, seq_len=options["seq_len"], batch=batch, lm_head=lm_head,
                          attention=options["attention"], embedding=embedding, src_dir=directory, model=name,
                          max_num_batched_tokens=max_num_batched_tokens, enable_bucketing=options["bucketing"],
-                         gpu_memory_utilization=gpu_memory_utilization)
+                         gpu_memory_utilization=gpu_memory_utilization,
+                         max_context_length=options["max_context_length"])
     click.echo(result.to_json() if as_json else result.summary())
     if check and (result.fits is False or result.host_fits is False):
         sys.exit(1)

@@ -73,6 +73,7 @@ from g4.exporters.neuron_int8 import (
     layer_prefix,
     model_entries,
     rank_file,
+    serving_max_context_length,
     serving_max_length,
     shard,
 )
@@ -177,6 +178,7 @@ def convert_int8_neuron(
     overwrite: bool = False,
     progress: bool = True,
     seq_len: int | None = None,
+    max_context_length: int | None = None,
     algorithm: str = DEFAULT_ALGORITHM,
     calib_data: str | Path | None = None,
     calib_samples: int = CALIB_SAMPLES,
@@ -200,6 +202,11 @@ def convert_int8_neuron(
             the memory plan sizes the KV cache for it and the manifest records it with its
             bucket ladders (``None``: ``DEFAULT_MAX_LENGTH`` capped at ``max_position_embeddings``,
             :func:`g4.exporters.neuron_int8.serving_max_length`).
+        max_context_length: longest prompt (tokens) it encodes in one context-encoding call, NxDI's
+            ``max_context_length`` (its largest context-encoding bucket; token generation runs to
+            ``seq_len``); the plan counts that bucket's attention (``None``:
+            ``DEFAULT_MAX_CONTEXT_LENGTH`` capped at ``seq_len``,
+            :func:`g4.exporters.neuron_int8.serving_max_context_length`).
         algorithm: one of :data:`ALGORITHMS`: ``max`` (round to nearest, NxD's quantizer bit for
             bit) or ``gptq`` (GPTQ codes under the same scales, on the calibration inputs of every
             quantized linear, the lm_head included; see the module docstring).
@@ -223,7 +230,8 @@ def convert_int8_neuron(
     ckpt = Checkpoint(src, source=True)
     g = geometry(ckpt.config, tp)
     max_length = serving_max_length(seq_len, g.arch.max_positions)
-    plan = _checked_plan(ckpt, tp, target, quantize_attention, force, max_length)
+    prompt_length = serving_max_context_length(max_context_length, max_length)
+    plan = _checked_plan(ckpt, tp, target, quantize_attention, force, max_length, prompt_length)
     smap, layers, model = _layer_jobs(ckpt, g, quantize_attention)
     embed_name = ckpt.prefix + "embed_tokens.weight"
     specs = rank_specs(ckpt, g, layers, model)
@@ -247,7 +255,7 @@ def convert_int8_neuron(
                 not_exported=[n.rstrip(".") for n in VISION_PREFIXES if any(tower_of(k) == n for k in smap.model_keep)],
                 source={"files": hashes.result(), "prefix": ckpt.prefix},
                 memory_plan=plan.to_dict() if plan is not None else None, max_length=max_length,
-                algorithm=algorithm, algorithm_detail=ALGORITHM_DETAIL[algorithm],
+                max_context_length=prompt_length, algorithm=algorithm, algorithm_detail=ALGORITHM_DETAIL[algorithm],
                 calibration_tokens=calib_tokens).write(tmp)
             options = dict(tp=tp, quantize_attention=quantize_attention, target=target, force=force, algorithm=algorithm)
             if algorithm == "gptq":  # what the result depends on; a max result calibrates nothing
@@ -269,8 +277,9 @@ def _finish(tmp: Path, ckpt: Checkpoint, out, options: dict) -> None:
 
 
 def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attention: bool, force: bool,
-                  seq_len: int):
-    """The memory plan for ``target`` at ``seq_len`` tokens (None without a target); a result that does not fit is refused
+                  seq_len: int, max_context_length: int):
+    """The memory plan for ``target`` at ``seq_len`` tokens and prompts of ``max_context_length``
+    (None without a target); a result that does not fit is refused
     unless ``force``, and a host RAM short of what loading needs (the plan's host rows) is warned about.
 
     Raises:
@@ -280,7 +289,8 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
         return None
     # bucketing as g4serve compiles the result (the manifest's bucket ladder, serve/neuron_backend.py)
     plan = plan_memory(ckpt.config, fmt="int8-neuron", tp=tp, target=target, seq_len=seq_len,
-                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root, enable_bucketing=True)
+                       attention="int8" if quantize_attention else "bf16", src_dir=ckpt.root, enable_bucketing=True,
+                       max_context_length=max_context_length)
     if not plan.fits and not force:
         raise G4Error(f"the int8 result does not fit {target} at TP={tp}: it needs "
                       f"{plan.total_per_rank / 1e9:.2f} GB per rank, a NeuronCore has "

@@ -40,8 +40,10 @@ rules (per rank, TP degree ``tp``):
 - norms, ``layer_scalar`` and routers: replicated bf16.
 
 Neuron plans also count the fp32 logits each compiled NxDI bucket graph outputs
-(:func:`nxdi_logits_bytes`). What is not counted: activations, compiler scratchpad, compiled
-graphs, CUDA context and graphs, the runtime itself. The margin is what is left for those.
+(:func:`nxdi_logits_bytes`) and the attention scores of the largest context-encoding bucket
+(:func:`nxdi_context_attention_bytes`), the one activation that grows with the square of the
+prompt. What is not counted: other activations, compiler scratchpad, compiled graphs, CUDA
+context and graphs, the runtime itself. The margin is what is left for those.
 """
 
 from __future__ import annotations
@@ -73,7 +75,14 @@ from g4.core.gemma4 import (
 )
 from g4.core.sizes import format_bytes
 from g4.exporters.formats import BF16, FACTS_FILE, INT8_NEURON, NVFP4, detect_format
-from g4.exporters.neuron_int8 import RANK_INDEX_KIND, Manifest, expected_rank_specs, neuron_buckets, parse_rank_name
+from g4.exporters.neuron_int8 import (
+    RANK_INDEX_KIND,
+    Manifest,
+    expected_rank_specs,
+    neuron_buckets,
+    parse_rank_name,
+    serving_max_context_length,
+)
 
 GB = 10**9
 GiB = 2**30
@@ -335,18 +344,33 @@ def kv_cache_nxdi(g: Architecture, tp: int, max_length: int, batch: int, *, padd
     return KvCache(sliding * seqs, full * seqs)
 
 
-def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False) -> tuple[list[int], list[int]]:
+def nxdi_buckets(max_length: int, *, enable_bucketing: bool = False,
+                 max_context_length: int | None = None) -> tuple[list[int], list[int]]:
     """``(context_encoding, token_generation)`` buckets (positions) NxDI 0.8 compiles one graph each
     for, as its defaults give them (aws-neuron/neuronx-distributed-inference
-    ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets_for_cte`` /
-    ``generate_buckets_for_tkg`` / ``generate_buckets``; ``max_context_length`` = ``max_length`` =
-    ``seq_len``, no prefix caching or chunked prefill). Without bucketing (NxDI's default): one of
-    each, ``[max_length]``. With it: ``2**i`` from 128 below ``round(log2(max_length))``, then
-    ``max_length`` itself (so ``[max_length]`` alone up to 181 positions)."""
+    ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets_for_cte`` up
+    to ``max_context_length`` (default ``max_length``), ``generate_buckets_for_tkg`` up to
+    ``max_length`` = ``seq_len``, ``generate_buckets``; no prefix caching or chunked prefill).
+    Without bucketing (NxDI's default): one of each, ``[max_context_length]`` and ``[max_length]``.
+    With it: ``2**i`` from 128 below ``round(log2(n))``, then ``n`` itself (so ``[n]`` alone up to
+    181 positions), for each of the two lengths."""
+    prompt = max_context_length or max_length
     if not enable_bucketing:
-        return [max_length], [max_length]
-    buckets = neuron_buckets(max_length)  # the ladder the int8-neuron manifest records and serving compiles
-    return buckets, list(buckets)
+        return [prompt], [max_length]
+    # the ladders the int8-neuron manifest records and serving compiles
+    return neuron_buckets(prompt), neuron_buckets(max_length)
+
+
+def nxdi_context_attention_bytes(g: Architecture, tp: int, bucket: int, *, dtype_bytes: int = _BF16) -> int:
+    """Bytes per rank of the attention scores one context-encoding call of ``bucket`` positions
+    holds in g4's NxDI class: fp32 scores and their ``dtype_bytes`` probabilities, ``[1, heads/T,
+    S, S]`` each (``g4.serve.nxdi_gemma4.NeuronGemma4Attention.forward``: ``matmul(q, k^T)`` in
+    fp32, masked, then softmax cast to the model dtype; sliding layers too, their window being a
+    mask over the whole bucket), for one layer (layers run one after another), one sequence
+    (NxDI encodes one prompt per call, ``ctx_batch_size`` 1). The figure grows with ``S**2``: the
+    longest prompt, not the KV cache, bounds what fits. An upper bound where the compiler fuses
+    the softmax."""
+    return (g.heads // tp) * bucket * bucket * (_FP32 + dtype_bytes)
 
 
 def nxdi_logits_bytes(g: Architecture, batch: int, buckets: tuple[list[int], list[int]]) -> int:
@@ -408,7 +432,8 @@ def vision_params(config: dict, src_dir: str | Path | None = None) -> tuple[int,
 class PlanInputs:
     """What a plan was computed for (``gpu_mem_bytes`` in bytes; ``seq_len`` and
     ``max_num_batched_tokens`` in tokens; the latter None for a Neuron plan;
-    ``enable_bucketing``: NxDI's, Neuron plans only)."""
+    ``enable_bucketing`` and ``max_context_length``, the longest prompt in tokens: NxDI's, Neuron
+    plans only)."""
 
     model: str
     fmt: str
@@ -423,6 +448,7 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None
     enable_bucketing: bool = False
     gpu_memory_utilization: float | None = None
+    max_context_length: int | None = None
 
 
 GROUPS = ("experts", "lm_head", "dense_mlp", "attention", "norms_and_routers", "embedding", "vision")
@@ -444,17 +470,20 @@ class MemoryPlan:
         kv_cache_sliding, kv_cache_full: its bytes on sliding-window and on full layers.
         logits_outputs: Neuron plans: the fp32 logits each compiled NxDI graph outputs on a rank
             (:func:`nxdi_logits_bytes`); 0 for a GPU plan.
+        context_encoding_attention: Neuron plans: the attention scores of the largest
+            context-encoding bucket (:func:`nxdi_context_attention_bytes`); 0 for a GPU plan.
         buckets: Neuron plans: NxDI's ``context_encoding`` and ``token_generation`` buckets
             (positions, :func:`nxdi_buckets`); None for a GPU plan.
-        total_per_rank: ``weights_per_rank + kv_cache + logits_outputs``.
+        total_per_rank: ``weights_per_rank + kv_cache + logits_outputs + context_encoding_attention``.
         device_mem_per_rank: device memory of one rank (16 GiB per NeuronCore, or
             ``--gpu-mem`` times vLLM's ``--gpu-memory-utilization``); None without a target.
         margin: ``device_mem_per_rank - total_per_rank`` (negative: short); None without a target.
         fits: device verdict (``margin >= 0``); None without a target.
         longest_seq_len: the largest ``seq_len`` (tokens, at most the model's
             ``max_position_embeddings`` where the config gives it) at which ``total_per_rank`` still
-            fits ``device_mem_per_rank`` at this ``batch`` and every other input unchanged (KV cache and
-            logits outputs recomputed, :func:`longest_seq_len`); 0 when not even one token fits;
+            fits ``device_mem_per_rank`` at this ``batch`` and every other input unchanged (KV cache,
+            logits outputs and, for prompts capped at ``max_context_length``, the context-encoding
+            attention recomputed, :func:`longest_seq_len`); 0 when not even one token fits;
             None without a target.
         max_positions: the model's ``max_position_embeddings`` (tokens; None when the config has none).
         host_embedding: bytes of the bf16 embedding table kept in host RAM (0 on device).
@@ -492,6 +521,7 @@ class MemoryPlan:
     kv_cache_sliding: int
     kv_cache_full: int
     logits_outputs: int
+    context_encoding_attention: int
     buckets: dict[str, list[int]] | None
     total_per_rank: int
     device_mem_per_rank: int | None
@@ -530,8 +560,9 @@ class MemoryPlan:
         """A text report: one aligned table for the device rank, one for the host, the verdicts."""
         p = self.inputs
         where = _describe_target(p)
+        prompts = "" if p.max_context_length is None else f", prompts up to {p.max_context_length} tokens"
         lines = [f"memory plan: {p.model}, {p.fmt}, TP={p.tp}, {where}",
-                 f"KV cache: bf16, {p.batch} x {p.seq_len} tokens{_batched(p)}; lm_head {p.lm_head}, "
+                 f"KV cache: bf16, {p.batch} x {p.seq_len} tokens{_batched(p)}{prompts}; lm_head {p.lm_head}, "
                  f"attention {p.attention}, embedding on the {p.embedding}", ""]
         rows = [(name, getattr(self, name), self.layout.get(name, "")) for name in GROUPS]
         rows += [("weights", self.weights_per_rank, ""), ("kv_cache", self.kv_cache, self.layout["kv_cache"]),
@@ -539,6 +570,7 @@ class MemoryPlan:
                  ("  full layers", self.kv_cache_full, self.layout["kv_cache_full"])]
         if self.buckets is not None:
             rows.append(("logits outputs", self.logits_outputs, self.layout["logits_outputs"]))
+            rows.append(("context encoding", self.context_encoding_attention, self.layout["context_encoding"]))
         rows.append(("total", self.total_per_rank, ""))
         if self.device_mem_per_rank is not None:
             what = ("one NeuronCore" if p.target
@@ -584,7 +616,8 @@ def longest_seq_len(device_total, device_mem: int, max_positions: int | None) ->
     """The largest sequence length ``n`` (tokens) with ``device_total(n) <= device_mem``, searched in
     ``[1, max_positions]`` (``2**24`` when the model states none) by bisection; 0 when ``n = 1``
     does not fit. ``device_total`` (bytes per rank for ``n`` tokens) must not decrease with ``n``,
-    as weights plus KV cache plus logits outputs do."""
+    as weights plus KV cache plus logits outputs plus the attention of a prompt of
+    ``min(max_context_length, n)`` do."""
     hi = max_positions or 2**24
     if device_total(1) > device_mem:
         return 0
@@ -692,7 +725,7 @@ def _check_tp(g: Architecture, tp: int, fmt: str, t: NeuronTarget | None) -> Non
 
 
 def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: int, g: Architecture,
-            batched_tokens: int | None, seq_len: int, buckets: dict | None, batch: int) -> dict[str, str]:
+            batched_tokens: int | None, seq_len: int, buckets: dict | None, batch: int, tp: int) -> dict[str, str]:
     """How each group is stored and split, for the report."""
     name = "int8 + fp32 per-channel scales" if quant == "int8" else quant
     experts = ("int8, expert-wise fp32 scales [E,1,out]; gate_up column- (scale split), down row-parallel "
@@ -712,7 +745,10 @@ def _layout(quant: str, lm_head: str, attention: str, embedding: str, vision: in
         **_kv_layout(g, batched_tokens, seq_len),
         **({} if buckets is None else {"logits_outputs": (
             f"fp32 [{batch}, 1, {g.vocab}] per graph: context encoding buckets {buckets['context_encoding']}, "
-            f"token generation buckets {buckets['token_generation']}")}),
+            f"token generation buckets {buckets['token_generation']}"),
+            "context_encoding": (f"attention of the largest context-encoding bucket ({buckets['context_encoding'][-1]} "
+                                 f"tokens, the longest prompt): fp32 scores + bf16 probabilities "
+                                 f"[{g.heads // tp}, S, S], one layer at a time")}),
     }
 
 
@@ -757,8 +793,12 @@ def _notes(g: Architecture, tp: int, t: NeuronTarget | None, neuron: bool, seq_l
     if not neuron and tp > 1:
         notes.append("GPU ranks: experts split by TP (not expert parallel); the embedding is vocab-sharded")
     if neuron or fmt == INT8_NEURON:
-        notes.append("counted per NxDI bucket graph: its fp32 logits output; not counted: each graph's activations "
-                     "and scratchpad, its compiled instructions, its input tensors (ids, positions, masks), the runtime")
+        notes.append("counted per NxDI bucket graph: its fp32 logits output; of activations only the attention scores "
+                     "of the largest context-encoding bucket (g4's class computes plain attention, S x S per head; "
+                     "NxDI's flash-attention kernel is not used); not counted: the other activations and "
+                     "scratchpad, compiled instructions, input tensors (ids, positions, masks), the runtime")
+        notes.append("a prompt longer than the largest context-encoding bucket (max_context_length) is refused; "
+                     "encoding it in chunks (NxDI's chunked prefill or windowed context encoding) is not implemented")
     else:
         notes.append("not counted: activations, compiler scratchpad / CUDA context and graphs, the runtime")
     return notes
@@ -768,7 +808,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
                 seq_len: int = 8192, batch: int = 1, lm_head: str | None = None, attention: str | None = None,
                 embedding: str | None = None, src_dir: str | Path | None = None,
                 model: str | None = None, max_num_batched_tokens: int | None = None,
-                enable_bucketing: bool = False, gpu_memory_utilization: float | None = None) -> MemoryPlan:
+                enable_bucketing: bool = False, gpu_memory_utilization: float | None = None,
+                max_context_length: int | None = None) -> MemoryPlan:
     """Plan the memory of ``config`` served in ``fmt`` at TP degree ``tp``.
 
     Args:
@@ -802,6 +843,12 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         gpu_memory_utilization: GPU plans: the share (0, 1] of ``gpu_mem_bytes`` vLLM may use
             (``vllm serve --gpu-memory-utilization``); default
             :data:`VLLM_GPU_MEMORY_UTILIZATION`. The fit check is against that share.
+        max_context_length: Neuron plans: the longest prompt in tokens, NxDI's
+            ``max_context_length`` (the largest context-encoding bucket; its attention is counted,
+            :func:`nxdi_context_attention_bytes`); default
+            :func:`g4.exporters.neuron_int8.serving_max_context_length` of ``seq_len``, as
+            ``g4convert int8-neuron`` writes it. For the longest ``seq_len`` it stays capped at
+            this value.
 
     Returns:
         The :class:`MemoryPlan`. The vision tower and ``embed_vision`` are counted (bf16,
@@ -810,7 +857,8 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
 
     Raises:
         G4Error: an unknown option, a combination that does not exist (NVFP4 on Neuron,
-            int8 on a GPU, both a target and a GPU, ``max_num_batched_tokens`` for Neuron),
+            int8 on a GPU, both a target and a GPU, ``max_num_batched_tokens`` for Neuron,
+            ``max_context_length`` for a GPU or longer than ``seq_len``),
             a TP degree the model cannot be split over, more ranks than the target has cores,
             or a config the planner cannot read.
     """
@@ -822,6 +870,9 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
                       "by NxDI's rule")
     if enable_bucketing and not on_neuron:
         raise G4Error("--bucketing is an NxDI (Neuron) setting; a GPU plan sizes the KV cache by vLLM's rule")
+    if max_context_length is not None and not on_neuron:
+        raise G4Error("--max-context-length is an NxDI (Neuron) setting; vLLM encodes any prompt up to --seq-len")
+    prompt = serving_max_context_length(max_context_length, seq_len) if on_neuron else None
     if gpu_memory_utilization is not None and on_neuron:
         raise G4Error("--gpu-memory-utilization is a vLLM (GPU) setting; a Neuron plan has none")
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -860,22 +911,24 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
             embedding=table // tp if embedding == "device" else 0, vision=vision)
     weights = sum(groups.values())
 
-    def sequence_bytes(n: int) -> tuple[KvCache, dict[str, list[int]] | None, int]:
-        """KV cache, buckets and logits outputs for sequences of ``n`` tokens."""
+    def sequence_bytes(n: int) -> tuple[KvCache, dict[str, list[int]] | None, int, int]:
+        """KV cache, buckets, logits outputs and context-encoding attention for sequences of ``n``
+        tokens (prompts of at most ``min(prompt, n)``)."""
         if on_neuron:
-            cte, tkg = nxdi_buckets(n, enable_bucketing=enable_bucketing)
+            cte, tkg = nxdi_buckets(n, enable_bucketing=enable_bucketing, max_context_length=min(prompt, n))
             return (kv_cache_nxdi(g, tp, n, batch), {"context_encoding": cte, "token_generation": tkg},
-                    nxdi_logits_bytes(g, batch, (cte, tkg)))
-        return kv_cache_vllm(g, tp, n, batch, batched), None, 0
+                    nxdi_logits_bytes(g, batch, (cte, tkg)), nxdi_context_attention_bytes(g, tp, cte[-1]))
+        return kv_cache_vllm(g, tp, n, batch, batched), None, 0, 0
 
-    kv_parts, buckets, logits = sequence_bytes(seq_len)
+    kv_parts, buckets, logits, cte_attention = sequence_bytes(seq_len)
     kv = kv_parts.total
+    total = weights + kv + logits + cte_attention
     device = t.hbm_per_core_bytes if t else None if gpu_mem_bytes is None else int(gpu_mem_bytes * utilization)
-    margin = None if device is None else device - weights - kv - logits
+    margin = None if device is None else device - total
 
     def device_total(n: int) -> int:
-        kv_n, _, logits_n = sequence_bytes(n)
-        return weights + kv_n.total + logits_n
+        kv_n, _, logits_n, attention_n = sequence_bytes(n)
+        return weights + kv_n.total + logits_n + attention_n
 
     longest = None if device is None else longest_seq_len(device_total, device, g.max_positions)
     host_embedding = table if embedding == "host" else 0
@@ -890,9 +943,10 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
     host_margin = None if host_ram is None else host_ram - host_need
     return MemoryPlan(
         inputs=PlanInputs(model or "model", fmt, tp, target, gpu_mem_bytes, seq_len, batch, lm_head, attention,
-                          embedding, batched, enable_bucketing, utilization),
+                          embedding, batched, enable_bucketing, utilization, prompt),
         **groups, weights_per_rank=weights, kv_cache=kv, kv_cache_sliding=kv_parts.sliding,
-        kv_cache_full=kv_parts.full, logits_outputs=logits, buckets=buckets, total_per_rank=weights + kv + logits,
+        kv_cache_full=kv_parts.full, logits_outputs=logits, context_encoding_attention=cte_attention,
+        buckets=buckets, total_per_rank=total,
         device_mem_per_rank=device,
         margin=margin, fits=None if margin is None else margin >= 0, longest_seq_len=longest,
         max_positions=g.max_positions,
@@ -900,7 +954,7 @@ def plan_memory(config: dict, *, fmt: str, tp: int = 1, target: str | None = Non
         host_rank_files=host_files, host_page_cache_kept=host_load[0], host_anonymous=host_load[1],
         host_reserve=host_load[2], host_ram_need=host_need, host_ram=host_ram,
         host_margin=host_margin, host_fits=None if host_margin is None else host_margin >= 0,
-        layout=_layout(quant, lm_head, attention, embedding, vision, g, batched, seq_len, buckets, batch),
+        layout=_layout(quant, lm_head, attention, embedding, vision, g, batched, seq_len, buckets, batch, tp),
         notes=tuple(notes + _notes(g, tp, t, neuron, seq_len, fmt)))
 
 
@@ -915,8 +969,8 @@ class ResultShape:
         detail: the result as :func:`g4.exporters.formats.detect_format` names it, e.g.
             ``"NVFP4 W4A16 (modelopt)"``.
         fixed: plan option -> the value the result's files fix (``fmt``; ``attention``; for
-            int8-neuron ``tp`` and ``seq_len``, which its rank files and manifest were written
-            for); another value is refused (:func:`apply_result_shape`).
+            int8-neuron ``tp``, ``seq_len`` and ``max_context_length``, which its rank files and
+            manifest were written for); another value is refused (:func:`apply_result_shape`).
         defaults: plan option -> the default taken from the result where none is given
             (int8-neuron: the ``target`` it was converted for, ``bucketing`` as g4serve compiles it).
         unmodelled: why the plan cannot cost this result (NVFP4 ``--preset experts-only``:
@@ -951,6 +1005,7 @@ def result_shape(directory: Path) -> ResultShape | None:
         fixed = {"fmt": INT8_NEURON, "tp": m.tp_degree, "attention": "int8" if m.quantize_attention else "bf16"}
         if m.max_length:
             fixed["seq_len"] = m.max_length
+            fixed["max_context_length"] = m.max_context_length or m.max_length
         return ResultShape(fmt.detail, fixed, {"target": target if target in NEURON_TARGETS else None,
                                                "bucketing": True})
     if fmt.format != NVFP4:
@@ -969,7 +1024,7 @@ def result_shape(directory: Path) -> ResultShape | None:
 
 
 _OPTION_NAMES = {"fmt": "--format", "tp": "--tp", "seq_len": "--seq-len", "attention": "--attention",
-                 "target": "--target", "bucketing": "--bucketing"}
+                 "target": "--target", "bucketing": "--bucketing", "max_context_length": "--max-context-length"}
 
 
 def apply_result_shape(src: str, shape: ResultShape, options: dict, given: set[str]) -> dict:
@@ -989,6 +1044,7 @@ def apply_result_shape(src: str, shape: ResultShape, options: dict, given: set[s
             flag = _OPTION_NAMES[key]
             why = {"fmt": "", "tp": ": its rank files are one per TP rank",
                    "seq_len": ": g4serve compiles it for the length it was converted for",
+                   "max_context_length": ": g4serve compiles it for the prompt length it was converted for",
                    "attention": ": its attention is stored that way"}[key]
             raise G4Error(f"{src}: {a_or_an(shape.detail)} result, planned as it is{why}; pass {flag} {value} "
                           f"(or leave {flag} out), or plan the source it was converted from")

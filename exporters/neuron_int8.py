@@ -96,6 +96,16 @@ COMPILED_STAMP = "g4_compiled.json"
 # (``g4convert int8-neuron --seq-len``) nor an older manifest says otherwise: the length the
 # memory plan sizes the KV cache for; capped at the model's ``max_position_embeddings``.
 DEFAULT_MAX_LENGTH = 8192
+# Longest prompt (tokens) an int8-neuron result encodes in one context-encoding call when the
+# conversion (``g4convert int8-neuron --max-context-length``) does not say: NxDI's
+# ``max_context_length``, the largest context-encoding bucket; token generation still runs to
+# ``max_length``. g4's NxDI class computes context-encoding attention as plain fp32 scores
+# ``[heads / T, S, S]`` for a bucket of S (``g4.serve.nxdi_gemma4.NeuronGemma4Attention``), which
+# the memory plan counts and which grows with S squared; NxDI's own attention leaves that form for
+# its flash-attention kernel from 4096 tokens (aws-neuron/neuronx-distributed-inference
+# ``src/neuronx_distributed_inference/modules/attention/attention_base.py``:
+# ``get_flash_attention_strategy``, LNC 1 as on inf2), a kernel g4's class does not use.
+DEFAULT_MAX_CONTEXT_LENGTH = 4096
 # The smallest bucket of NxDI's default bucketing (aws-neuron/neuronx-distributed-inference
 # ``src/neuronx_distributed_inference/modules/autobucketing.py``: ``generate_buckets(128, max)``).
 MIN_BUCKET = 128
@@ -136,6 +146,24 @@ def serving_max_length(seq_len: int | None, max_positions: int | None) -> int:
     if seq_len < 1 or (max_positions and seq_len > max_positions):
         raise G4Error(f"--seq-len {seq_len}: the model takes 1 to {max_positions} tokens (max_position_embeddings)")
     return seq_len
+
+
+def serving_max_context_length(max_context_length: int | None, max_length: int) -> int:
+    """Longest prompt (tokens) an int8-neuron result is compiled to encode: NxDI's
+    ``max_context_length``, the largest context-encoding bucket. ``max_context_length`` (asked
+    for at conversion), else :data:`DEFAULT_MAX_CONTEXT_LENGTH`, capped at ``max_length`` (the
+    KV cache length, prompt plus reply; NxDI's ``models/config.py`` asserts
+    ``max_context_length <= max_length``).
+
+    Raises:
+        G4Error: ``max_context_length`` below 1 or above ``max_length``.
+    """
+    if max_context_length is None:
+        return min(DEFAULT_MAX_CONTEXT_LENGTH, max_length)
+    if not 1 <= max_context_length <= max_length:
+        raise G4Error(f"--max-context-length {max_context_length}: a prompt can be 1 to {max_length} tokens "
+                      "(--seq-len, prompt plus reply)")
+    return max_context_length
 
 
 # --------------------------------------------------------------------------- geometry
@@ -660,19 +688,23 @@ class Manifest:
     source: dict
     memory_plan: dict | None
     format: str = LAYOUT_NAME
-    # Serving shape (NxDI ``NeuronConfig``: ``max_length`` = ``seq_len``, bucket ladders), written
-    # since the NxDI serving path; ``None`` in results written before, see :meth:`serving_shape`.
+    # Serving shape (NxDI ``NeuronConfig``: ``max_length`` = ``seq_len``, ``max_context_length``,
+    # bucket ladders), written since the NxDI serving path; ``None`` in results written before, see
+    # :meth:`serving_shape` (``max_context_length`` was ``max_length`` until it was a field).
     max_length: int | None = None
     context_encoding_buckets: list[int] | None = None
     token_generation_buckets: list[int] | None = None
+    max_context_length: int | None = None
 
     @classmethod
     def build(cls, g: Geometry, *, embed_dtype: torch.dtype, quantize_attention: bool, not_exported: list[str],
-              source: dict, memory_plan: dict | None, max_length: int, algorithm: str = "max",
-              algorithm_detail: str = "", calibration_tokens: int = 0) -> "Manifest":
+              source: dict, memory_plan: dict | None, max_length: int, max_context_length: int | None = None,
+              algorithm: str = "max", algorithm_detail: str = "", calibration_tokens: int = 0) -> "Manifest":
         """The manifest of a conversion of ``g`` (architecture at TP ``g.tp``), to be served for
-        ``max_length`` tokens (prompt plus reply) with NxDI's default bucket ladder
-        (:func:`neuron_buckets`) for context encoding and token generation; ``algorithm``: how
+        ``max_length`` tokens (prompt plus reply) and prompts of at most ``max_context_length``
+        (default: :func:`serving_max_context_length`) with NxDI's default bucket ladders
+        (:func:`neuron_buckets`): context encoding up to ``max_context_length``, token generation
+        up to ``max_length``; ``algorithm``: how
         the int8 codes were chosen under the per-channel scales (``g4convert int8-neuron
         --algorithm``: ``max`` or ``gptq``, described by ``algorithm_detail``), ``gptq`` on
         ``calibration_tokens`` tokens."""
@@ -680,8 +712,9 @@ class Manifest:
         how = {"algorithm": algorithm, "algorithm_detail": algorithm_detail}
         if algorithm == "gptq":
             how["calibration_tokens"] = calibration_tokens
+        prompt = serving_max_context_length(max_context_length, max_length)
         return cls(
-            max_length=max_length, context_encoding_buckets=neuron_buckets(max_length),
+            max_length=max_length, max_context_length=prompt, context_encoding_buckets=neuron_buckets(prompt),
             token_generation_buckets=neuron_buckets(max_length),
             tp_degree=tp, rank_files=[rank_file(r) for r in range(tp)],
             host_embedding={"file": EMBED_FILE, "tensor": EMBED_TENSOR, "dtype": str(KEPT_DTYPE).removeprefix("torch."),
@@ -737,25 +770,35 @@ class Manifest:
 
     def serving_shape(self, max_positions: int | None) -> tuple[int, list[int], list[int]]:
         """``(max_length, context_encoding_buckets, token_generation_buckets)`` to compile and serve
-        with (tokens). A manifest written before these fields existed gets the length its memory
-        plan sized the KV cache for (``memory_plan.inputs.seq_len``; :data:`DEFAULT_MAX_LENGTH`
-        without a plan), capped at ``max_positions``, and :func:`neuron_buckets` of it.
+        with (tokens); the largest context-encoding bucket is the longest prompt
+        (``max_context_length``). A manifest written before these fields existed gets the length
+        its memory plan sized the KV cache for (``memory_plan.inputs.seq_len``;
+        :data:`DEFAULT_MAX_LENGTH` without a plan), capped at ``max_positions``, and
+        :func:`neuron_buckets` of it for both; one written before ``max_context_length`` existed
+        encodes prompts up to ``max_length``, as it was compiled then.
 
         Raises:
             CheckpointError: a length or bucket that is not a positive integer, buckets not
-                ascending, or a largest bucket other than ``max_length``.
+                ascending, a largest token-generation bucket other than ``max_length``, or a
+                largest context-encoding bucket other than ``max_context_length`` (at most
+                ``max_length``).
         """
         plan = ((self.memory_plan or {}).get("inputs") or {}).get("seq_len")
         length = self.max_length if self.max_length is not None else min(
             plan or DEFAULT_MAX_LENGTH, max_positions or plan or DEFAULT_MAX_LENGTH)
-        cte = self.context_encoding_buckets or neuron_buckets(length)
+        prompt = self.max_context_length if self.max_context_length is not None else length
+        cte = self.context_encoding_buckets or neuron_buckets(prompt)
         tkg = self.token_generation_buckets or neuron_buckets(length)
-        for what, value in (("max_length", [length]), ("context_encoding_buckets", cte),
-                            ("token_generation_buckets", tkg)):
+        for what, value, top, name in (("max_length", [length], length, "max_length"),
+                                       ("max_context_length", [prompt], prompt, "max_context_length"),
+                                       ("context_encoding_buckets", cte, prompt, "max_context_length"),
+                                       ("token_generation_buckets", tkg, length, "max_length")):
             if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) or \
-                    value != sorted(set(value)) or value[-1] != length:
+                    value != sorted(set(value)) or value[-1] != top:
                 raise CheckpointError(f"{MANIFEST}: {what} {value!r}: positive integers, ascending, the largest "
-                                      f"equal to max_length {length!r}")
+                                      f"equal to {name} {top!r}")
+        if prompt > length:
+            raise CheckpointError(f"{MANIFEST}: max_context_length {prompt} is longer than max_length {length}")
         return length, list(cte), list(tkg)
 
     def check_embed_scale(self, arch: Architecture, where) -> float:

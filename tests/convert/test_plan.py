@@ -241,15 +241,25 @@ def test_neuron_kv_cache_26b_by_hand(tp):
     # NxDI's logits: [batch, 1, vocab] fp32 from the one context-encoding and the one token-generation graph
     assert p.buckets == {"context_encoding": [4096], "token_generation": [4096]}
     assert p.logits_outputs == 2 * 3 * V * 4
-    assert p.total_per_rank == p.weights_per_rank + p.kv_cache + p.logits_outputs
+    # the context-encoding call's attention: fp32 scores + bf16 probabilities [16 / tp heads, S, S] for the
+    # longest prompt (the default 4096 tokens here, = seq_len), one sequence whatever the batch
+    assert p.context_encoding_attention == tc["num_attention_heads"] // tp * 4096 * 4096 * (4 + 2)
+    assert p.total_per_rank == p.weights_per_rank + p.kv_cache + p.logits_outputs + p.context_encoding_attention
 
 
 def test_nxdi_buckets_follow_autobucketing():
     """NxDI 0.8 modules/autobucketing.py generate_buckets(128, max_length): powers of two from 128 below
     round(log2(max_length)), then max_length; each bucket graph outputs its own logits."""
-    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=8192, enable_bucketing=True)
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=8192, enable_bucketing=True,
+                    max_context_length=8192)
     assert p.buckets["context_encoding"] == p.buckets["token_generation"] == [128, 256, 512, 1024, 2048, 4096, 8192]
     assert p.logits_outputs == 14 * V * 4
+    # by default prompts stop at 4096 (DEFAULT_MAX_CONTEXT_LENGTH): context encoding up to it, token
+    # generation up to seq_len (NxDI's generate_buckets_for_cte / _for_tkg)
+    p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=131072, enable_bucketing=True)
+    assert p.buckets["context_encoding"] == [128, 256, 512, 1024, 2048, 4096]
+    assert p.buckets["token_generation"] == [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+    assert p.logits_outputs == 17 * V * 4 and p.inputs.max_context_length == 4096
     def tkg(n):
         return plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, seq_len=n, enable_bucketing=True).buckets[
             "token_generation"]
@@ -317,9 +327,10 @@ def test_cli_json_has_integer_bytes():
     assert d["inputs"] == {"model": "gemma-4-26B-A4B", "fmt": "int8-neuron", "tp": 2, "target": "inf2.xlarge",
                            "gpu_mem_bytes": None, "seq_len": 8192, "batch": 1, "lm_head": "int8-sharded",
                            "attention": "bf16", "embedding": "device", "max_num_batched_tokens": None,
-                           "enable_bucketing": False, "gpu_memory_utilization": None}
-    assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [8192], "token_generation": [8192]}
-    assert (d["longest_seq_len"], d["max_positions"]) == (262144, 262144)
+                           "enable_bucketing": False, "gpu_memory_utilization": None, "max_context_length": 4096}
+    assert type(d["logits_outputs"]) is int and d["buckets"] == {"context_encoding": [4096], "token_generation": [8192]}
+    assert type(d["context_encoding_attention"]) is int
+    assert (d["longest_seq_len"], d["max_positions"]) == (223183, 262144)
     r = run("gemma-4-26B-A4B", "--format", "bf16", "--gpu-mem", "128GiB", "--json")
     d = json.loads(r.output)
     assert d["inputs"]["gpu_mem_bytes"] == 128 * GiB and d["device_mem_per_rank"] == int(128 * GiB * 0.9) and d["fits"] is True
@@ -470,22 +481,34 @@ def test_check_exits_1_when_something_does_not_fit(monkeypatch):
 
 
 def test_longest_seq_len_on_inf2_xlarge_by_hand():
-    """Issue 21's targets: the 26B-A4B at TP 2 on inf2.xlarge fits its whole trained context (262144)
-    at batch 1, and at batch 4 the longest sequence is what the spare device memory buys at 10240 bytes
-    per token per sequence (5 full layers x 1 KV head per rank x 512 x K and V x bf16) once the 25
-    sliding layers' rings (1023 positions) and the two graphs' fp32 logits are paid."""
-    one = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=1)
-    assert one.longest_seq_len == GEMMA4_26B_A4B["text_config"]["max_position_embeddings"] == 262144
-    four = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4)
-    rings = 4 * LS * 4 * 256 * 2 * 2 * 1023
-    logits = 2 * 4 * V * 4
-    spare = 16 * 2**30 - four.weights_per_rank - rings - logits
-    assert four.longest_seq_len == spare // (4 * LF * 1 * 512 * 2 * 2) == 67630
-    assert four.fits  # 8192 x 4 fits too
-    at = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4, seq_len=67630)
-    past = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=4, seq_len=67631)
-    assert at.fits and not past.fits
-    assert "longest --seq-len that fits the device at --batch 4: 67630 tokens" in four.summary()
+    """Issue 21's targets: the 26B-A4B at TP 2 on inf2.xlarge with prompts of up to 4096 tokens (the
+    default max_context_length) fits 131072 tokens at batch 1 and 8192 x 4; the longest sequence is
+    what the spare device memory buys at 10240 bytes per token per sequence (5 full layers x 1 KV head
+    per rank x 512 x K and V x bf16) once the 25 sliding layers' rings (1023 positions), the two
+    graphs' fp32 logits and the 4096-token context encoding's attention (8 heads per rank x 4096^2 x
+    fp32 scores + bf16 probabilities) are paid."""
+    attention = 8 * 4096 * 4096 * (4 + 2)
+    for batch, longest in ((1, 223183), (4, 47969)):
+        p = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=batch)
+        rings = batch * LS * 4 * 256 * 2 * 2 * 1023
+        logits = 2 * batch * V * 4
+        spare = 16 * 2**30 - p.weights_per_rank - rings - logits - attention
+        assert p.context_encoding_attention == attention
+        assert p.longest_seq_len == spare // (batch * LF * 1 * 512 * 2 * 2) == longest
+        at = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=batch, seq_len=longest)
+        past = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", batch=batch,
+                           seq_len=longest + 1)
+        assert at.fits and not past.fits
+        assert f"longest --seq-len that fits the device at --batch {batch}: {longest} tokens" in p.summary()
+    assert plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", seq_len=131072).fits
+    assert plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", seq_len=8192, batch=4).fits
+    # a whole 8192-token prompt in one context encoding: 3.2 GB of attention scores, which do not fit
+    long_prompt = plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", max_context_length=8192)
+    assert long_prompt.context_encoding_attention == 8 * 8192 * 8192 * 6 and not long_prompt.fits
+    with pytest.raises(G4Error, match="--max-context-length 9000: a prompt can be 1 to 8192 tokens"):
+        plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2, target="inf2.xlarge", max_context_length=9000)
+    with pytest.raises(G4Error, match="--max-context-length is an NxDI"):
+        plan_memory(GEMMA4_26B_A4B, fmt="nvfp4", gpu_mem_bytes=80 * 10**9, max_context_length=4096)
     assert plan_memory(GEMMA4_26B_A4B, fmt="int8-neuron", tp=2).longest_seq_len is None  # no target
 
 

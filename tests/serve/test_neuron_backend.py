@@ -45,7 +45,7 @@ def test_conversion_writes_the_serving_shape_and_plans_for_it(int8_out):
 def test_an_older_manifest_gets_its_plans_length_capped_at_the_model(int8_out, tmp_path):
     old = shutil.copytree(int8_out, tmp_path / "old")
     raw = json.loads((old / "manifest.json").read_text())
-    for key in ("max_length", "context_encoding_buckets", "token_generation_buckets"):
+    for key in ("max_length", "context_encoding_buckets", "token_generation_buckets", "max_context_length"):
         del raw[key]
     raw["memory_plan"]["inputs"]["seq_len"] = 8192
     (old / "manifest.json").write_text(json.dumps(raw))
@@ -58,14 +58,62 @@ def test_an_older_manifest_gets_its_plans_length_capped_at_the_model(int8_out, t
 
 
 @pytest.mark.parametrize("field,value", [("max_length", 0), ("context_encoding_buckets", [300, 128]),
-                                         ("token_generation_buckets", [128, 256]), ("max_length", "300")])
+                                         ("token_generation_buckets", [128, 256]), ("max_length", "300"),
+                                         ("context_encoding_buckets", [128, 256]), ("max_context_length", 0),
+                                         ("max_context_length", 256)])
 def test_a_bad_serving_shape_is_refused(int8_out, tmp_path, field, value):
     bad = shutil.copytree(int8_out, tmp_path / "bad")
     raw = json.loads((bad / "manifest.json").read_text())
     raw[field] = value
     (bad / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=field if field != "max_length" else "max_length|buckets"):
+    with pytest.raises(CheckpointError, match=field if field == "token_generation_buckets" else "max_length|buckets|max_context_length"):
         Manifest.from_dir(bad).serving_shape(2048)
+
+
+def test_prompts_longer_than_the_kv_cache_share_is_another_context_encoding_ladder(tmp_path):
+    """``--seq-len 1500 --max-context-length 200``: the manifest's context-encoding ladder stops at the
+    longest prompt (NxDI's max_context_length), token generation's at the KV cache length; the NxDI
+    settings and the plan recorded in it follow; a longest prompt past --seq-len is one error line."""
+    from g4.convert.cli import main
+
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["int8-neuron", "embedded", str(out), "--tp", "1", "--seq-len", "1500",
+                                  "--max-context-length", "200", "-q"])
+    assert r.exit_code == 0, r.output
+    m = Manifest.from_dir(out)
+    assert (m.max_length, m.max_context_length) == (1500, 200)
+    assert m.serving_shape(2048) == (1500, [128, 200], [128, 256, 512, 1024, 1500])
+    neuron = nb.nxdi_settings(m, json.loads((out / "config.json").read_text()), on_cpu=False, dtype="bfloat16")
+    assert (neuron["seq_len"], neuron["max_length"], neuron["max_context_length"]) == (1500, 1500, 200)
+    assert neuron["context_encoding_buckets"] == [128, 200]
+    assert neuron["token_generation_buckets"] == [128, 256, 512, 1024, 1500]
+    cpu = nb.nxdi_settings(m, json.loads((out / "config.json").read_text()), on_cpu=True, dtype="float32")
+    assert (cpu["seq_len"], cpu["max_context_length"]) == (1500, 200)
+    plan = m.memory_plan
+    assert plan["inputs"]["max_context_length"] == 200
+    assert plan["buckets"]["context_encoding"] == [128, 200]
+    assert plan["context_encoding_attention"] == 4 * 200 * 200 * (4 + 2)  # 4 query heads, TP 1
+    r = CliRunner().invoke(main, ["int8-neuron", "embedded", str(tmp_path / "p"), "--tp", "1", "--seq-len", "100",
+                                  "--max-context-length", "200"])
+    assert r.exit_code == 2 and "error: --max-context-length 200: a prompt can be 1 to 100 tokens" in r.output
+    assert not (tmp_path / "p").exists()
+    # planned as the result it is: its longest prompt is fixed
+    from g4.convert.cli import plan as plan_cmd
+
+    r = CliRunner().invoke(plan_cmd, [str(out), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["inputs"]["max_context_length"] == 200
+    r = CliRunner().invoke(plan_cmd, [str(out), "--max-context-length", "100"])
+    assert r.exit_code == 2 and "pass --max-context-length 200" in r.output
+
+
+def test_the_default_longest_prompt_is_4096_within_the_kv_cache(int8_out, tmp_path):
+    from g4.exporters.neuron_int8 import DEFAULT_MAX_CONTEXT_LENGTH, serving_max_context_length
+
+    assert DEFAULT_MAX_CONTEXT_LENGTH == 4096
+    assert serving_max_context_length(None, 8192) == 4096 and serving_max_context_length(None, 300) == 300
+    assert Manifest.from_dir(int8_out).max_context_length == 300
+    with pytest.raises(G4Error, match="--max-context-length 0"):
+        serving_max_context_length(0, 300)
 
 
 def test_seq_len_beyond_the_model_is_a_usage_error(tmp_path):
