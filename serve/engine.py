@@ -199,6 +199,8 @@ class Engine:
             ``eos_token_id``, the whole list: ``[1, 106, 50]`` for Gemma 4; ``<turn|>`` is
             added, with a warning, when that list lacks it).
         max_context: prompt plus generated tokens at most (``max_position_embeddings``).
+        max_prompt: prompt tokens at most (``max_context`` unless an engine encodes shorter
+            prompts: the neuron engine's largest context-encoding bucket).
         defaults: the checkpoint's sampling defaults from ``generation_config.json``
             (``temperature``, ``top_p``, ``top_k`` where given).
     """
@@ -223,6 +225,7 @@ class Engine:
             eos = [*eos, end_of_turn]
         self.stop_ids = frozenset(int(i) for i in eos)
         self.max_context = max_context(config)
+        self.max_prompt = self.max_context
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
 
     def start(self, prompt_ids: list[int]):

@@ -16,8 +16,9 @@ NxDI's on-device sampling stays off (the class does not wire it). The embedding 
 The serving shape comes from the result's ``manifest.json``
 (:meth:`g4.exporters.neuron_int8.Manifest.serving_shape`): ``max_length`` tokens of prompt plus
 reply (the KV cache length; the engine's ``max_context``, so the server refuses longer requests
-with its usual ``context_length_exceeded``) and the context-encoding and token-generation bucket
-ladders.
+with its usual ``context_length_exceeded``), the context-encoding bucket ladder up to the longest
+prompt (NxDI's ``max_context_length``; the engine's ``max_prompt``, a longer prompt is refused the
+same way) and the token-generation ladder up to ``max_length``.
 
 On Neuron, :func:`load_neuron_engine` compiles once into ``OUT/neuron_compiled`` (or
 ``compiled_dir``) with NxDI's ``compile`` and loads it with ``load`` on later starts.
@@ -31,7 +32,8 @@ not g4's and is refused. Weights are not copied into it: each load reads every r
 **Not yet run on inf2 hardware.**
 
 On a CPU the same engine runs through NxDI's CPU mode (``NeuronConfig(on_cpu=True)`` and
-``to_cpu()``, no compile; one bucket of ``max_length``, the only shape that mode supports); that
+``to_cpu()``, no compile; one context-encoding shape of ``max_context_length`` and one KV cache
+of ``max_length``, the only shapes that mode supports); that
 is for the tests (``tests/lanes/test_nxdi_gemma4.py``), not a backend users choose.
 
 This module imports neither NxD nor NxDI at the top (``neuron_status`` must work without them);
@@ -85,6 +87,8 @@ class NeuronEngine(Engine):
             ``max_batch_size`` KV cache lines (:func:`nxdi_settings`).
         tokenizer: the result's tokenizer.
         max_length: tokens of prompt plus reply the model was built for (its KV cache).
+        max_prompt: the longest prompt in tokens (its largest context-encoding bucket, NxDI's
+            ``max_context_length``; default ``max_length``).
         description: one line for ``/v1/models`` and the start-up message.
         max_batch_size: sequences generated at once (B). 1: one request at a time. More: NxDI's
             continuous batching through :class:`~g4.serve.engine.StepBatcher`: each request's
@@ -98,10 +102,11 @@ class NeuronEngine(Engine):
     backend = "neuron"
 
     def __init__(self, path: Path, model, tokenizer, *, max_length: int, description: str,
-                 max_batch_size: int = 1):
+                 max_batch_size: int = 1, max_prompt: int | None = None):
         super().__init__(path, tokenizer, description)
         self.model, self.max_length = model, max_length
         self.max_context = min(self.max_context, max_length)
+        self.max_prompt = min(self.max_context, max_prompt or max_length)
         self.max_batch_size = max_batch_size
         self.batcher = StepBatcher(max_batch_size, self._encode, self._decode)
 
@@ -130,8 +135,9 @@ class NeuronEngine(Engine):
     def start(self, prompt_ids):
         if not prompt_ids:
             raise G4Error("empty prompt")
-        if len(prompt_ids) > self.max_length:
-            raise G4Error(f"prompt is {len(prompt_ids)} tokens; the neuron model holds {self.max_length}")
+        if len(prompt_ids) > self.max_prompt:
+            raise G4Error(f"prompt is {len(prompt_ids)} tokens; the neuron model encodes prompts of at most "
+                          f"{self.max_prompt} (its largest context-encoding bucket)")
         return self.batcher.start(list(prompt_ids))
 
     def step(self, state, token):
@@ -183,8 +189,11 @@ def compiled_state(compiled: Path, stamp: dict) -> str:
 
 def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str, max_batch_size: int = 1) -> dict:
     """The ``MoENeuronConfig`` arguments g4 builds ``NeuronGemma4MoEForCausalLM`` with for an
-    int8-neuron result (JSON-able; they go into the compile stamp). On a CPU: one bucket of
-    ``max_length`` and no bucketing (NxDI's CPU mode builds one module for ``seq_len``).
+    int8-neuron result (JSON-able; they go into the compile stamp): ``seq_len`` = ``max_length``
+    (the KV cache), ``max_context_length`` the largest context-encoding bucket (the longest
+    prompt). On Neuron NxDI's bucketing with the manifest's two ladders; on a CPU no bucketing
+    (NxDI's CPU mode builds one module for ``seq_len`` and pads every prompt to
+    ``max_context_length``).
 
     ``max_batch_size`` B > 1: NxDI's continuous batching (``models/config.py``: ``batch_size`` =
     ``max_batch_size`` = ``tkg_batch_size`` = ``kv_cache_batch_size`` B, ``ctx_batch_size`` 1,
@@ -206,7 +215,7 @@ def nxdi_settings(manifest: Manifest, config: dict, *, on_cpu: bool, dtype: str,
         settings.update(is_continuous_batching=True, ctx_batch_size=1, tkg_batch_size=max_batch_size,
                         max_batch_size=max_batch_size)
     if on_cpu:
-        settings.update(on_cpu=True, max_context_length=length)
+        settings.update(on_cpu=True, max_context_length=cte[-1])
     else:
         settings.update(enable_bucketing=True, max_context_length=cte[-1], context_encoding_buckets=cte,
                         token_generation_buckets=tkg)
@@ -316,16 +325,19 @@ def load_neuron_engine(path: str | Path, *, compiled_dir: str | Path | None = No
     settings = _result_settings(path, on_cpu=on_cpu, max_batch_size=max_batch_size)
     tokenizer = load_tokenizer(path)
     model = build_nxdi_model(path, settings)
-    where = f"TP={settings['tp_degree']}, max_length {settings['max_length']}, batch {max_batch_size}"
+    where = (f"TP={settings['tp_degree']}, max_length {settings['max_length']}, prompts up to "
+             f"{settings['max_context_length']}, batch {max_batch_size}")
+    shape = dict(max_length=settings["max_length"], max_prompt=settings["max_context_length"],
+                 max_batch_size=max_batch_size)
     if on_cpu:
         _what_the_class_cannot_load(path, model.to_cpu)
-        return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"], max_batch_size=max_batch_size,
+        return NeuronEngine(path, model, tokenizer, **shape,
                             description=f"int8-neuron through NxDI's CPU mode, {where}, float32")
     compiled = Path(compiled_dir) if compiled_dir else path / COMPILED_DIR
     _ensure_compiled(path, model, settings, compiled, log)  # on the serving box: better done apart (compile_neuron)
     log(f"loading the compiled model from {compiled}")
     _what_the_class_cannot_load(path, lambda: model.load(str(compiled)))
-    return NeuronEngine(path, model, tokenizer, max_length=settings["max_length"], max_batch_size=max_batch_size,
+    return NeuronEngine(path, model, tokenizer, **shape,
                         description=f"int8-neuron on NeuronCores through NxDI 0.8, {where}, bfloat16")
 
 

@@ -412,7 +412,12 @@ class NeuronGemma4Attention(nn.Module):
         min_value = torch.finfo(torch.float32).min
 
         if past_key_value is None:  # context encoding: attention over the (padded) prompt
-            mask = attention_mask.to(torch.bool)
+            # NxDI's causal mask is [n_positions, n_positions] (models/model_base.py:209,
+            # _create_context_attn_mask). On Neuron each context-encoding bucket is its own graph
+            # with n_positions = S, so this takes it whole; NxDI's CPU mode builds one model for
+            # both graphs (models/application_base.py:621) with n_positions = seq_len while the
+            # prompt is padded to max_context_length, and the prompt's rows and columns come first
+            mask = attention_mask[..., :S, :S].to(torch.bool)
             if self.sliding_window is not None:
                 # rows and columns are prompt positions 0..S-1 (right padding; padded rows are discarded)
                 pos = torch.arange(S, device=q.device)

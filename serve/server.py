@@ -684,6 +684,10 @@ def prepare(engine: Engine, req: GenerationRequest) -> tuple[list[int], Sampling
             if max(prompt_ids) >= vocab:
                 raise APIError(400, f"token id {max(prompt_ids)} is outside the vocabulary of {vocab} ids",
                                param=param)
+    if len(prompt_ids) > engine.max_prompt:
+        raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model encodes prompts of at most "
+                            f"{engine.max_prompt} tokens (its largest context-encoding bucket: g4convert int8-neuron "
+                            "--max-context-length)", param=param, code="context_length_exceeded")
     room = engine.max_context - len(prompt_ids)
     if room < 1:
         raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "

@@ -128,6 +128,21 @@ FAULTS: tuple[Fault, ...] = (
     _f("batch-rows-reversed", "each request handed another row of the token-generation call's logits", "nxdi",
        ("serve/neuron_backend.py", "        return out.logits[:, -1].float()\n",
         "        return out.logits[:, -1].float().flip(0)\n")),
+    # ---- long sequences: context encoding up to max_context_length, token generation to max_length
+    _f("decode-full-first-bucket", "token generation's full layers attend only to the first 32 cached positions "
+       "(one context-encoding bucket's worth of the KV cache)", "nxdi",
+       ("serve/nxdi_gemma4.py",
+        "                mask = attention_mask.to(torch.bool)  # [B, 1, 1, n_positions], True where cached\n",
+        "                mask = attention_mask.to(torch.bool)  # [B, 1, 1, n_positions], True where cached\n"
+        "                mask = mask & (torch.arange(mask.shape[-1]) < 32)\n")),
+    _f("prompt-cap-max-length", "NxDI's CPU mode built with max_context_length = max_length (prompts padded to the "
+       "KV cache length, not the longest prompt)", "nxdi",
+       ("serve/neuron_backend.py", "settings.update(on_cpu=True, max_context_length=cte[-1])",
+        "settings.update(on_cpu=True, max_context_length=length)")),
+    _f("prompt-cap-unchecked", "the neuron engine takes prompts up to max_length, past its largest "
+       "context-encoding bucket", "nxdi",
+       ("serve/neuron_backend.py", "        if len(prompt_ids) > self.max_prompt:\n",
+        "        if len(prompt_ids) > self.max_length:\n")),
     # ---- int8-neuron weights and their sharding
     _f("int8-absmax-128", "int8 per-channel scales absmax / 128 instead of NxD's absmax / 127", "nxd,nxdi",
        ("quantizers/int8.py", "INT8_QMAX = 127.0", "INT8_QMAX = 128.0")),

@@ -58,6 +58,10 @@ head_dim 64 / 1 KV head with proportional RoPE, 8 experts top-2, tied lm_head):
   new tokens) in six threads at once: each against the int8 reference on its own prompt
   (``TOL``) and the batch-1 engine; the token-generation calls' rows and shapes; two HTTP chat
   requests at once against the same two one after the other;
+- ``long``: g4serve's ``NeuronEngine`` on ``g4convert int8-neuron --tp 1 --seq-len 160
+  --max-context-length 32`` of the window-4 source: one context-encoding call of 32 positions, then
+  token generation to position 159 on a full-layer cache of 160 positions, against the int8 reference
+  (``TOL``); a prompt of 33 tokens refused by the engine and the server;
 - ``synth_heads``: a random fp32 checkpoint built here with transformers 5.24 (``tests/tiny.py:
   build_with_geometry_of``) with the real 26B-A4B attention geometry (``g4.convert.synth.GEMMA4_26B_A4B``:
   16 query heads, sliding head_dim 256 / 8 KV heads, full global_head_dim 512 / 2 KV heads with k_eq_v,
@@ -119,6 +123,8 @@ SYNTH_PROMPT_LEN = 20
 OPTIONAL_KEYS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "tie_word_embeddings",
                  "layer_types")
 NEW_TOKENS, SEQ_LEN = 12, 32
+# long: KV cache length and longest prompt (g4convert int8-neuron --seq-len / --max-context-length)
+LONG_SEQ_LEN, LONG_PROMPT = 160, 32
 # batch: (question, new tokens) per request, more requests than the larger batch size
 BATCH_REQUESTS = (("What is the capital of France?", 12), ("What is the capital of Japan?", 4),
                   ("What is the capital of Italy?", 9), ("What is the largest planet in the solar system?", 12),
@@ -161,6 +167,20 @@ def _overlay() -> Path:
     return OVERLAY
 
 
+def _long_text_ids(n: int) -> list[int]:
+    """``n`` ids of English text (the embedded model's questions and answers, in turn) in the embedded
+    tokenizer: what the ``long`` case feeds its decode, so every step reads a varied context."""
+    from transformers import AutoTokenizer
+
+    from g4.convert.resolve import EMBEDDED_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    text = " ".join(f"{q} {a}." for q, a in ((QUESTION, "Paris"), (WINDOW_QUESTION, "Jupiter"),
+                                             ("What is the capital of Japan?", "Tokyo")))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return (ids * (n // len(ids) + 1))[:n]
+
+
 def _chat_ids(question: str) -> list[int]:
     from transformers import AutoTokenizer
 
@@ -190,16 +210,19 @@ def _reference(prompt: list[int], sliding_window: int | None = None, model_dir: 
     return _greedy(model, prompt)
 
 
-def _greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """:data:`NEW_TOKENS` greedy steps of a transformers causal LM on its own KV cache: the ids and
-    the raw logits per step, fp32 ``[NEW_TOKENS, V]``."""
+def _greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS, forced: list[int] | None = None
+            ) -> tuple[list[int], torch.Tensor]:
+    """``new_tokens`` greedy steps of a transformers causal LM on its own KV cache: the ids (each
+    step's argmax) and the raw logits per step, fp32 ``[new_tokens, V]``; with ``forced``, step i
+    is fed ``forced[i]`` instead of its argmax (teacher forcing)."""
     out = model(torch.tensor([prompt]), use_cache=True)
     tokens, logits = [], []
-    for _ in range(NEW_TOKENS):
+    for i in range(new_tokens):
         step = out.logits[0, -1].float()
         tokens.append(int(step.argmax()))
         logits.append(step)
-        out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
+        fed = forced[i] if forced and i < len(forced) else tokens[-1]
+        out = model(torch.tensor([[fed]]), cache=out.past_key_values, use_cache=True)
     return tokens, torch.stack(logits)
 
 
@@ -317,7 +340,8 @@ def _source_state_dict(source_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _int8_reference(out_dir: Path, source_dir: Path, prompt: list[int]
+def _int8_reference(out_dir: Path, source_dir: Path, prompt: list[int], new_tokens: int = NEW_TOKENS,
+                    forced: list[int] | None = None
                     ) -> tuple[list[int], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """transformers' ``Gemma4ForCausalLM`` in fp32, built from the source checkpoint's config (the
     text config, with ``tie_word_embeddings`` off: the int8 lm_head is not the bf16 embedding)
@@ -328,7 +352,7 @@ def _int8_reference(out_dir: Path, source_dir: Path, prompt: list[int]
     int8-neuron runtime's ``bf16(sqrt(H))`` on the host would move the logits by up to 5e-3).
 
     Returns:
-        ids, fp32 logits ``[NEW_TOKENS, V]``, the state dict and the int8 tensors' scales.
+        ids, fp32 logits ``[new_tokens, V]``, the state dict and the int8 tensors' scales.
     """
     from transformers import AutoConfig, Gemma4ForCausalLM
 
@@ -337,7 +361,7 @@ def _int8_reference(out_dir: Path, source_dir: Path, prompt: list[int]
     model = Gemma4ForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="eager")
     weights, scales = _int8_reference_weights(out_dir, model)
     model.load_state_dict(weights)  # strict: every parameter and persistent buffer, nothing else
-    return (*_greedy(model.eval(), prompt), weights, scales)
+    return (*_greedy(model.eval(), prompt, new_tokens, forced), weights, scales)
 
 
 @pytest.fixture(scope="module")
@@ -395,6 +419,16 @@ def lane(tmp_path_factory):
     (window_src / "config.json").write_text(json.dumps(config, indent=2))
     batch_int8 = convert_int8_neuron(window_src, base / "batch-int8", tp=1, quantize_attention=False,
                                      target="inf2.xlarge", progress=False, seq_len=SEQ_LEN).out
+    # long: the same source converted for LONG_SEQ_LEN tokens with prompts of at most LONG_PROMPT (the one
+    # context-encoding shape of NxDI's CPU mode), decoded by the engine to the end of its KV cache
+    long_int8 = convert_int8_neuron(window_src, base / "long-int8", tp=1, quantize_attention=False,
+                                    target="inf2.xlarge", progress=False, seq_len=LONG_SEQ_LEN,
+                                    max_context_length=LONG_PROMPT).out
+    long_tokens = LONG_SEQ_LEN - len(other)
+    long_forced = _long_text_ids(long_tokens - 1)
+    jobs["long"] = {"kind": "engine", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "prompt": other,
+                    "question": WINDOW_QUESTION, "model": str(long_int8), "new_tokens": long_tokens, "tp": 1,
+                    "forced": long_forced, "result": str(base / "long.pt")}
     batch_prompts = [[_chat_ids(q), n] for q, n in BATCH_REQUESTS]
     jobs["batch"] = {"kind": "batch", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "model": str(batch_int8),
                      "batch_sizes": list(BATCH_SIZES), "prompts": batch_prompts,
@@ -435,6 +469,9 @@ def lane(tmp_path_factory):
     int8_sources = {"int8": (int8_dirs[1], EMBEDDED_DIR, chat), "int8_tp2": (int8_dirs[2], EMBEDDED_DIR, chat),
                     "defaults_int8": (defaults_int8, defaults, synth_prompt)}
     int8_sources.update({f"batch/{i}": (batch_int8, window_src, prompt) for i, (prompt, _) in enumerate(batch_prompts)})
+    int8_sources["long"] = (long_int8, window_src, other)
+    ref_tokens = {"long": long_tokens}  # new tokens of a reference when not NEW_TOKENS
+    ref_forced = {"long": long_forced}
     # the references run beside the workers on the same cores: one thread, as the workers have
     # (OMP_NUM_THREADS=1); torch's default of one thread per core made them 20-100x slower there
     threads = torch.get_num_threads()
@@ -447,7 +484,8 @@ def lane(tmp_path_factory):
         refs["defaults"] = _reference(synth_prompt, model_dir=defaults)
         int8_refs = {}  # case: the int8 reference's state dict and scales, and the source they came from
         for name, (out, source, prompt) in int8_sources.items():
-            tokens, logits, weights, scales = _int8_reference(out, source, prompt)
+            tokens, logits, weights, scales = _int8_reference(out, source, prompt, ref_tokens.get(name, NEW_TOKENS),
+                                                              ref_forced.get(name))
             refs[name] = tokens, logits
             int8_refs[name] = {"weights": weights, "scales": scales, "source": source, "out": out}
         refs["engine"] = refs["int8_bf16"] = refs["int8"]
@@ -487,7 +525,7 @@ def lane(tmp_path_factory):
         for n, r in found.items() if isinstance(r, dict) and "logits" in r))
     print(f"nxdi_gemma4 lane: {found['wall_s']:.1f} s (overlay {found['overlay_s']:.1f} s); " + ", ".join(
         f"{n}: worker {found[n]['wall_s']:.1f} s (imports {found[n]['t_import']:.1f}, load {found[n]['t_load']:.1f}, "
-        f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine"] if "t_gen" in found[n]))
+        f"generate {found[n]['t_gen']:.1f})" for n in [*cases, "engine", "long"] if "t_gen" in found[n]))
     print("nxdi_gemma4 batch: " + ", ".join(
         f"B={b}: {len(found['batch'][b]['decode_batches'])} token-generation calls for "
         f"{sum(found['batch'][b]['decode_batches'])} steps (rows {found['batch'][b]['decode_batches']})"
@@ -946,6 +984,38 @@ def test_http_chat_through_the_neuron_engine(lane):
     too_long = r["too_long"]
     assert too_long["status"] == 400 and too_long["body"]["error"]["code"] == "context_length_exceeded", too_long
     assert r["models"]["data"][0]["max_model_len"] == SEQ_LEN
+
+
+def test_decode_runs_past_the_context_encoding_bucket_to_the_end_of_the_kv_cache(lane):
+    """``long``: an int8-neuron result converted with ``--seq-len 160 --max-context-length 32`` (window 4)
+    served by ``NeuronEngine``: the prompt is one context-encoding call padded to 32 (the longest prompt,
+    not the KV cache length: NxDI's ``max_context_length``), then one ``[1, 1]`` token-generation call
+    per token to position 159 (five times the bucket; the full layer's cache holds 160 positions, the
+    sliding layers' ring 3), fed English text (teacher forcing: greedy, the tiny model repeats its
+    end-of-turn token): every step's logits within ``TOL`` of the int8 reference fed the same ids,
+    the same argmax at every step."""
+    r = lane["long"]
+    n = LONG_SEQ_LEN - len(_chat_ids(WINDOW_QUESTION))
+    assert len(r["tokens"]) == n and r["state"] == (0, LONG_SEQ_LEN - 1)
+    assert r["tokens"] == r["ref_tokens"], (r["tokens"], r["ref_tokens"])
+    assert (r["logits"] - r["ref_logits"]).abs().max().item() < TOL
+    assert r["input_shapes"] == [[1, LONG_PROMPT]] + [[1, 1]] * (n - 1)
+    assert sorted({shape[2] for shape in r["kv_shapes"]}) == [3, LONG_SEQ_LEN]
+    assert (r["max_context"], r["max_prompt"]) == (LONG_SEQ_LEN, LONG_PROMPT)
+    assert len(set(r["tokens"])) > 10  # the argmax follows the varied text it is fed
+
+
+def test_a_prompt_longer_than_the_context_encoding_bucket_is_refused(lane):
+    """A prompt of ``max_context_length + 1`` tokens (though prompt plus reply would fit the KV cache):
+    ``NeuronEngine.start`` refuses it, and the server answers its usual 400 ``context_length_exceeded``
+    naming the limit and the conversion option, before any generation."""
+    for case, limit in (("long", LONG_PROMPT), ("engine", SEQ_LEN)):
+        r = lane[case]
+        assert r["start_over"].startswith("G4Error: prompt is") and f"at most {limit}" in r["start_over"], r["start_over"]
+        over = r["over_prompt"]
+        assert over["status"] == 400 and over["body"]["error"]["code"] == "context_length_exceeded", over
+        assert f"prompts of at most {limit} tokens" in over["body"]["error"]["message"]
+        assert "--max-context-length" in over["body"]["error"]["message"]
 
 
 # ------------------------------------------- several requests at once: NxDI's continuous batching

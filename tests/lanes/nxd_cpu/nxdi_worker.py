@@ -119,8 +119,11 @@ G4_SERVING_MODULES = ("g4.serve.engine", "g4.serve.chat", "g4.serve.server", "g4
 def engine(job: dict) -> dict:
     """``g4.serve.neuron_backend.NeuronEngine`` on ``job["model"]`` (an int8-neuron result whose
     manifest says ``max_length`` = ``seq_len``) in NxDI's CPU mode: greedy through ``start`` and
-    ``step`` for ``new_tokens`` tokens, then ``greedy_generate`` on the same model object; then the
-    HTTP app (``create_app``) over the engine, one chat request and one that does not fit."""
+    ``step`` for ``new_tokens`` tokens (fed ``job["forced"][i]`` at step i instead of the argmax where
+    given: teacher forcing), then ``greedy_generate`` on the same model object (not when forced); a prompt
+    one token longer than the engine's ``max_prompt`` (``start`` must refuse it); then the HTTP app
+    (``create_app``) over the engine: one chat request, one whose ``max_tokens`` does not fit and a
+    completion whose prompt is longer than ``max_prompt``."""
     stubs.install_nxdi(job["nxd_src"], job["nxdi_src"])
     import importlib
 
@@ -153,11 +156,18 @@ def engine(job: dict) -> dict:
         tokens.append(int(step_logits.argmax()))
         logits.append(step_logits)
         if i + 1 < job["new_tokens"]:
-            state, step_logits = eng.step(state, tokens[-1])
+            state, step_logits = eng.step(state, job["forced"][i] if job.get("forced") else tokens[-1])
     eng.finish(state)  # its KV cache slot free again, for the HTTP requests below
     t_gen = time.perf_counter() - t1
     hook.remove()
-    ref_tokens, ref_logits = g.greedy_generate(eng.model, job["prompt"], job["new_tokens"])
+    ref_tokens, ref_logits = (None, None) if job.get("forced") else g.greedy_generate(eng.model, job["prompt"],
+                                                                                        job["new_tokens"])
+    over = list(range(3, 3 + eng.max_prompt + 1))  # one token past the longest prompt
+    try:
+        eng.start(over)
+        start_over = "accepted"
+    except Exception as e:  # noqa: BLE001  (reported)
+        start_over = f"{type(e).__name__}: {e}"
 
     from fastapi.testclient import TestClient
 
@@ -169,10 +179,14 @@ def engine(job: dict) -> dict:
     with TestClient(app) as client:
         chat = client.post("/v1/chat/completions", json=question)
         too_long = client.post("/v1/chat/completions", json=dict(question, max_tokens=eng.max_length))
+        over_prompt = client.post("/v1/completions", json={"model": "tiny-neuron", "prompt": over, "max_tokens": 1})
         models = client.get("/v1/models").json()
     app.state.worker.close()
     return {"tokens": tokens, "logits": torch.stack(logits), "greedy_tokens": ref_tokens, "greedy_logits": ref_logits,
-            "input_shapes": shapes, "state": state, "max_context": eng.max_context, "description": eng.description,
+            "input_shapes": shapes, "state": state, "max_context": eng.max_context, "max_prompt": eng.max_prompt,
+            "description": eng.description, "start_over": start_over,
+            "kv_shapes": [list(t.shape) for t in net.kv_mgr.past_key_values],
+            "over_prompt": {"status": over_prompt.status_code, "body": over_prompt.json()},
             "chat": {"status": chat.status_code, "body": chat.json()},
             "too_long": {"status": too_long.status_code, "body": too_long.json()}, "models": models,
             "imports": imports, "transformers": transformers.__version__,
