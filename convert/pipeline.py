@@ -2,7 +2,8 @@
 I/O release the GIL).
 
 - :class:`Prefetcher` reads source tensors in the order they will be asked for, in a
-  background thread, at most ``budget_bytes`` ahead of the consumer;
+  background thread, at most ``budget_bytes`` ahead of the consumer, with the disk asked for the
+  next :data:`DISK_AHEAD_BYTES` of them before they are read (:class:`DiskReadahead`);
 - :class:`BackgroundWriter` writes tensors into their ``ShardedSafetensorsWriter`` in
   background threads, each at its planned place, at most ``budget_bytes`` behind;
 - :class:`BackgroundHashes` hashes the source files while the conversion runs (their bytes are
@@ -33,6 +34,10 @@ from g4.core.errors import CheckpointError
 # Bytes of small source tensors read ahead beyond the next one (Prefetcher), and of outputs
 # queued for the writer thread (BackgroundWriter), in the conversions' layer loops.
 READ_AHEAD_BYTES = 64 << 20
+# Bytes of source tensors the kernel is asked to read from the disk ahead of the Prefetcher
+# (DiskReadahead: posix_fadvise WILLNEED), so a cold source streams with large reads in flight
+# instead of the page-fault-sized ones its mmap makes; the pages wait in the page cache.
+DISK_AHEAD_BYTES = 512 << 20
 WRITE_BEHIND_BYTES = 256 << 20
 # Threads writing the outputs (BackgroundWriter): two wrote new file data about 3x faster than
 # one on the 2-core machine here (bench/bench_convert.py measures its I/O floor the same way).
@@ -98,6 +103,53 @@ class _ByteBudget:
             self.cv.notify_all()
 
 
+class DiskReadahead:
+    """Asks the kernel to read source tensors from the disk before they are read
+    (``posix_fadvise(fd, offset, nbytes, POSIX_FADV_WILLNEED)`` on each tensor's byte range:
+    asynchronous readahead into the page cache, without blocking and without mapping), keeping
+    the tensors from the one being read up to ``ahead_bytes`` beyond it asked for. Without
+    ``posix_fadvise`` (not Linux/POSIX) it does nothing.
+
+    Args:
+        ckpt: the source (its :class:`~g4.core.checkpoint.TensorInfo` paths and offsets).
+        names: the tensors, in the order they will be read.
+        ahead_bytes: bytes asked for beyond the current tensor, at most (at least the next one).
+    """
+
+    def __init__(self, ckpt: Checkpoint, names: Sequence[str], ahead_bytes: int = DISK_AHEAD_BYTES):
+        self._infos = [ckpt.tensors[n] for n in names]
+        self._ahead = ahead_bytes
+        self._fds: dict = {}
+        self._next = 0  # first tensor not yet asked for
+        self._asked = 0  # bytes asked for from tensor `reading` on
+        self._on = hasattr(os, "posix_fadvise")
+
+    def reading(self, i: int) -> None:
+        """Tensor ``i`` (of ``names``) is read now: ask for the ones after it, up to the budget."""
+        if not self._on:
+            return
+        if i > 0:
+            self._asked -= self._infos[i - 1].nbytes
+        if self._next <= i:
+            self._next, self._asked = i, 0
+        while self._next < len(self._infos) and (self._next <= i + 1 or self._asked < self._ahead):
+            info = self._infos[self._next]
+            fd = self._fds.get(info.path)
+            try:
+                if fd is None:
+                    fd = self._fds[info.path] = os.open(info.path, os.O_RDONLY)
+                os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:  # advice only: the read itself reports a real problem
+                pass
+            self._asked += info.nbytes
+            self._next += 1
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class Prefetcher:
     """Source tensors read ahead in a background thread.
 
@@ -107,14 +159,18 @@ class Prefetcher:
         names: every tensor name, in the order :meth:`get` will ask for them.
         budget_bytes: bytes read but not yet taken, at most (one larger tensor alone, read
             only once everything before it was taken). The consumer's own tensors come on top.
+        disk_ahead_bytes: bytes the disk is asked to read ahead of the reads
+            (:class:`DiskReadahead`; 0: none), held in the page cache, not in this process.
 
     Raises (from :meth:`get`): whatever reading raised (CheckpointError for NaN/Inf or a bad shard).
     """
 
-    def __init__(self, ckpt: Checkpoint, names: Sequence[str], budget_bytes: int):
+    def __init__(self, ckpt: Checkpoint, names: Sequence[str], budget_bytes: int,
+                 disk_ahead_bytes: int = DISK_AHEAD_BYTES):
         self._ckpt = copy.copy(ckpt)
         self._ckpt._handles = {}
         self._names = list(names)
+        self._disk = DiskReadahead(ckpt, self._names, disk_ahead_bytes) if disk_ahead_bytes else None
         self._q = _ByteBudget(budget_bytes)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="g4-read", daemon=True)
@@ -122,9 +178,11 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            for name in self._names:
+            for i, name in enumerate(self._names):
                 if self._stop:
                     break
+                if self._disk is not None:
+                    self._disk.reading(i)  # the disk reads ahead while this waits for room
                 self._q.wait_room(self._ckpt.tensors[name].nbytes)  # room first, then read
                 if self._stop:
                     break
@@ -134,6 +192,9 @@ class Prefetcher:
             self._q.finish()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._q.fail(e)
+        finally:
+            if self._disk is not None:
+                self._disk.close()
 
     def get(self, name: str) -> torch.Tensor:
         """The next tensor; ``name`` must be the next one in the order given."""

@@ -175,3 +175,39 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
 
     one = load_file(tmp_path / "bg" / "one.safetensors")
     assert all(torch.equal(one[n], t) for n, t in tensors.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is POSIX-only")
+def test_the_disk_is_asked_for_each_tensor_once_in_order_within_the_budget(tiny_mm, monkeypatch):
+    """DiskReadahead: every tensor's exact byte range (its header offset, its nbytes) advised
+    WILLNEED once, in read order, before it is read, and never more than the budget beyond the
+    tensor being read (at least the next one); the Prefetcher's reads are unchanged by it."""
+    from g4.core.checkpoint import Checkpoint
+    from g4.convert.pipeline import DiskReadahead, Prefetcher
+
+    ckpt = Checkpoint(tiny_mm)
+    names = [n for n in ckpt.tensors if ".layers." in n]
+    infos = [ckpt.tensors[n] for n in names]
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)) or real(fd, off, n, advice))
+    budget = 3 * max(i.nbytes for i in infos)
+    ahead = DiskReadahead(ckpt, names, budget)
+    for i, info in enumerate(infos):
+        ahead.reading(i)
+        asked = [(c[0], c[1]) for c in calls]
+        assert (info.offset, info.nbytes) in asked  # before it is read
+        beyond = sum(n for off, n in asked) - sum(x.nbytes for x in infos[:i + 1])
+        assert beyond < budget + max(x.nbytes for x in infos)  # stops at the first tensor past the budget
+        assert len(asked) >= min(i + 2, len(infos))  # the next one always
+        assert beyond + info.nbytes >= budget or len(asked) == len(infos)  # and up to the budget while tensors remain
+    ahead.close()
+    assert [(c[0], c[1]) for c in calls] == [(i.offset, i.nbytes) for i in infos]
+    assert {c[2] for c in calls} == {os.POSIX_FADV_WILLNEED}
+    calls.clear()
+    reader = Prefetcher(ckpt, names, budget_bytes=1 << 20)
+    got = [reader.get(n) for n in names]
+    reader.close()
+    for name, t in zip(names, got):
+        assert t.equal(ckpt.get(name))
+    assert len(calls) == len(names)
