@@ -145,6 +145,7 @@ class DiskReadahead:
             self._next += 1
 
     def close(self) -> None:
+        """Close the file descriptors it opened (pages already asked for stay in the page cache)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
