@@ -27,6 +27,12 @@ the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file: no root nee
 kernel drops the clean pages of that file), so both read the source from the disk; with
 ``--cache warm`` the source read once untimed, so both read it from the page cache. Neither
 phase syncs its own output: both are timed up to the last write into the page cache.
+
+Also printed: the bytes the conversion process read from the disk (``ru_inblock`` of the child,
+512-byte units: reads from the page cache do not count, the kernel's readahead into it does)
+over the source's bytes, i.e. how many times the conversion read its source from the disk (an
+NVFP4 W4A4 conversion also reads a layer for its calibration; int8-neuron also hashes the source
+files for the manifest). Meaningful with ``--cache cold`` only.
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ def settle(src: Path, cache: str = "cold") -> None:
                 continue
             while fh.readinto(buf):
                 pass
+
+
+def disk_read_bytes(before: resource.struct_rusage, after: resource.struct_rusage) -> int:
+    """Bytes read from block devices between two ``getrusage`` samples (``ru_inblock`` counts
+    512-byte units; page-cache hits are not counted)."""
+    return (after.ru_inblock - before.ru_inblock) * 512
 
 
 def io_floor_seconds(src: Path, nbytes_out: int, work: Path, threads: int) -> float:
@@ -154,6 +166,9 @@ def main() -> None:
                       # CPU seconds of the conversion process (user + sys) per wall second, of
                       # os.cpu_count(): near the core count, the conversion is bound by the CPU, not the disk
                       "cores_busy (cpu s / wall s)": f"{cpu / wall:.2f} of {os.cpu_count()}",
+                      "read_from_disk_GB": round(disk_read_bytes(before, after) / 1e9, 3),
+                      "source_GB": round(bytes_in / 1e9, 3),
+                      "source_reads_from_disk": round(disk_read_bytes(before, after) / bytes_in, 2),
                       "projected_real_26B_seconds": round(seconds * real_in / bytes_in),
                       "projected_real_26B_io_floor_seconds": round(floor * real_in / bytes_in)}, indent=2))
     if args.format == "int8-neuron":

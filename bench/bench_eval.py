@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import re
 import subprocess
 import sys
@@ -34,7 +35,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(__file__).parent / "_work")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--cache", choices=["cold", "warm"], default="cold",
+                    help="page-cache state of the source's and result's files at the start (bench_convert.settle)")
     args = ap.parse_args()
+    from bench_convert import disk_read_bytes, settle
     from g4.core.checkpoint import Checkpoint
     from g4.core.gemma4 import read_architecture
 
@@ -46,8 +50,12 @@ def main() -> None:
         _run([*g4convert, "synth", "--layers", str(args.layers), str(src)])
     if not out.exists():
         _run([*g4convert, "nvfp4", "--weight-only", str(src), str(out)])
+    settle(src, args.cache)
+    settle(out, args.cache)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = _run(["/usr/bin/time", "-v", *g4convert, "eval", str(out), "--against", str(src), "--json",
                  "--max-tokens", str(args.max_tokens), "--ctx", str(args.ctx)])
+    read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
     report = json.loads(proc.stdout)
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
     ckpt = Checkpoint(src)
@@ -62,6 +70,9 @@ def main() -> None:
     print(f"  {report['seconds']:.1f} s ({per_layer:.1f} s per layer for both models, head phase {head:.1f} s); "
           f"peak RSS {rss / GIB:.2f} GiB, bound 4 GiB + one layer = {bound / GIB:.2f} GiB: "
           f"{'within' if rss <= bound else 'OVER'}")
+    both = sum(i.nbytes for i in ckpt.tensors.values()) + sum(i.nbytes for i in Checkpoint(out).tensors.values())
+    print(f"  read from the disk ({args.cache} cache at the start): {read / 1e9:.2f} GB = {read / both:.2f} x the "
+          f"source's and result's tensors ({both / 1e9:.2f} GB)")
     print(f"  extrapolated to 30 layers: {(per_layer * 30 + head) / 60:.1f} min (extrapolated, not measured; "
           f"{arch.num_layers}-layer source)")
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -42,7 +43,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(__file__).parent / "_work")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--pythonpath", type=Path, help="measure the g4 package found here (e.g. an older checkout)")
+    ap.add_argument("--cache", choices=["cold", "warm"], default="cold",
+                    help="page-cache state of the source's and result's files at the start (bench_convert.settle)")
     args = ap.parse_args()
+    from bench_convert import disk_read_bytes, settle
     from g4.core.checkpoint import Checkpoint
     from g4.core.gemma4 import read_architecture
     from g4.convert.synth import synthetic_config, synthetic_specs
@@ -58,11 +62,15 @@ def main() -> None:
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
+    settle(src, args.cache)
+    settle(out, args.cache)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     res = subprocess.run(["/usr/bin/time", "-v", *g4convert, "verify", str(out), "--against", str(src),
                           "--max-new-tokens", str(args.max_new_tokens), "--min-agreement", "0", "--json"],
                          capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t
+    read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
     if res.returncode:
         sys.exit(f"verify failed ({res.returncode}):\n{res.stderr[-3000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1)) * 1024
@@ -90,6 +98,12 @@ def main() -> None:
         "prompts": report["prompts"], "max_new_tokens": args.max_new_tokens,
         "layer_rel_error": [round(e, 4) for e in report.get("layer_rel_error", [])],
         "seconds": round(seconds, 1),
+        "source_cache": args.cache,
+        # bytes read from the disk over the bytes of both checkpoints' tensors (cold: how many times
+        # verify read them; ru_inblock of the child)
+        "read_from_disk_GB": round(read / 1e9, 3),
+        "src_plus_out_GB": round(bytes_read / 1e9, 3),
+        "reads_of_src_plus_out": round(read / bytes_read, 2),
         "one_layer_GiB": round(layer_bytes / GIB, 3),
         "peak_rss_GiB": round(rss / GIB, 3),
         "rss_bound_GiB (4 GiB + one layer)": round(bound / GIB, 3),

@@ -275,9 +275,11 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
             if on_step:
                 on_step()
     t1 = time.perf_counter()
-    w_src, w_res = src.head_weights(), res.head_weights()
-    if w_src[1].shape == w_res[1].shape and w_src[1].dtype == w_res[1].dtype and torch.equal(w_src[1], w_res[1]):
-        w_res = (w_res[0], w_src[1])  # one [V, H] head in RAM, not two copies of the same bytes
+    w_src = src.head_weights()
+    if res.head_equals(w_src[1]):  # one [V, H] head in RAM, never two copies of the same bytes (compared from the file)
+        w_res = (res.final_norm_weight(), w_src[1])
+    else:
+        w_res = res.head_weights()
     head_src, head_res = src._head(*w_src), res._head(*w_res)
     del w_src, w_res
     parts = []

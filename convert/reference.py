@@ -26,7 +26,7 @@ from torch import nn
 from g4.convert.calibrate import experts_forward_with_input_hook
 from g4.core.checkpoint import CONFIG_NAME, Checkpoint, read_json_object
 from g4.core.errors import CheckpointError
-from g4.core.gemma4 import LM_HEAD, fuse_gate_up, is_tied
+from g4.core.gemma4 import LM_HEAD, is_tied, split_gate_up
 from g4.core.prompt import chat_ids
 from g4.exporters.modelopt_nvfp4 import output_layout
 from g4.exporters.nvfp4_names import Role
@@ -67,8 +67,27 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
 
     sd: dict[str, torch.Tensor] = {}
     input_scales: dict[str, torch.Tensor] = {}
-    # fused expert tensor -> expert -> its dequantized linears in table order ((gate, up) or (down,))
-    experts: dict[str, dict[int, list[torch.Tensor]]] = {}
+    # fused expert tensor -> [E, rows of one expert, in], filled in place as each expert linear is
+    # dequantized: a layer's experts are in RAM once, in one allocation per fused tensor (held per
+    # expert and stacked afterwards, they were there twice, and the heap left behind by a few
+    # hundred medium-sized pieces per layer put the eval of a 2-layer synthetic 26B at 7-8 GiB
+    # in some runs, 4.2-4.3 GiB in others)
+    fused: dict[str, torch.Tensor] = {}
+    # fused name -> expert -> {proj: (out_features, in_features)} of its linears present
+    parts: dict[str, dict[int, dict[str, tuple[int, int]]]] = {}
+    for t in layout.tensors:
+        if t.role == Role.WEIGHT and t.linear.expert is not None and t.name in present:
+            lin = t.linear
+            parts.setdefault(lin.hf_name, {}).setdefault(lin.expert, {})[lin.proj] = (lin.out_features,
+                                                                                      lin.in_features)
+    shape_of: dict[str, tuple[int, int, int]] = {}  # fused name -> (E, rows of one expert, in_features)
+    for name, by_expert in parts.items():
+        for e in range(max(by_expert) + 1):
+            if by_expert.get(e) != by_expert[0] or set(by_expert[0]) not in ({"gate_proj", "up_proj"}, {"down_proj"}):
+                raise CheckpointError(f"{ckpt.root}: {name}: the NVFP4 linears of expert {e} are missing or "
+                                      "differ from expert 0's")
+        first = by_expert[0].values()
+        shape_of[name] = (len(by_expert), sum(o for o, _ in first), next(iter(first))[1])
     # A name the table does not list is passed on as stored, for the load to report.
     sd |= {name: raw(name) for name in sorted(present) if name not in layout.by_name}
     for t in layout.tensors:
@@ -84,30 +103,18 @@ def load_nvfp4_as_hf(out_dir: str | Path | Checkpoint, dtype: torch.dtype = torc
                                      dtype)
             if lin.expert is None:
                 sd[lin.hf_name] = w
-            else:
-                experts.setdefault(lin.hf_name, {}).setdefault(lin.expert, []).append(w)
+                continue
+            # into transformers' [E, 2I, H] gate_up (its gate and up rows as split_gate_up cuts them) or [E, H, I] down
+            if lin.hf_name not in fused:
+                fused[lin.hf_name] = torch.empty(shape_of[lin.hf_name], dtype=dtype)
+            slot = fused[lin.hf_name][lin.expert]
+            if lin.proj != "down_proj":
+                slot = split_gate_up(slot)[0 if lin.proj == "gate_proj" else 1]
+            slot.copy_(w)
+            del w, slot
         elif t.role in (Role.K_SCALE, Role.V_SCALE):  # transformers' model has no KV cache scales
             done(ckpt.tensors[t.name].nbytes)
-
-    def take(by_expert: dict[int, list[torch.Tensor]], e: int) -> torch.Tensor:  # dropped once taken
-        ws = by_expert.pop(e)
-        return fuse_gate_up(*ws) if len(ws) == 2 else ws[0]
-
-    for fused, by_expert in experts.items():  # transformers' [E, 2I, H] gate_up (gate rows first) and [E, H, I] down
-        sd[fused] = _stack_dropping(len(by_expert), lambda e, b=by_expert: take(b, e))
-    return sd, input_scales
-
-
-def _stack_dropping(n: int, take) -> torch.Tensor:
-    """``torch.stack([take(e) for e in range(n)])`` filled one expert at a time, so that (with a
-    ``take`` that drops its inputs) a layer's experts are never in RAM twice."""
-    first = take(0)
-    out = first.new_empty((n, *first.shape))
-    out[0] = first
-    del first
-    for e in range(1, n):
-        out[e] = take(e)
-    return out
+    return sd | fused, input_scales
 
 
 def missing_weights(missing: list[str], config: dict) -> list[str]:

@@ -143,7 +143,18 @@ class StreamedModel:
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(final norm weight [H], head weight [V, H])`` as the checkpoint stores them (the
         embedding when tied), for :meth:`_head`."""
-        return self.ckpt.get(self.ckpt.prefix + "norm.weight"), self.ckpt.get(self.head_name)
+        return self.final_norm_weight(), self.ckpt.get(self.head_name)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        """The final norm's weight ``[H]`` as stored."""
+        return self.ckpt.get(self.ckpt.prefix + "norm.weight")
+
+    def head_equals(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`head_weights` would return ``weight`` (``[V, H]``) as its head: same
+        dtype, shape and bits, compared block by block from the file (:meth:`Checkpoint.equals`),
+        never a second ``[V, H]`` copy in RAM (a tied NVFP4 result keeps its source's bf16
+        embedding)."""
+        return self.ckpt.equals(self.head_name, weight)
 
     def _head(self, norm_weight: torch.Tensor, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
@@ -269,6 +280,14 @@ class Int8NeuronStream(StreamedModel):
         norm = next(e for e in entries if e.key == "norm")
         lm = next(e for e in entries if e.key == "lm_head")
         return got.pop(norm.source), got.pop(lm.source)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        entries = [e for e in model_entries(tied=self.geom.arch.tied) if e.key == "norm"]
+        return self._gathered(entries, "", None)[entries[0].source]
+
+    def head_equals(self, weight: torch.Tensor) -> bool:
+        """False: the head is the dequantized int8 lm_head, never a source's bf16 bytes."""
+        return False
 
 
 def run_layer(module: nn.Module, layer: int, hidden: torch.Tensor, pos: LayerPositions, cache=None) -> torch.Tensor:

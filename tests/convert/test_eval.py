@@ -23,6 +23,7 @@ from g4.convert.calibrate import read_calibration_texts
 from g4.convert.int8_neuron import convert_int8_neuron
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.reference import load_converted_model, load_source_model
+from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceStream
 from g4.exporters.neuron_int8 import geometry, layer_entries, model_entries, is_rank_index, shard, unshard
 from g4.exporters.output_dir import foreign_files
 
@@ -118,6 +119,21 @@ def test_streamed_statistics_equal_whole_models(results, kind):
     got = evaluate(results / kind, EMBEDDED_DIR, max_tokens=MAX_TOKENS, ctx=CTX, dtype=torch.float32, write=False)
     assert got["act_quant"] is w4a4 and got["kld"]["mean"] > 1e-3
     assert_same(got, want, rel=1e-4)
+
+
+def test_the_head_phase_shares_a_head_only_when_its_bytes_are_the_sources(results, tmp_path):
+    """A tied NVFP4 result keeps its source's bf16 embedding as its head: the head phase then
+    holds one [V, H] copy, decided from the files (never a second copy); a head changed in one
+    value, or an int8 head, is its own."""
+    src = SourceStream(EMBEDDED_DIR, torch.float32)
+    norm, head = src.head_weights()
+    res = Nvfp4Stream(results / "w4a16", torch.float32, act_quant=False)
+    assert res.head_equals(head) and torch.equal(res.final_norm_weight(), res.head_weights()[0])
+    planted = head.clone()
+    planted[7, 3] += 1
+    assert not res.head_equals(planted)
+    int8 = Int8NeuronStream(results / "int8", torch.float32)
+    assert not int8.head_equals(head) and torch.equal(int8.final_norm_weight(), int8.head_weights()[0])
 
 
 def test_int8_neuron_statistics_equal_the_emulator(results):

@@ -64,6 +64,22 @@ def test_dequantized_state_matches_quantizer(embedded_nvfp4):
     rel = (sd[key] - src[key].float()).norm() / src[key].float().norm()
     assert rel < 0.15
     assert "model.language_model.layers.2.experts.down_proj" in scales
+    # each expert's rows exactly where transformers' layer reads them, dequantized from its own linears
+    from g4.core.checkpoint import Checkpoint
+    from g4.quantizers.nvfp4 import dequantize_tensors
+
+    out = Checkpoint(embedded_nvfp4)
+    layer = "model.language_model.layers.2."
+
+    def expert(e: int, proj: str) -> torch.Tensor:
+        m = f"{layer}experts.{e}.{proj}."
+        return dequantize_tensors(out.get(m + "weight"), out.get(m + "weight_scale"), out.get(m + "weight_scale_2"))
+
+    n_experts, inter = sd[key].shape[0], sd[key].shape[1] // 2
+    for e in range(n_experts):
+        assert torch.equal(sd[key][e, :inter], expert(e, "gate_proj")), e
+        assert torch.equal(sd[key][e, inter:], expert(e, "up_proj")), e
+        assert torch.equal(sd[f"{layer}experts.down_proj"][e], expert(e, "down_proj")), e
 
 
 def test_verify_refuses_wrong_inputs(embedded_nvfp4, tiny_mm, tmp_path):

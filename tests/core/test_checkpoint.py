@@ -51,6 +51,20 @@ def test_get_rows_gathers_without_full_read(tiny_mm):
     assert torch.equal(ck.get_rows(name, ids), ck.get(name)[ids])
 
 
+def test_equals_compares_a_stored_tensor_block_by_block(tiny_mm):
+    ck = Checkpoint(tiny_mm)
+    name = ck.prefix + "embed_tokens.weight"
+    w = ck.get(name)
+    row = w.shape[1] * w.dtype.itemsize
+    assert ck.equals(name, w.clone(), block_bytes=3 * row)  # many blocks, the last one short
+    last = w.clone()
+    last[-1, -1] = torch.nextafter(last[-1, -1], torch.tensor(float("inf"), dtype=last.dtype))
+    assert not ck.equals(name, last, block_bytes=3 * row)  # one ulp in the last block
+    assert not ck.equals(name, w.float()) and not ck.equals(name, w[:-1].clone())
+    with pytest.raises(CheckpointError, match="not in the checkpoint"):
+        ck.equals("nope", w)
+
+
 @pytest.fixture
 def sharded(tiny_mm, tmp_path):
     return shard_copy(tiny_mm, tmp_path / "sharded", 40_000)
