@@ -32,7 +32,9 @@ Also printed: the bytes the conversion process read from the disk (``ru_inblock`
 512-byte units: reads from the page cache do not count, the kernel's readahead into it does)
 over the source's bytes, i.e. how many times the conversion read its source from the disk (an
 NVFP4 W4A4 conversion also reads a layer for its calibration; int8-neuron also hashes the source
-files for the manifest). Meaningful with ``--cache cold`` only.
+files for the manifest), and the bytes of the source still in the page cache when the conversion
+has finished (util-linux ``fincore``; the conversion releases what it is done with,
+``g4.convert.pipeline.SourceRelease``). Meaningful with ``--cache cold`` only.
 """
 
 from __future__ import annotations
@@ -64,6 +66,18 @@ def settle(src: Path, cache: str = "cold") -> None:
                 continue
             while fh.readinto(buf):
                 pass
+
+
+def cached_bytes(root: Path) -> int | None:
+    """Bytes of the ``*.safetensors`` files under ``root`` now in the page cache (util-linux
+    ``fincore``), or None without it."""
+    files = sorted(str(f) for f in root.rglob("*.safetensors"))
+    try:
+        res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+                             capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(x) for x in res.stdout.split())
 
 
 def disk_read_bytes(before: resource.struct_rusage, after: resource.struct_rusage) -> int:
@@ -149,6 +163,7 @@ def main() -> None:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     seconds, bytes_in, bytes_out, rss = (float(x) for x in res.stdout.split())
+    left_cached = cached_bytes(src)  # the source's pages the conversion left in the page cache
     print(res.stderr.strip().splitlines()[-1])
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     settle(src, args.cache)
@@ -169,6 +184,7 @@ def main() -> None:
                       "read_from_disk_GB": round(disk_read_bytes(before, after) / 1e9, 3),
                       "source_GB": round(bytes_in / 1e9, 3),
                       "source_reads_from_disk": round(disk_read_bytes(before, after) / bytes_in, 2),
+                      "source_left_in_page_cache_GB": None if left_cached is None else round(left_cached / 1e9, 3),
                       "projected_real_26B_seconds": round(seconds * real_in / bytes_in),
                       "projected_real_26B_io_floor_seconds": round(floor * real_in / bytes_in)}, indent=2))
     if args.format == "int8-neuron":

@@ -51,7 +51,7 @@ from g4.convert.calibrate import (
 )
 from g4.convert.card import write_model_card
 from g4.convert.nvfp4 import peak_rss_bytes
-from g4.convert.pipeline import READ_AHEAD_BYTES, BackgroundHashes, overlapped
+from g4.convert.pipeline import READ_AHEAD_BYTES, BackgroundHashes, SourceRelease, overlapped
 from g4.convert.plan import plan_memory
 from g4.convert.sources import checked_sources
 from g4.core.checkpoint import CONFIG_NAME, Checkpoint, copy_side_files
@@ -244,11 +244,15 @@ def convert_int8_neuron(
         calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
                                                    batch_size=calib_batch_size, dtype=calib_dtype, device=device,
                                                    without="use --algorithm max")
-    hashes = BackgroundHashes(ckpt.shards)  # the manifest's source hashes, while the weights are written
+    # the manifest's source hashes, while the weights are written, paced behind the conversion's
+    # reads so both use the same pages; each range leaves the page cache once both are done with it
+    release = SourceRelease(hashed=True)
+    hashes = BackgroundHashes(ckpt.shards, release=release)
     try:
         with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
             with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
-                per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention, calibrator)
+                per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention, calibrator,
+                                          release)
             ckpt.close()
             Manifest.build(
                 g, embed_dtype=KEPT_DTYPE, quantize_attention=quantize_attention,
@@ -264,6 +268,7 @@ def convert_int8_neuron(
             _finish(tmp, ckpt, out, options)
     finally:
         hashes.close()
+        release.close()
     return Int8Report(Path(out), tp, bytes_in, [per_rank] * tp, host_bytes, time.perf_counter() - t0,
                       peak_rss_bytes(), algorithm, calib_tokens, calibrator.seconds if calibrator else 0.0)
 
@@ -310,13 +315,15 @@ def _layer_reads(src_names: dict[str, str], entries: list[Entry], whole: bool) -
 
 
 def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, specs: list[TensorSpec], bar,
-                   quantize_attention: bool, calibrator: LayerCalibrator | None = None) -> int:
+                   quantize_attention: bool, calibrator: LayerCalibrator | None = None,
+                   release: SourceRelease | None = None) -> int:
     """The host embedding table (copied from the source in the background from the start),
     every rank file, one decoder layer in RAM at a time, then the model tensors (device
     embedding shards, final norm, lm_head), all through one overlapped loop: the embedding is
     read while the last layer is quantized, and every tensor is written in the background.
     With ``calibrator`` (``--algorithm gptq``) each layer is read whole, calibrated (its
-    Hessians recorded) and then quantized by GPTQ. Returns the bytes of one rank file (all are
+    Hessians recorded) and then quantized by GPTQ. ``release``: given the source ranges done with
+    (:class:`g4.convert.pipeline.SourceRelease`). Returns the bytes of one rank file (all are
     the same size)."""
     embed_name = ckpt.prefix + "embed_tokens.weight"
     (tmp / WEIGHTS_DIR).mkdir()
@@ -331,12 +338,12 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
     # Read the next tensor while this one is quantized, write in the background: each
     # queue holds about one largest tensor, so RSS stays near 2 x largest + the runtime.
     with overlapped(ckpt, reads + model_reads, write_behind_bytes=max(largest // 2, READ_AHEAD_BYTES),
-                    bar=bar) as (reader, out):
+                    bar=bar, release=release) as (reader, out):
         # the host table is the source's bytes (unscaled: the runtime applies embed_scale): copied
         # first, while the first layer is read and quantized; a source in another dtype than the
         # layout's is cast with the model tensors below
         if embed_info.dtype == KEPT_DTYPE:
-            out.copy(host, EMBED_TENSOR, embed_info)
+            out.copy(host, EMBED_TENSOR, embed_info, release=False)  # read again for the device shards below
         for L, src_names, entries in layers:
             w, hessians = {}, None
             if whole:

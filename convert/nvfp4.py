@@ -37,7 +37,7 @@ from g4.convert.calibrate import (
     make_calibrator,
 )
 from g4.convert.card import write_model_card
-from g4.convert.pipeline import overlapped
+from g4.convert.pipeline import SourceRelease, overlapped
 from g4.convert.sources import checked_sources
 from g4.core.checkpoint import Checkpoint, copy_side_files
 from g4.core.errors import CheckpointError, ExportError
@@ -379,7 +379,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
     # Read the next layer while this one is calibrated and quantized, write in the background.
     # The reader holds at most one tensor (or READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
-    with overlapped(ckpt, reads, bar=bar) as (reader, out):
+    # the source's pages leave the page cache once quantized or copied (SourceRelease)
+    with SourceRelease() as release, overlapped(ckpt, reads, bar=bar, release=release) as (reader, out):
         # The kept model tensors (embeddings, towers, final norm; checked finite before) are
         # the source's bytes at their places in OUT: copied first, while the layers are quantized.
         for t in layout.model:

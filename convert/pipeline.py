@@ -6,8 +6,11 @@ I/O release the GIL).
   next :data:`DISK_AHEAD_BYTES` of them before they are read (:class:`DiskReadahead`);
 - :class:`BackgroundWriter` writes tensors into their ``ShardedSafetensorsWriter`` in
   background threads, each at its planned place, at most ``budget_bytes`` behind;
-- :class:`BackgroundHashes` hashes the source files while the conversion runs (their bytes are
-  then mostly in the page cache already, or soon);
+- :class:`BackgroundHashes` hashes the source files while the conversion runs, kept at most
+  :data:`HASH_AHEAD_BYTES` ahead of what the conversion has read, so both use the same pages
+  and the source is read from the disk once;
+- :class:`SourceRelease` drops the source's pages from the page cache once every reader is done
+  with them (a 51.6 GB source then does not fill the page cache with pages nobody reads again);
 - :func:`overlapped` runs a layer loop with the first two.
 
 The reader keeps the order of the reads; the writer claims each tensor's place in the order
@@ -22,6 +25,7 @@ import copy
 import hashlib
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +43,9 @@ READ_AHEAD_BYTES = 64 << 20
 # instead of the page-fault-sized ones its mmap makes; the pages wait in the page cache.
 DISK_AHEAD_BYTES = 512 << 20
 WRITE_BEHIND_BYTES = 256 << 20
+# Bytes BackgroundHashes may hash beyond what the conversion has consumed: a hash that ran ahead
+# over a source larger than the page cache would read every byte from the disk a second time.
+HASH_AHEAD_BYTES = 1 << 30
 # Threads writing the outputs (BackgroundWriter): two wrote new file data about 3x faster than
 # one on the 2-core machine here (bench/bench_convert.py measures its I/O floor the same way).
 WRITE_THREADS = 2
@@ -151,6 +158,117 @@ class DiskReadahead:
         self._fds.clear()
 
 
+class SourceRelease:
+    """Releases source byte ranges from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``)
+    once every reader is done with them: the conversion (:meth:`consumed`: a tensor the
+    :class:`Prefetcher` handed out, once the consumer has dropped it; a range the
+    :class:`BackgroundWriter` copied) and, with ``hashed``, the source hash (:meth:`hashed_to`,
+    from :class:`BackgroundHashes`, which reads each file in order). The advice is given at the
+    next :meth:`sweep` (the Prefetcher sweeps before each read, :meth:`close` at the end), when
+    the dropped tensor's mapping is gone: the kernel keeps pages still mapped, which is correct,
+    only not released. It also paces the hash (:meth:`wait_hash_room`) to at most
+    :data:`HASH_AHEAD_BYTES` beyond the bytes consumed, until :meth:`finish`. The source is never
+    changed: the advice only frees clean page cache. Without ``posix_fadvise`` nothing is
+    released (the hash is still paced).
+
+    Attributes:
+        released_bytes: bytes of consumed ranges advised DONTNEED so far.
+    """
+
+    def __init__(self, *, hashed: bool = False):
+        self._hashed = hashed
+        self._hashed_to: dict[str, int] = {}  # path -> bytes of it hashed, from offset 0
+        self._ready: deque = deque()  # (path, a, b) consumed, not yet swept
+        self._pending: dict[str, list[tuple[int, int]]] = {}  # path -> consumed [a, b) not yet hashed
+        self._consumed = 0
+        self._hash_total = 0
+        self._finished = False
+        self._fds: dict[str, int] = {}
+        self._on = hasattr(os, "posix_fadvise")
+        self._cv = threading.Condition(threading.RLock())  # consumed() may run as a finalizer in any call
+        self.released_bytes = 0
+
+    def _drop(self, path: str, a: int, b: int) -> None:
+        if b <= a or not self._on:
+            return
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+            self.released_bytes += b - a
+        except OSError:  # advice only
+            pass
+
+    def consumed(self, path: "str | os.PathLike[str]", offset: int, nbytes: int) -> None:
+        """The conversion is done with ``nbytes`` at ``offset`` of ``path`` (released at the next
+        :meth:`sweep`, and once hashed if the source is). Any thread; also a weakref finalizer."""
+        with self._cv:
+            self._ready.append((str(path), offset, offset + nbytes))
+            self._consumed += nbytes
+            self._cv.notify_all()
+
+    def sweep(self) -> None:
+        """Release what every reader is done with."""
+        with self._cv:
+            while self._ready:
+                path, a, b = self._ready.popleft()
+                h = self._hashed_to.get(path, 0) if self._hashed else b
+                self._drop(path, a, min(b, h))
+                if b > h:
+                    self._pending.setdefault(path, []).append((max(a, h), b))
+
+    def hashed_to(self, path: "str | os.PathLike[str]", offset: int) -> None:
+        """The hash has read ``path`` from its start up to ``offset``."""
+        self.sweep()
+        path = str(path)
+        with self._cv:
+            self._hash_total += offset - self._hashed_to.get(path, 0)
+            self._hashed_to[path] = offset
+            keep = []
+            for a, b in self._pending.get(path, []):
+                self._drop(path, a, min(b, offset))
+                if b > offset:
+                    keep.append((max(a, offset), b))
+            self._pending[path] = keep
+
+    def wait_hash_room(self, nbytes: int, stop: threading.Event) -> None:
+        """Block the hash until ``nbytes`` more stay within :data:`HASH_AHEAD_BYTES` of the bytes
+        consumed, or :meth:`finish` was called, or ``stop`` is set."""
+        with self._cv:
+            while not (self._finished or stop.is_set()
+                       or self._hash_total + nbytes <= self._consumed + HASH_AHEAD_BYTES):
+                self._cv.wait(0.5)
+
+    def finish(self) -> None:
+        """The conversion has read everything it reads: the hash goes on unpaced."""
+        with self._cv:
+            self._finished = True
+            self._cv.notify_all()
+
+    def __enter__(self) -> "SourceRelease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """:meth:`finish` and a last :meth:`sweep` (call it once the conversion's tensors are
+        dropped); with ``hashed``, everything the hash has read is released too (tensors the
+        conversion never reads, such as a vision tower int8-neuron does not export, and the
+        headers), ranges it has not passed yet stay; closes the descriptors it opened."""
+        self.finish()
+        self.sweep()
+        with self._cv:
+            counted = self.released_bytes
+            for path, end in self._hashed_to.items():
+                self._drop(path, 0, end)
+            self.released_bytes = counted  # counts consumed ranges only
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
 class Prefetcher:
     """Source tensors read ahead in a background thread.
 
@@ -162,12 +280,15 @@ class Prefetcher:
             only once everything before it was taken). The consumer's own tensors come on top.
         disk_ahead_bytes: bytes the disk is asked to read ahead of the reads
             (:class:`DiskReadahead`; 0: none), held in the page cache, not in this process.
+        release: told of each tensor handed out once the consumer has dropped it
+            (:class:`SourceRelease`, swept before each read); None: nothing released.
 
     Raises (from :meth:`get`): whatever reading raised (CheckpointError for NaN/Inf or a bad shard).
     """
 
     def __init__(self, ckpt: Checkpoint, names: Sequence[str], budget_bytes: int,
-                 disk_ahead_bytes: int = DISK_AHEAD_BYTES):
+                 disk_ahead_bytes: int = DISK_AHEAD_BYTES, release: SourceRelease | None = None):
+        self._release = release
         self._ckpt = copy.copy(ckpt)
         self._ckpt._handles = {}
         self._names = list(names)
@@ -182,6 +303,8 @@ class Prefetcher:
             for i, name in enumerate(self._names):
                 if self._stop:
                     break
+                if self._release is not None:
+                    self._release.sweep()
                 if self._disk is not None:
                     self._disk.reading(i)  # the disk reads ahead while this waits for room
                 self._q.wait_room(self._ckpt.tensors[name].nbytes)  # room first, then read
@@ -202,6 +325,10 @@ class Prefetcher:
         item = self._q.take()
         if item is None or item[0] != name:
             raise RuntimeError(f"prefetch order: asked for {name}, next is {item[0] if item else 'nothing'}")
+        if self._release is not None:  # its pages are released once the consumer has dropped it
+            info = self._ckpt.tensors[name]
+            weakref.finalize(item[1], self._release.consumed, info.path, info.offset, info.nbytes).atexit = False
+            self._release.sweep()
         return item[1]
 
     def close(self) -> None:
@@ -226,9 +353,12 @@ class BackgroundWriter:
             the tensors are held, not copied, so the caller must not modify them afterwards.
         threads: writing threads.
         on_written: called in a writing thread after each tensor with its bytes (e.g. a progress bar).
+        release: told of each source range :meth:`copy` has copied (:class:`SourceRelease`).
     """
 
-    def __init__(self, budget_bytes: int, threads: int = WRITE_THREADS, on_written=None):
+    def __init__(self, budget_bytes: int, threads: int = WRITE_THREADS, on_written=None,
+                 release: SourceRelease | None = None):
+        self._release = release
         self._q = _ByteBudget(budget_bytes)
         self._on_written = on_written
         self._threads = [threading.Thread(target=self._run, name=f"g4-write-{i}", daemon=True) for i in range(threads)]
@@ -264,11 +394,13 @@ class BackgroundWriter:
             n = piece.numel() * piece.element_size()
             self._q.put((writer.put, (slot, piece, r0), n, n), n, held=True)
 
-    def copy(self, writer, name: str, source) -> None:
+    def copy(self, writer, name: str, source, *, release: bool = True) -> None:
         """Queue planned tensor ``name`` of ``writer`` as a copy of the stored bytes of source
         tensor ``source`` (a ``TensorInfo``: path, offset, dtype, shape), ahead of its turn
         (``ShardedSafetensorsWriter.claim_early``, ``copy_in``): for a tensor kept exactly as
-        stored, written while the layers are still being quantized; it takes no RAM.
+        stored, written while the layers are still being quantized; it takes no RAM. ``release``:
+        tell the writer's :class:`SourceRelease` the copied range is done with (False when the
+        same bytes are read again later, or they would come from the disk twice).
 
         Raises:
             ExportError: ``name`` is not planned, already claimed, or planned in another dtype/shape.
@@ -279,7 +411,12 @@ class BackgroundWriter:
         slot = writer.claim_early(name, source.dtype, source.shape)
         for b0 in range(0, max(source.nbytes, 1), WRITE_PIECE_BYTES):
             n = min(WRITE_PIECE_BYTES, source.nbytes - b0)
-            self._q.put((writer.copy_in, (slot, source.path, source.offset, b0, n), 0, n), 0)
+            self._q.put((self._copy_piece, (writer, slot, source, b0, n, release), 0, n), 0)
+
+    def _copy_piece(self, writer, slot, source, b0: int, n: int, release: bool) -> None:
+        writer.copy_in(slot, source.path, source.offset, b0, n)
+        if release and self._release is not None:  # read with pread, never mapped: released at the next sweep
+            self._release.consumed(source.path, source.offset + b0, n)
 
     def close(self) -> None:
         """Write everything queued, stop the threads, raise a thread's error if any."""
@@ -292,14 +429,15 @@ class BackgroundWriter:
 
 @contextmanager
 def overlapped(ckpt: Checkpoint, reads: Sequence[str], *, write_behind_bytes: int = WRITE_BEHIND_BYTES,
-               bar=None) -> Iterator[tuple[Prefetcher, BackgroundWriter]]:
+               bar=None, release: SourceRelease | None = None) -> Iterator[tuple[Prefetcher, BackgroundWriter]]:
     """A conversion's layer loop with reading and writing in the background: yields the
     :class:`Prefetcher` of ``reads`` (at most one tensor or :data:`READ_AHEAD_BYTES` ahead) and a
     :class:`BackgroundWriter` (``write_behind_bytes`` behind). On a normal exit it waits for
     every queued write (``bar`` shows "writing") and closes ``ckpt``'s file mappings; on any
-    exit both threads are stopped. A thread's error is raised again here."""
-    reader = Prefetcher(ckpt, reads, budget_bytes=READ_AHEAD_BYTES)
-    out = BackgroundWriter(budget_bytes=write_behind_bytes)
+    exit both threads are stopped. A thread's error is raised again here. ``release``: given the
+    source ranges the loop is done with (:class:`SourceRelease`), and finished on exit."""
+    reader = Prefetcher(ckpt, reads, budget_bytes=READ_AHEAD_BYTES, release=release)
+    out = BackgroundWriter(budget_bytes=write_behind_bytes, release=release)
     try:
         yield reader, out
         if bar is not None:
@@ -307,6 +445,8 @@ def overlapped(ckpt: Checkpoint, reads: Sequence[str], *, write_behind_bytes: in
         out.close()
     finally:
         reader.close()
+        if release is not None:
+            release.finish()
         out.close()
     ckpt.close()
 
@@ -316,11 +456,14 @@ class BackgroundHashes:
     time, while the caller converts: the int8-neuron manifest records its source's hashes, and
     hashing 51.6 GB after the conversion took as long as a third of it (about 1.5 GB/s).
     :meth:`close` stops it at the next 16 MiB (an aborted conversion does not wait for it).
-    Same digests as :func:`g4.core.checkpoint.file_sha256`."""
+    Same digests as :func:`g4.core.checkpoint.file_sha256`. ``release``: the conversion's
+    :class:`SourceRelease` (``hashed=True``), which paces the hash behind the conversion's reads
+    and is told how far each file is hashed."""
 
     _CHUNK = 16 << 20
 
-    def __init__(self, files: dict[str, "str | os.PathLike[str]"]):
+    def __init__(self, files: dict[str, "str | os.PathLike[str]"], release: SourceRelease | None = None):
+        self._release = release
         self._files = dict(files)
         self._digests: dict[str, str] = {}
         self._error: tuple[str, OSError] | None = None
@@ -335,10 +478,18 @@ class BackgroundHashes:
             h = hashlib.sha256()
             try:
                 with open(path, "rb", buffering=0) as f:  # read, not mapped: mapped pages count as RSS
-                    while n := f.readinto(buf):
+                    at = 0
+                    while True:
+                        if self._release is not None:
+                            self._release.wait_hash_room(self._CHUNK, self._stop)
+                        if not (n := f.readinto(buf)):
+                            break
                         if self._stop.is_set():
                             return
                         h.update(view[:n])
+                        at += n
+                        if self._release is not None:
+                            self._release.hashed_to(path, at)
             except OSError as e:
                 self._error = (str(path), e)
                 return

@@ -211,3 +211,114 @@ def test_the_disk_is_asked_for_each_tensor_once_in_order_within_the_budget(tiny_
     for name, t in zip(names, got):
         assert t.equal(ckpt.get(name))
     assert len(calls) == len(names)
+
+
+def _record_fadvise(monkeypatch):
+    """Every posix_fadvise call as (path, offset, nbytes, advice), passed on to the kernel."""
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(
+        (os.readlink(f"/proc/self/fd/{fd}"), off, n, advice)) or real(fd, off, n, advice))
+    return calls
+
+
+def _dropped(calls) -> list[tuple[str, int, int]]:
+    return [(p, off, off + n) for p, off, n, advice in calls if advice == os.POSIX_FADV_DONTNEED]
+
+
+def _covered(ranges, path, a, b) -> bool:
+    """Whether [a, b) of ``path`` is covered by ``ranges`` ((path, a, b) triples)."""
+    at = a
+    for p, x, y in sorted(r for r in ranges if r[0] == path):
+        if x <= at < y:
+            at = y
+    return at >= b
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "posix_fadvise"),
+                    reason="needs Linux posix_fadvise and /proc/self/fd")
+def test_each_tensor_leaves_the_page_cache_once_the_consumer_has_dropped_it(tiny_mm, monkeypatch):
+    """SourceRelease with the Prefetcher: a tensor's byte range is advised DONTNEED only after
+    the consumer dropped it, never while it is held, and every range exactly once."""
+    from g4.core.checkpoint import Checkpoint
+    from g4.convert.pipeline import Prefetcher, SourceRelease
+
+    ckpt = Checkpoint(tiny_mm)
+    names = [n for n in ckpt.tensors if ".layers." in n]
+    infos = {n: ckpt.tensors[n] for n in names}
+    calls = _record_fadvise(monkeypatch)
+    with SourceRelease() as release:
+        reader = Prefetcher(ckpt, names, budget_bytes=1 << 20, disk_ahead_bytes=0, release=release)
+        previous = None  # (name, tensor) taken before, still held while the next is taken
+        for n in names:
+            t = reader.get(n)
+            for name in [n] + ([previous[0]] if previous else []):
+                i = infos[name]
+                assert not _covered(_dropped(calls), str(i.path), i.offset, i.offset + i.nbytes), \
+                    f"{name} released while held"
+            assert t.equal(ckpt.get(n))
+            previous = (n, t)  # the one before is dropped here
+            del t
+        reader.close()
+        del previous
+    got = _dropped(calls)
+    want = sorted((str(i.path), i.offset, i.offset + i.nbytes) for i in infos.values())
+    assert sorted(got) == want  # each exactly once, nothing else
+    assert release.released_bytes == sum(i.nbytes for i in infos.values())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "posix_fadvise"),
+                    reason="needs Linux posix_fadvise and /proc/self/fd")
+def test_a_hashed_source_is_released_only_where_both_are_done_and_the_hash_is_paced(tmp_path, monkeypatch):
+    """SourceRelease(hashed=True): a consumed range leaves the page cache only where the hash has
+    passed it too; the hash waits within HASH_AHEAD_BYTES of what was consumed until finish;
+    the digests are file_sha256's."""
+    import g4.convert.pipeline as pipeline
+    from g4.convert.pipeline import SourceRelease
+
+    monkeypatch.setattr(pipeline, "HASH_AHEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(BackgroundHashes, "_CHUNK", 1 << 18)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(8 << 20))
+    calls = _record_fadvise(monkeypatch)
+    release = SourceRelease(hashed=True)
+    hashed = []
+    real_hashed_to = release.hashed_to
+    release.hashed_to = lambda p, off: hashed.append(off) or real_hashed_to(p, off)
+    hashes = BackgroundHashes({"model.safetensors": path}, release=release)
+    time.sleep(0.5)
+    assert hashed and max(hashed) <= (1 << 20)  # paced: nothing consumed yet
+    # the conversion consumes the second half first, then the first (not in file order)
+    mib = 1 << 20
+    for a in [4, 5, 6, 7, 0, 1, 2, 3]:
+        release.consumed(path, a * mib, mib)
+        release.sweep()
+        for p, x, y in _dropped(calls):
+            assert y <= max(hashed), "released before the hash passed it"
+        time.sleep(0.05)
+    release.finish()
+    got = hashes.result()
+    release.close()
+    assert got == {"model.safetensors": file_sha256(path)}
+    assert _covered(_dropped(calls), str(path), 0, 8 * mib) and release.released_bytes == 8 * mib
+
+
+def test_an_nvfp4_conversion_releases_every_source_tensor_it_reads(tmp_path, monkeypatch):
+    """End to end: after `g4convert nvfp4` every source tensor's range was advised DONTNEED
+    (the layers once quantized, the kept tensors once copied), and the result is unchanged."""
+    if not (os.path.isdir("/proc/self/fd") and hasattr(os, "posix_fadvise")):
+        pytest.skip("needs Linux posix_fadvise and /proc/self/fd")
+    from g4.core.checkpoint import Checkpoint
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.convert.nvfp4 import convert_nvfp4
+
+    convert_nvfp4(EMBEDDED_DIR, tmp_path / "a", weight_only=True, algorithm="max", progress=False)
+    calls = _record_fadvise(monkeypatch)
+    convert_nvfp4(EMBEDDED_DIR, tmp_path / "b", weight_only=True, algorithm="max", progress=False)
+    src = Checkpoint(EMBEDDED_DIR, source=True)
+    dropped = _dropped(calls)
+    for name, info in src.tensors.items():
+        assert _covered(dropped, str(info.path), info.offset, info.offset + info.nbytes), name
+    a, b = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert set(a.tensors) == set(b.tensors)
