@@ -344,6 +344,8 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
         # layout's is cast with the model tensors below
         if embed_info.dtype == KEPT_DTYPE:
             out.copy(host, EMBED_TENSOR, embed_info, release=False)  # read again for the device shards below
+        if release is not None:  # every read is planned now (the Prefetcher's and the copy): the hash may start
+            release.plan_done()
         for L, src_names, entries in layers:
             w, hessians = {}, None
             if whole:

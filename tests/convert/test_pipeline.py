@@ -269,38 +269,43 @@ def test_each_tensor_leaves_the_page_cache_once_the_consumer_has_dropped_it(tiny
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "posix_fadvise"),
                     reason="needs Linux posix_fadvise and /proc/self/fd")
-def test_a_hashed_source_is_released_only_where_both_are_done_and_the_hash_is_paced(tmp_path, monkeypatch):
-    """SourceRelease(hashed=True): a consumed range leaves the page cache only where the hash has
-    passed it too; the hash waits within HASH_AHEAD_BYTES of what was consumed until finish;
-    the digests are file_sha256's."""
-    import g4.convert.pipeline as pipeline
+def test_a_hashed_source_is_hashed_behind_the_reads_and_released_behind_both(tmp_path, monkeypatch):
+    """SourceRelease(hashed=True): the hash takes a byte the conversion plans to read only once it
+    has been read (bytes nobody reads at once); a consumed range leaves the page cache only where
+    the hash has passed it too; the digests are file_sha256's."""
     from g4.convert.pipeline import SourceRelease
 
-    monkeypatch.setattr(pipeline, "HASH_AHEAD_BYTES", 1 << 20)
-    monkeypatch.setattr(BackgroundHashes, "_CHUNK", 1 << 18)
+    mib = 1 << 20
+    monkeypatch.setattr(BackgroundHashes, "_CHUNK", mib // 4)
     path = tmp_path / "model.safetensors"
-    path.write_bytes(os.urandom(8 << 20))
+    path.write_bytes(os.urandom(8 * mib))
     calls = _record_fadvise(monkeypatch)
     release = SourceRelease(hashed=True)
-    hashed = []
-    real_hashed_to = release.hashed_to
-    release.hashed_to = lambda p, off: hashed.append(off) or real_hashed_to(p, off)
+    reads, hashed = [], []  # MiB blocks read, (offset hashed, blocks read by then)
+    real_read, real_hashed_to = release.read, release.hashed_to
+    release.read = lambda p, off, n: reads.append(off // mib) or real_read(p, off, n)
+    release.hashed_to = lambda p, off: hashed.append((off, set(reads))) or real_hashed_to(p, off)
+    for blk in range(1, 8):  # block 0 (a header, a tensor nobody reads) is not planned
+        release.plan(path, blk * mib, mib)
     hashes = BackgroundHashes({"model.safetensors": path}, release=release)
+    time.sleep(0.3)
+    assert not hashed  # nothing before plan_done
+    release.plan_done()
     time.sleep(0.5)
-    assert hashed and max(hashed) <= (1 << 20)  # paced: nothing consumed yet
-    # the conversion consumes the second half first, then the first (not in file order)
-    mib = 1 << 20
-    for a in [4, 5, 6, 7, 0, 1, 2, 3]:
-        release.consumed(path, a * mib, mib)
+    assert max(off for off, _ in hashed) == mib  # block 0 at once, then it waits for block 1's read
+    for blk in [4, 5, 6, 7, 1, 2, 3]:  # read and consumed out of file order
+        release.read(path, blk * mib, mib)
+        release.consumed(path, blk * mib, mib)
         release.sweep()
-        for p, x, y in _dropped(calls):
-            assert y <= max(hashed), "released before the hash passed it"
-        time.sleep(0.05)
-    release.finish()
+        for _, x, y in _dropped(calls):
+            assert y <= max(off for off, _ in hashed), "released before the hash passed it"
+        time.sleep(0.1)
     got = hashes.result()
+    for off, seen in hashed:  # every planned block below a hashed offset was read first
+        assert set(range(1, -(-off // mib))) <= seen, (off, seen)
     release.close()
     assert got == {"model.safetensors": file_sha256(path)}
-    assert _covered(_dropped(calls), str(path), 0, 8 * mib) and release.released_bytes == 8 * mib
+    assert _covered(_dropped(calls), str(path), mib, 8 * mib) and release.released_bytes == 7 * mib
 
 
 def test_an_nvfp4_conversion_releases_every_source_tensor_it_reads(tmp_path, monkeypatch):
