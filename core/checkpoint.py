@@ -410,17 +410,19 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
         if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
             return False
-        if not info.shape:
-            return torch.equal(self.get(name), tensor)
-        rows = max(1, block_bytes // max(1, info.nbytes // info.shape[0]))
-        try:
-            sl = self._handle(info).get_slice(name)
-            for r in range(0, info.shape[0], rows):
+        if not info.shape or info.nbytes == 0:  # a scalar or empty: no blocks
+            return torch.equal(self.get(name).reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+        rows = max(1, block_bytes // (info.nbytes // info.shape[0]))
+        sl = None
+        for r in range(0, info.shape[0], rows):
+            try:
+                if sl is None:
+                    sl = self._handle(info).get_slice(name)
                 block = sl[r : r + rows]
-                if not torch.equal(block.view(torch.uint8), tensor[r : r + rows].view(torch.uint8)):
-                    return False
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
+            if not torch.equal(block.view(torch.uint8), tensor[r : r + rows].contiguous().view(torch.uint8)):
+                return False
         return True
 
     def _handle(self, info: TensorInfo):

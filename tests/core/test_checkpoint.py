@@ -61,8 +61,11 @@ def test_equals_compares_a_stored_tensor_block_by_block(tiny_mm):
     last[-1, -1] = torch.nextafter(last[-1, -1], torch.tensor(float("inf"), dtype=last.dtype))
     assert not ck.equals(name, last, block_bytes=3 * row)  # one ulp in the last block
     assert not ck.equals(name, w.float()) and not ck.equals(name, w[:-1].clone())
+    assert ck.equals(name, w.t().contiguous().t(), block_bytes=3 * row)  # a non-contiguous copy of the same values
     with pytest.raises(CheckpointError, match="not in the checkpoint"):
         ck.equals("nope", w)
+    scalar = next(n for n, i in ck.tensors.items() if not i.shape or i.shape == (1,))
+    assert ck.equals(scalar, ck.get(scalar).clone()) and not ck.equals(scalar, ck.get(scalar) + 1)
 
 
 @pytest.fixture
