@@ -108,6 +108,34 @@ class _ByteBudget:
             self.cv.notify_all()
 
 
+class _FileAdvice:
+    """``posix_fadvise`` on byte ranges of source files, one read-only descriptor per file kept
+    open until :meth:`close`; advice only, so an OSError is ignored (the read itself reports a
+    real problem), and without ``posix_fadvise`` (not Linux/POSIX) nothing is done."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self.on = hasattr(os, "posix_fadvise")
+
+    def advise(self, path: "str | os.PathLike[str]", offset: int, nbytes: int, advice: int) -> bool:
+        """Give ``advice`` for ``nbytes`` at ``offset`` of ``path``; whether it was given."""
+        if not self.on or nbytes <= 0:
+            return False
+        try:
+            fd = self._fds.get(str(path))
+            if fd is None:
+                fd = self._fds[str(path)] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, offset, nbytes, advice)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class DiskReadahead:
     """Asks the kernel to read source tensors from the disk before they are read
     (``posix_fadvise(fd, offset, nbytes, POSIX_FADV_WILLNEED)`` on each tensor's byte range:
@@ -124,14 +152,13 @@ class DiskReadahead:
     def __init__(self, ckpt: Checkpoint, names: Sequence[str], ahead_bytes: int = DISK_AHEAD_BYTES):
         self._infos = [ckpt.tensors[n] for n in names]
         self._ahead = ahead_bytes
-        self._fds: dict = {}
+        self._files = _FileAdvice()
         self._next = 0  # first tensor not yet asked for
         self._asked = 0  # bytes asked for from tensor `reading` on
-        self._on = hasattr(os, "posix_fadvise")
 
     def reading(self, i: int) -> None:
         """Tensor ``i`` (of ``names``) is read now: ask for the ones after it, up to the budget."""
-        if not self._on:
+        if not self._files.on:
             return
         if i > 0:
             self._asked -= self._infos[i - 1].nbytes
@@ -139,21 +166,13 @@ class DiskReadahead:
             self._next, self._asked = i, 0
         while self._next < len(self._infos) and (self._next <= i + 1 or self._asked < self._ahead):
             info = self._infos[self._next]
-            fd = self._fds.get(info.path)
-            try:
-                if fd is None:
-                    fd = self._fds[info.path] = os.open(info.path, os.O_RDONLY)
-                os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
-            except OSError:  # advice only: the read itself reports a real problem
-                pass
+            self._files.advise(info.path, info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
             self._asked += info.nbytes
             self._next += 1
 
     def close(self) -> None:
         """Close the file descriptors it opened (pages already asked for stay in the page cache)."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
 
 class SourceRelease:
@@ -185,22 +204,13 @@ class SourceRelease:
         self._read: dict[str, list[tuple[int, int]]] = {}  # path -> merged [a, b) it has read
         self._planning = True  # the hash waits until plan_done()
         self._finished = False
-        self._fds: dict[str, int] = {}
-        self._on = hasattr(os, "posix_fadvise")
+        self._files = _FileAdvice()
         self._cv = threading.Condition(threading.RLock())  # consumed() may run as a finalizer in any call
         self.released_bytes = 0
 
     def _drop(self, path: str, a: int, b: int) -> None:
-        if b <= a or not self._on:
-            return
-        try:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        if self._files.advise(path, a, b - a, os.POSIX_FADV_DONTNEED):
             self.released_bytes += b - a
-        except OSError:  # advice only
-            pass
 
     def consumed(self, path: "str | os.PathLike[str]", offset: int, nbytes: int) -> None:
         """The conversion is done with ``nbytes`` at ``offset`` of ``path`` (released at the next
@@ -232,7 +242,10 @@ class SourceRelease:
             self._pending[path] = keep
 
     def plan(self, path: "str | os.PathLike[str]", offset: int, nbytes: int) -> None:
-        """The conversion will read ``nbytes`` at ``offset`` of ``path`` (said before :meth:`plan_done`)."""
+        """The conversion will read ``nbytes`` at ``offset`` of ``path`` (said before :meth:`plan_done`);
+        kept only with ``hashed`` (it paces the hash)."""
+        if not self._hashed:
+            return
         with self._cv:
             self._planned_ranges.setdefault(str(path), []).append((offset, offset + nbytes))
 
@@ -245,7 +258,10 @@ class SourceRelease:
             self._cv.notify_all()
 
     def read(self, path: "str | os.PathLike[str]", offset: int, nbytes: int) -> None:
-        """The conversion has read ``nbytes`` at ``offset`` of ``path`` (its pages are in the page cache)."""
+        """The conversion has read ``nbytes`` at ``offset`` of ``path`` (its pages are in the page cache);
+        kept only with ``hashed``."""
+        if not self._hashed:
+            return
         path = str(path)
         with self._cv:
             merged = self._read.get(path, [])
@@ -309,9 +325,7 @@ class SourceRelease:
             for path, end in self._hashed_to.items():
                 self._drop(path, 0, end)
             self.released_bytes = counted  # counts consumed ranges only
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            self._files.close()
 
 
 class Prefetcher:

@@ -363,13 +363,6 @@ def split_gate_up(gate_up):
     return gate_up[..., :inter, :], gate_up[..., inter:, :]
 
 
-def fuse_gate_up(gate, up):
-    """The inverse of :func:`split_gate_up`: ``cat([gate, up], dim=-2)``."""
-    import torch
-
-    return torch.cat([gate, up], dim=-2)
-
-
 @dataclass(frozen=True)
 class Architecture:
     """A Gemma 4 MoE text model as its config describes it (element counts).
