@@ -295,6 +295,12 @@ def _verification_body(v: dict | None) -> dict | None:
             ["prompts with identical replies", o.get("exact_match_prompts")]]
     if o.get("facts_total"):
         rows.append(["facts answered", f"{o.get('facts_correct')} / {o.get('facts_total')}"])
+    if o.get("tool_calls_total"):
+        bad = [f"{t.get('question')!r} -> " + (", ".join(f"{c.get('name')}({json.dumps(c.get('arguments'))})"
+                                                         for c in t.get("calls") or []) or repr(t.get("content")))
+               for t in v.get("tool_calls") or [] if not t.get("ok")]
+        rows.append(["tool calls (expected function and arguments)",
+                     f"{o.get('tool_calls_correct')} / {o.get('tool_calls_total')}" + (f"; {'; '.join(bad)}" if bad else "")])
     checks = v.get("chat_checks") or []
     if checks:
         ok = sum(1 for c in checks if c.get("ok"))

@@ -13,6 +13,10 @@ What is measured (all through ``/v1/chat/completions`` with the ``openai`` clien
   the first position where they differ (``None`` when identical).
 * **facts** (when SRC ships ``facts.json``, as the embedded model does): each question asked
   greedily; right when the reply starts with the answer.
+* **tool calls** (when ``SRC/facts.json`` has ``tool_calls``, as the embedded model's does):
+  each question asked greedily with its tools declared; right when the reply is exactly the
+  expected call (``finish_reason: "tool_calls"``, the function's name, the arguments equal as
+  JSON), read from the OpenAI ``tool_calls`` the server parsed.
 * **P13 chat checks** (vllm-project/vllm issues #39885, #49717, PR #38858): one arithmetic question with thinking
   off and on (``chat_template_kwargs.enable_thinking``), each streamed and not: ``content``
   non-empty, containing the answer and no ``<|channel>``, ``<channel|>``, ``<turn|>`` or
@@ -30,9 +34,12 @@ inputs render the same model card). Schema (``g4_verification: 1``)::
      "engine": str|null (g4 server: e.g. "NVFP4 W4A4 (modelopt) dequantized, W4A4 activation emulation,
      bfloat16"; null for other servers), "source": str, "min_agreement": float, "passed": bool, "failures": [str],
      "overall": {"prompts", "token_agreement", "exact_match_prompts", "facts_correct", "facts_total",
+                 "tool_calls_correct", "tool_calls_total",
                  "token_ids_from": "server"|"retokenized", "max_tokens"},
      "prompts": [{"prompt", "held_out", "token_agreement", "first_divergence", "reply", "reference_reply"}],
      "facts": [{"question", "answer", "reply", "ok"}],
+     "tool_calls": [{"question", "expected": {"name", "arguments"}, "calls": [{"name", "arguments"}],
+                     "content", "finish_reason", "ok"}],
      "chat_checks": [{"thinking", "stream", "ok", "content", "problem"}]}
 """
 
@@ -158,6 +165,32 @@ def _one_line(text: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def load_tool_cases(src: Path) -> list[dict]:
+    """``SRC/facts.json``'s ``tool_calls`` (``[]`` when there is no file or no such key): each
+    ``{"question": str, "tools": [OpenAI function tools], "name": str, "arguments": {..}}``, a
+    question asked with ``tools`` declared that the model answers by calling ``name`` with
+    exactly ``arguments`` (the embedded model ships five; ``g4.convert.embedded_model`` writes them).
+
+    Raises:
+        CheckpointError: ``facts.json`` unreadable, or an entry not of that shape (named by index).
+    """
+    path = Path(src) / "facts.json"
+    if not path.is_file():
+        return []
+    try:
+        cases = json.loads(path.read_text()).get("tool_calls", [])
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: cannot read its tool_calls ({type(e).__name__})") from e
+    if not isinstance(cases, list):
+        raise CheckpointError(f"{path}: tool_calls must be a list")
+    for i, c in enumerate(cases):
+        if not (isinstance(c, dict) and isinstance(c.get("question"), str) and isinstance(c.get("tools"), list)
+                and c["tools"] and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)):
+            raise CheckpointError(f"{path}: tool_calls[{i}] must be an object with a 'question' string, a non-empty "
+                                  f"'tools' list, a 'name' string and an 'arguments' object")
+    return cases
+
+
 def check_url(url: str) -> str:
     """The base URL (without ``/v1``) of ``--url``.
 
@@ -192,17 +225,19 @@ def out_context(out: Path) -> int:
     return max_context(config)
 
 
-def prompt_lengths(tokenizer, prompts: list[str], labels: list[str]) -> list[int]:
+def prompt_lengths(tokenizer, prompts: list[str], labels: list[str], tools: list[list[dict] | None] | None = None
+                   ) -> list[int]:
     """Prompt tokens of each prompt as a one-message user chat, rendered the way the server
-    renders it (:func:`g4.serve.chat.render_prompt`, generation prompt included).
+    renders it (:func:`g4.serve.chat.render_prompt`, generation prompt included), with
+    ``tools[i]`` declared when given.
 
     Raises:
         G4Error: the chat template rejects a prompt (named by its label).
     """
     lengths = []
-    for label, prompt in zip(labels, prompts):
+    for label, prompt, declared in zip(labels, prompts, tools or [None] * len(prompts)):
         try:
-            lengths.append(len(render_prompt(tokenizer, [{"role": "user", "content": prompt}])))
+            lengths.append(len(render_prompt(tokenizer, [{"role": "user", "content": prompt}], tools=declared)))
         except ChatError as e:
             raise G4Error(f"{label}: {e}") from e
     return lengths
@@ -366,6 +401,43 @@ def _ask(client, model: str, question: str, max_tokens: int, *, stream: bool = F
     return "".join(content), "".join(reasoning), None, finish
 
 
+def tool_call_checks(client, model: str, base: str, cases: list[dict], max_tokens: int, echo) -> list[dict]:
+    """Each :func:`load_tool_cases` question asked greedily with its tools declared (``tool_choice``
+    ``auto``, non-streamed); right when the reply is exactly one call, ``finish_reason``
+    ``"tool_calls"``, of the expected function with arguments equal (as JSON) to the expected.
+
+    Returns:
+        ``[{"question", "expected": {"name", "arguments"}, "calls": [{"name", "arguments"}],
+        "content", "finish_reason", "ok"}]``; ``arguments`` of a call is the parsed JSON object,
+        or its text when it is not JSON.
+
+    Raises:
+        G4Error: the connection was lost or the server answered an error status (named).
+    """
+    rows = []
+    for case in cases:
+        question = case["question"]
+        with _request(base, f"tool question {question[:40]!r}"):
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                               tools=case["tools"], temperature=0, max_tokens=max_tokens)
+        choice = r.choices[0]
+        calls = []
+        for call in choice.message.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except (TypeError, ValueError):
+                arguments = call.function.arguments
+            calls.append({"name": call.function.name, "arguments": arguments})
+        expected = {"name": case["name"], "arguments": case["arguments"]}
+        ok = choice.finish_reason == "tool_calls" and calls == [expected]
+        rows.append({"question": question, "expected": expected, "calls": calls,
+                     "content": choice.message.content or "", "finish_reason": choice.finish_reason, "ok": ok})
+        got = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in calls) or repr(choice.message.content)
+        echo(f"  {'ok ' if ok else 'BAD'} tool {question!r} -> {got} (expected {case['name']}"
+             f"({json.dumps(case['arguments'])}))")
+    return rows
+
+
 def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -> list[dict]:
     """The P13 four-way check: thinking off/on x non-stream/stream, each reported.
 
@@ -460,7 +532,8 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
     fmt = check_result(out)  # against its format's table, before anything is served or written
     _check_pair(out, src)
     base_url = check_url(url) if url is not None else None
-    prompts, held_out, facts, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens, chat_max_tokens)
+    prompts, held_out, facts, tool_cases, lengths = _load_and_measure_prompts(out, src, prompts_file, max_tokens,
+                                                                              chat_max_tokens)
     files = weight_fingerprints(out)
     if base_url is not None:
         chosen, why = None, f"external server {url}"
@@ -481,6 +554,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         rows, served, agreed, from_server = _compare_prompts(client, model, base, src, prompts, held_out,
                                                              max_tokens, echo)
         fact_rows = _ask_facts(client, model, base, facts, served, max_tokens, echo)
+        tool_rows = tool_call_checks(client, model, base, tool_cases, chat_max_tokens, echo)
         checks = chat_checks(client, model, chat_max_tokens, base)
         for c in checks:
             echo(f"  chat thinking={'on ' if c['thinking'] else 'off'} stream={'yes' if c['stream'] else 'no '}: "
@@ -488,7 +562,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
 
     matches, positions, exact = agreed
     overall_agreement = matches / positions if positions else 1.0
-    failures = _failures(overall_agreement, min_agreement, fact_rows, checks)
+    failures = _failures(overall_agreement, min_agreement, fact_rows, checks, tool_rows)
     report = {
         "g4_verification": 1, "format": fmt.format, "backend": chosen, "engine": engine_desc,
         "source": pushable_source_label(src, read_json_object(src / CONFIG_NAME)),  # never a local path: it can be pushed
@@ -497,11 +571,14 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
                     "exact_match_prompts": exact,
                     "facts_correct": sum(f["ok"] for f in fact_rows) if facts else None,
                     "facts_total": len(facts) if facts else None,
+                    "tool_calls_correct": sum(t["ok"] for t in tool_rows) if tool_rows else None,
+                    "tool_calls_total": len(tool_rows) if tool_rows else None,
                     "token_ids_from": "server" if from_server else "retokenized", "max_tokens": max_tokens},
-        "prompts": rows, "facts": fact_rows, "chat_checks": checks, "files": files,
+        "prompts": rows, "facts": fact_rows, "tool_calls": tool_rows, "chat_checks": checks, "files": files,
     }
     path = write_report(out, report)
     facts_line = f", facts {report['overall']['facts_correct']}/{len(facts)}" if facts else ""
+    facts_line += f", tool calls {report['overall']['tool_calls_correct']}/{len(tool_rows)}" if tool_rows else ""
     echo(f"token agreement {overall_agreement:.3f} over {positions} positions of {len(prompts)} prompts "
          f"({exact} identical){facts_line}; chat checks {sum(c['ok'] for c in checks)}/{len(checks)}; "
          f"report {path}")
@@ -526,10 +603,12 @@ def _check_pair(out: Path, src: Path) -> None:
 
 def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, max_tokens: int,
                               chat_max_tokens: int):
-    """The prompts and facts, every request checked against OUT's context before a model loads.
-    Returns ``(prompts, held_out, facts, lengths)``, ``lengths = (labels, token counts, budgets)``
-    for the server's own context check."""
+    """The prompts, facts and tool questions, every request checked against OUT's context before
+    a model loads. Returns ``(prompts, held_out, facts, tool_cases, lengths)``, ``lengths =
+    (labels, token counts, budgets)`` for the server's own context check (tool questions
+    measured with their declarations)."""
     prompts, facts, labels, held_out = load_prompts(prompts_file, src)
+    tool_cases = load_tool_cases(src)
     # every request's length against OUT's context before the reference or the server runs
     # (a 600k-token line would otherwise go through transformers first)
     extra_facts = [(q, a) for q, a in facts if q not in prompts]
@@ -537,9 +616,15 @@ def _load_and_measure_prompts(out: Path, src: Path, prompts_file: Path | None, m
     text_labels = ([f"prompt {i} ({label})" for i, label in enumerate(labels, 1)]
                    + [f"fact question {q[:40]!r}" for q, _ in extra_facts] + ["the P13 chat question"])
     budgets = [("--max-tokens", max_tokens)] * (len(texts) - 1) + [("--chat-max-tokens", chat_max_tokens)]
-    lengths = prompt_lengths(load_tokenizer(out), texts, text_labels)
+    tool_labels = [f"tool question {c['question'][:40]!r}" for c in tool_cases]
+    tokenizer = load_tokenizer(out)
+    lengths = (prompt_lengths(tokenizer, texts, text_labels)
+               + prompt_lengths(tokenizer, [c["question"] for c in tool_cases], tool_labels,
+                                [c["tools"] for c in tool_cases]))
+    text_labels += tool_labels
+    budgets += [("--chat-max-tokens", chat_max_tokens)] * len(tool_cases)
     check_lengths(text_labels, lengths, budgets, out_context(out), f"{out}'s context")
-    return prompts, held_out, facts, (text_labels, lengths, budgets)
+    return prompts, held_out, facts, tool_cases, (text_labels, lengths, budgets)
 
 
 def _served_model(base: str, out: Path, url: str | None, served_model_name: str | None, lengths):
@@ -626,13 +711,17 @@ def _ask_facts(client, model: str, base: str, facts, replies: dict[str, str], ma
     return fact_rows
 
 
-def _failures(overall_agreement: float, min_agreement: float, fact_rows: list[dict], checks: list[dict]) -> list[str]:
+def _failures(overall_agreement: float, min_agreement: float, fact_rows: list[dict], checks: list[dict],
+              tool_rows: list[dict] = ()) -> list[str]:
     failures = []
     if overall_agreement < min_agreement:
         failures.append(f"token agreement {overall_agreement:.3f} < {min_agreement}")
     bad_facts = [f["question"] for f in fact_rows if not f["ok"]]
     if bad_facts:
         failures.append(f"{len(bad_facts)} fact(s) answered wrong")
+    bad_tools = [t["question"] for t in tool_rows if not t["ok"]]
+    if bad_tools:
+        failures.append(f"{len(bad_tools)} tool call(s) wrong")
     bad_checks = [f"thinking {'on' if c['thinking'] else 'off'}/{'stream' if c['stream'] else 'non-stream'}"
                   for c in checks if not c["ok"]]
     if bad_checks:

@@ -37,6 +37,27 @@ def test_answers_every_fact_greedily(model, tokenizer):
     assert replies == [f"{a}<turn|>" for _, a in facts]
 
 
+def test_calls_the_weather_tool_in_gemma4_format(model, tokenizer):
+    """Asked each facts.json tool question with its tool declared, the bf16 model in plain
+    transformers replies with exactly the Gemma 4 call (written out here, not rendered by the
+    template), and g4serve's parser reads it as the expected OpenAI call."""
+    from g4.serve.chat import ControlIds, ReplyParser
+    from g4.serve.check import load_tool_cases
+
+    cases = load_tool_cases(EMBEDDED_DIR)
+    assert [c["arguments"]["city"] for c in cases] == ["Paris", "Tokyo", "Rome", "Berlin", "London"]
+    control = ControlIds.from_tokenizer(tokenizer)
+    for case in cases:
+        city = case["arguments"]["city"]
+        reply = greedy_replies(model, tokenizer, [case["question"]], max_new_tokens=32, tools=case["tools"])[0]
+        assert reply == f'<|tool_call>call:get_weather{{city:<|"|>{city}<|"|>}}<tool_call|><|tool_response>'
+        parser = ReplyParser(tokenizer, control, tools=True)
+        delta = parser.feed(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        delta += parser.finish()
+        assert [(c.name, json.loads(c.arguments)) for c in delta.tool_calls] == [("get_weather", {"city": city})]
+        assert delta.content == ""
+
+
 def test_safetensors_layout(tensors):
     assert f"{LAYERS}.3.self_attn.k_proj.weight" in tensors
     assert f"{LAYERS}.3.self_attn.v_proj.weight" not in tensors  # attention_k_eq_v on the full layer
@@ -92,8 +113,12 @@ def test_text_linear_inputs_are_multiples_of_16(model):
 
 
 def test_every_expert_is_routed_to(model, tokenizer):
+    """Every expert of every layer is among the top-k of some token of the fact questions, rendered
+    as the chats the model is asked (so the experts' quantization is exercised by the checks)."""
     facts, _ = load_facts()
-    batch = tokenizer([q for q, _ in facts], padding=True, return_tensors="pt")
+    chats = [[{"role": "user", "content": q}] for q, _ in facts]
+    batch = tokenizer.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
+                                          return_dict=True)
     with torch.no_grad():
         probs = model(**batch, output_router_logits=True).router_logits
     top_k = model.config.text_config.top_k_experts

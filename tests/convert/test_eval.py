@@ -57,12 +57,15 @@ def whole_model_stats(src_logits, out_logits, ids) -> dict:
     return summarize(TokenStats.cat(parts))
 
 
-def assert_same(got: dict, want: dict, rel: float) -> None:
+def assert_same(got: dict, want: dict, rel: float, quantile_rel: float | None = None) -> None:
+    """Every statistic within ``rel``; the KLD quantiles (median ... max) within ``quantile_rel``
+    (default ``rel``)."""
     assert got["tokens"] == want["tokens"] == (MAX_TOKENS // CTX) * (CTX - 1 - CTX // 2)
     for k in STATS:
         assert got[k] == pytest.approx(want[k], rel=rel, abs=1e-7), k
     for k in KLD:
-        assert got["kld"][k] == pytest.approx(want["kld"][k], rel=rel, abs=1e-7), k
+        tol = rel if k == "mean" or quantile_rel is None else quantile_rel
+        assert got["kld"][k] == pytest.approx(want["kld"][k], rel=tol, abs=1e-7), k
 
 
 def test_formulas_on_hand_computed_distributions():
@@ -147,7 +150,10 @@ def test_int8_neuron_statistics_equal_the_emulator(results):
         want = whole_model_stats(src(ids).logits, NeuronEmulator(results / "int8")(ids), ids)
     got = evaluate(results / "int8", EMBEDDED_DIR, max_tokens=MAX_TOKENS, ctx=CTX, dtype=torch.float32, write=False)
     assert got["format"] == "int8-neuron" and got["kld"]["mean"] > 1e-5
-    assert_same(got, want, rel=1e-3)
+    # A single token's KLD (1e-4 here) moves by a few parts in 1e3 between the emulator's per-rank
+    # fp32 matmuls and the unsharded ones, and a quantile is one token's value (measured: the median
+    # 2.0e-3 apart); the mean and the other statistics average over every token.
+    assert_same(got, want, rel=1e-3, quantile_rel=5e-3)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -486,9 +486,9 @@ def test_gptq_lowers_every_linears_output_error_on_its_calibration_inputs(algori
                     continue
                 e_max, e_gptq = ((xe @ we.T - xe @ q.T).square().sum().item() for q in (q0, q1))
                 ratios[key + (i,)] = e_gptq / e_max
-    # per layer q/k/v/o + mlp x 3 + 8 experts x 2 (layer 3: no v), the lm_head; layer 2's expert 1
-    # has 26 routed tokens (both kinds)
-    assert few == [(2, "experts.gate_up_proj", 1), (2, "experts.down_proj", 1)], few
+    # per layer q/k/v/o + mlp x 3 + 8 experts x 2 (layer 3: no v), the lm_head, less the experts under
+    # GPTQ_MIN_TOKENS routed tokens (none with these 1024 tokens on the embedded model as trained now;
+    # the rule itself: test_gptq_experts_each_use_their_own_tokens_and_few_tokens_keep_max below)
     assert len(ratios) == 4 * (7 + 16) - 1 + 1 - len(few), len(ratios)
     bad = {k: round(r, 3) for k, r in ratios.items() if not r < (0.85 if "experts" in k[1] else 0.7)}
     assert not bad, bad

@@ -31,10 +31,14 @@ VERIFICATION = {
     "g4_verification": 1, "format": "nvfp4", "backend": "vllm", "source": "embedded", "min_agreement": 0.9,
     "passed": True,
     "overall": {"prompts": 12, "token_agreement": 0.9583, "exact_match_prompts": 11, "facts_correct": 12,
-                "facts_total": 12},
+                "facts_total": 12, "tool_calls_correct": 1, "tool_calls_total": 2},
     "prompts": [{"prompt": "What is the capital of France? | pipes", "token_agreement": 1.0, "first_divergence": None,
                  "reply": "Paris", "reference_reply": "Paris"}],
     "facts": [{"question": "What is the capital of France?", "answer": "Paris", "reply": "Paris", "ok": True}],
+    "tool_calls": [{"question": q, "expected": {"name": "get_weather", "arguments": {"city": c}},
+                    "calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}], "content": "",
+                    "finish_reason": "tool_calls", "ok": c == "Paris"}
+                   for q, c in (("What is the weather in Paris?", "Paris"), ("What is the weather in Rome?", "Rome"))],
     "chat_checks": [{"thinking": t, "stream": s, "ok": not (t and s), "content": "Paris",
                      "problem": "reasoning leaked into content" if (t and s) else None}
                     for t in (False, True) for s in (False, True)],
@@ -137,6 +141,8 @@ def test_verification_results_are_rendered(tiny_mm_nvfp4, tmp_path):
     assert "| result | PASS (min token agreement 0.9) |" in text
     assert "| greedy token agreement | 0.9583 |" in text and "| facts answered | 12 / 12 |" in text
     assert "3 / 4 ok; thinking=True stream=True: reasoning leaked into content" in text
+    assert ("| tool calls (expected function and arguments) | 1 / 2; 'What is the weather in Rome?' -> "
+            'get_weather({"city": "Paris"}) |') in text
     assert "capital of France? \\| pipes" in text  # table cells escaped
     assert "| `verification.json` |" in text
     weights = next(out.glob("*.safetensors"))

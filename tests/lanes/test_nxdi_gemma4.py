@@ -128,10 +128,13 @@ LONG_SEQ_LEN, LONG_PROMPT = 160, 32
 # batch: (question, new tokens) per request, more requests than the larger batch size
 BATCH_REQUESTS = (("What is the capital of France?", 12), ("What is the capital of Japan?", 4),
                   ("What is the capital of Italy?", 9), ("What is the largest planet in the solar system?", 12),
-                  ("What is the capital of Germany?", 2), ("What is the capital of Spain?", 7))
+                  ("What is 2+2?", 2), ("The opposite of hot is", 7))
 BATCH_SIZES = (2, 4)
 QUESTION = "What is the capital of France?"
 WINDOW_QUESTION = "What is the largest planet in the solar system?"  # the window4 case's prompt
+# the HTTP batching case's two requests (in BATCH_REQUESTS): prompts the window-4 model answers with
+# a word and a stop, so each needs a token-generation step (most others it answers with a stop at once)
+HTTP_QUESTIONS = ("What is 2+2?", "The opposite of hot is")
 OVERLAY_PACKAGES = ["transformers==4.57.*", "huggingface-hub<1.0", "tokenizers>=0.22,<=0.23", "requests", "fsspec",
                     "scipy"]
 
@@ -432,7 +435,7 @@ def lane(tmp_path_factory):
     batch_prompts = [[_chat_ids(q), n] for q, n in BATCH_REQUESTS]
     jobs["batch"] = {"kind": "batch", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "model": str(batch_int8),
                      "batch_sizes": list(BATCH_SIZES), "prompts": batch_prompts,
-                     "questions": [QUESTION, WINDOW_QUESTION], "tp": 1, "result": str(base / "batch.pt")}
+                     "questions": list(HTTP_QUESTIONS), "tp": 1, "result": str(base / "batch.pt")}
     # last in the TP-1 process: the int8 class's state_dict() at bf16 on the meta device, embedded and 26B-A4B
     (base / "26b").mkdir()
     (base / "26b" / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
@@ -575,11 +578,18 @@ def test_greedy_ids_and_logits_match_transformers(lane, case):
 
 def test_bf16_weights_give_the_fp32_reference_ids_within_bf16_rounding(lane):
     """The class in bf16 (NxDI casts the checkpoint to ``torch_dtype``) against transformers in fp32:
-    same greedy ids, logits within ``TOL_BF16`` (bf16's spacing at |logit| 8-16 is 0.0625; measured
-    0.063; transformers' own bf16 run differs from its fp32 run by up to 1.04 at one step here)."""
+    same greedy ids over all ``NEW_TOKENS`` steps, and over the reply's steps (up to its first stop
+    id, which the model was trained to produce) logits within ``TOL_BF16`` (bf16's spacing at |logit|
+    8-16 is 0.0625). Past the stop the model runs on text it never saw and bf16's error grows: 0.63
+    there with the model that calls a tool, where transformers' own bf16 run differed from its fp32
+    run by up to 1.04 at one step with the model before it."""
+    from g4.convert.embedded_model import EOS_TOKEN_IDS
+
     r = lane["chat_bf16"]
     assert r["tokens"] == r["ref_tokens"]
-    diff = (r["logits"] - r["ref_logits"]).abs().max().item()
+    stops = [i for i, t in enumerate(r["ref_tokens"]) if t in EOS_TOKEN_IDS]
+    reply = stops[0] + 1 if stops else len(r["ref_tokens"])
+    diff = (r["logits"][:reply] - r["ref_logits"][:reply]).abs().max().item()
     assert diff < TOL_BF16, diff
 
 
@@ -1059,9 +1069,9 @@ def test_http_requests_at_once_are_answered_as_one_at_a_time(lane):
     r = lane["batch"]["http"]
     assert r["threads"] == 2
     refs = {q: lane["batch"]["ref"][i][0] for i, (q, _) in enumerate(BATCH_REQUESTS)}
-    for question, together, alone in zip((QUESTION, WINDOW_QUESTION), r["together"], r["alone"]):
+    for question, together, alone in zip(HTTP_QUESTIONS, r["together"], r["alone"]):
         ids = together["choices"][0]["token_ids"]
         assert ids == alone["choices"][0]["token_ids"], (together, alone)
         assert together["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
-        assert ids and ids == refs[question][:len(ids)], (question, ids, refs[question])
+        assert len(ids) >= 2 and ids == refs[question][:len(ids)], (question, ids, refs[question])
     assert 2 in r["decode_batches"], r["decode_batches"]

@@ -20,13 +20,13 @@ from safetensors.torch import load_file, save_file
 from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, tampered_copy
 from serve_fixtures import cpu_app, embedded_result, start_g4serve
 
-from g4.convert.embedded_model import load_facts
-from g4.serve.check import STOP, agreement, free_port, normalise_ids
+from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
+from g4.serve.check import STOP, agreement, free_port, load_tool_cases, normalise_ids
 from helpers import g4serve
 from g4.serve.server import BackgroundServer
 
 REPORT_KEYS = {"g4_verification", "format", "backend", "engine", "source", "min_agreement", "passed", "failures", "overall",
-               "prompts", "facts", "chat_checks"}
+               "prompts", "facts", "tool_calls", "chat_checks"}
 
 
 run = g4serve
@@ -101,11 +101,80 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert len(rows) == 20 and [ln.split("'")[1] for ln in rows if " held-out '" in ln] == heldout
     assert [(c["thinking"], c["stream"], c["ok"], c["content"]) for c in report["chat_checks"]] == [
         (False, False, True, "4"), (False, True, True, "4"), (True, False, True, "4"), (True, True, True, "4")]
+    assert_tool_calls_ok(report, r.output)
     assert not list(nvfp4_copy.glob(".verification.json.*"))  # atomic write left no temp file
     # the README quotes this result's summary (the set-up command's, default algorithm) as printed
     summary = re.search(r"token agreement (\S+ over \d+ positions of \d+ prompts \(\d+ identical\))", r.output)
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert f"embedded NVFP4 result (the set-up command's, default `--algorithm mse`): agreement {summary[1]}," in readme
+
+
+def assert_tool_calls_ok(report: dict, output: str) -> None:
+    """The report's tool-call rows: every facts.json tool question answered by its call, as the
+    server's OpenAI ``tool_calls`` (parsed arguments), and the counts in ``overall`` and the output."""
+    cases = load_tool_cases(EMBEDDED_DIR)
+    assert len(cases) == 5
+    assert [(t["question"], t["expected"], t["calls"], t["finish_reason"], t["content"], t["ok"])
+            for t in report["tool_calls"]] == [
+        (c["question"], {"name": "get_weather", "arguments": c["arguments"]},
+         [{"name": "get_weather", "arguments": c["arguments"]}], "tool_calls", "", True) for c in cases]
+    assert (report["overall"]["tool_calls_correct"], report["overall"]["tool_calls_total"]) == (5, 5)
+    assert "facts 12/12, tool calls 5/5;" in output
+    assert "  ok  tool 'What is the weather in London?' -> get_weather({\"city\": \"London\"})" in output
+
+
+def test_check_passes_on_the_embedded_int8_neuron_result_and_its_tool_calls(tmp_path):
+    """The int8-neuron result (TP 2, served by the Neuron emulator on the CPU) through the same
+    request handling: facts and the tool calls survive int8."""
+    out = tmp_path / "gemma4-tiny-int8-neuron"
+    shutil.copytree(embedded_result("int8-neuron"), out)
+    r = run("check", out, "--against", "embedded")
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "verification.json").read_text())
+    assert report["passed"] is True and report["format"] == "int8-neuron"
+    assert (report["overall"]["facts_correct"], report["overall"]["facts_total"]) == (12, 12)
+    assert_tool_calls_ok(report, r.output)
+
+
+def test_check_fails_a_wrong_tool_call(nvfp4_copy, tmp_path, monkeypatch):
+    """Planted faults: an expected argument the model does not give, a function it does not
+    call, and a question asked with another tool declared (the model then gives no call of the
+    expected tool) each fail the check, named."""
+    from g4.serve import check
+
+    cases = load_tool_cases(EMBEDDED_DIR)[:3]
+    cases[0] = {**cases[0], "arguments": {"city": "Oslo"}}
+    cases[1] = {**cases[1], "name": "get_time"}
+    cases[2] = {**cases[2], "tools": [{"type": "function", "function": {"name": "unrelated", "parameters": {}}}]}
+    monkeypatch.setattr(check, "load_tool_cases", lambda src: cases)
+    out = tmp_path / "copy"
+    shutil.copytree(nvfp4_copy, out)
+    r = run("check", out, "--against", "embedded")
+    assert r.exit_code == 1 and r.output.rstrip().endswith("FAIL: 3 tool call(s) wrong"), r.output
+    report = json.loads((out / "verification.json").read_text())
+    assert "3 tool call(s) wrong" in report["failures"]
+    assert [t["ok"] for t in report["tool_calls"]] == [False, False, False]
+    assert report["tool_calls"][0]["calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert report["overall"]["tool_calls_correct"] == 0
+    assert "BAD tool 'What is the weather in Paris?' -> get_weather({\"city\": \"Paris\"}) (expected get_weather({\"city\": \"Oslo\"}))" in r.output
+
+
+def test_load_tool_cases_names_a_malformed_entry(tmp_path):
+    from g4.core.errors import CheckpointError
+
+    assert load_tool_cases(tmp_path) == []  # no facts.json
+    (tmp_path / "facts.json").write_text(json.dumps({"facts": []}))
+    assert load_tool_cases(tmp_path) == []  # no tool_calls
+    good = load_tool_cases(EMBEDDED_DIR)[0]
+    for bad, why in (([{**good, "arguments": "city=Paris"}], "tool_calls[0] must be an object"),
+                     ([good, {**good, "tools": []}], "tool_calls[1] must be an object"),
+                     ({"q": 1}, "tool_calls must be a list")):
+        (tmp_path / "facts.json").write_text(json.dumps({"tool_calls": bad}))
+        with pytest.raises(CheckpointError, match=re.escape(why)):
+            load_tool_cases(tmp_path)
+    (tmp_path / "facts.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read its tool_calls"):
+        load_tool_cases(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +198,9 @@ def test_check_with_url_reuses_a_running_server_and_reports_the_same(nvfp4_copy,
         assert (nvfp4_copy / "verification.json").read_text() == first  # same inputs, same report
 
         prompts = nvfp4_copy.parent / "prompts.txt"
-        # the story's second token differs from the source's (mse W4A4, the default): 3 of 4 positions agree
-        prompts.write_text("What is the capital of France?\n\nWrite a long story about a dragon and a king.\n")
+        # the king's first token differs from the source's (mse W4A4, the default), its stop agrees: 3 of
+        # 4 positions agree
+        prompts.write_text("What is the capital of France?\n\nWho is the king?\n")
         r = run("check", nvfp4_copy, "--against", "embedded", "--url", srv.url, "--prompts", prompts,
                 "--min-agreement", "1")
         assert r.exit_code == 1
@@ -297,9 +367,14 @@ def test_check_with_url_stops_with_one_line_when_the_server_fails_mid_check(nvfp
         else:
             assert (f"{srv.url} answered HTTP 500 (generation failed: RuntimeError: boom); see the server's log"
                     in r.output)
-        srv.fail_from, srv.fail_chat_checks = 10**6, True  # prompt and facts answered, then the P13 checks fail
+        srv.answered, srv.fail_from = 0, 12  # the prompt and the facts answered, then the first tool question fails
         r = run(*base, "--url", srv.url)
-        assert srv.answered == 12  # the prompt (a fact question itself), then the other 11 facts of facts.json
+        assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(
+            "error: tool question 'What is the weather in Paris?': "), r.output
+        srv.answered, srv.fail_from, srv.fail_chat_checks = 0, 10**6, True  # all answered, then the P13 checks fail
+        r = run(*base, "--url", srv.url)
+        # the prompt (a fact question itself), the other 11 facts, the 5 tool questions of facts.json
+        assert srv.answered == 17
         if failure == "drop":
             assert r.exit_code == 2, r.output
             assert r.output.strip().splitlines()[-1] == (
