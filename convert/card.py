@@ -782,6 +782,13 @@ def write_card(out: str | Path, *, repo_id: str | None = None, facts: dict | Non
     return text
 
 
+def rerender_card(out: str | Path) -> None:
+    """Re-render OUT's model card with its current ``verification.json`` / ``eval.json`` when OUT
+    is a g4 result (has ``g4_conversion.json``); an edited card is left as it is (:func:`write_card`)."""
+    if (Path(out) / FACTS_FILE).is_file():
+        write_card(out)
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8", newline="") as f:

@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 
 from g4.convert.calibrate import calibration_device, read_calibration_texts
-from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, write_card
+from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, rerender_card
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceStream, run_layer
 from g4.core.checkpoint import check_converted_from, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
-from g4.exporters.formats import BF16, EVAL_FILE, FACTS_FILE, INT8_NEURON, NVFP4, check_result
+from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
 
 log = logging.getLogger(__name__)
 
@@ -405,16 +405,8 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     if write:
         report["files"] = weight_fingerprints(out)  # int8-neuron: the rank files and the host table
         write_eval(out, report)
-        _rerender_card(out)
+        rerender_card(out)
     return report
-
-
-def _rerender_card(out: Path) -> None:
-    """Re-render OUT's model card with the new evaluation when OUT is a g4 result (an edited card
-    is left as it is, :func:`g4.convert.card.write_card`)."""
-
-    if (out / FACTS_FILE).is_file():
-        write_card(out)
 
 
 def summary(report: dict) -> str:

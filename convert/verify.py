@@ -89,6 +89,40 @@ class VerifyReport:
         return json.dumps(asdict(self), indent=2)
 
 
+SOURCE_FACTS = "facts.json"  # a source's held-out prompts, facts and tool calls (the embedded model ships one)
+
+
+def read_source_facts(src: str | Path) -> tuple[list[tuple[str, str]], list[str], dict] | None:
+    """``SRC/facts.json`` read and checked, or None when SRC has none.
+
+    Returns:
+        ``([(question, answer)], heldout prompts, the whole object)``: ``facts`` (``[{"question",
+        "answer"}]``, may be absent), ``heldout`` (``[str]``, may be absent) and whatever else it holds
+        (``tool_calls``: :func:`g4.serve.check.load_tool_cases`).
+
+    Raises:
+        CheckpointError: the file is unreadable, not a JSON object, or ``facts`` / ``heldout`` are not
+            of that shape (named).
+    """
+    path = Path(src) / SOURCE_FACTS
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must be a JSON object")
+    facts, heldout = data.get("facts", []), data.get("heldout", [])
+    if not (isinstance(facts, list) and all(isinstance(f, dict) and isinstance(f.get("question"), str)
+                                            and f["question"].strip() and isinstance(f.get("answer"), str)
+                                            for f in facts)):
+        raise CheckpointError(f"{path}: 'facts' must be a list of {{\"question\": str, \"answer\": str}} objects")
+    if not (isinstance(heldout, list) and all(isinstance(h, str) and h.strip() for h in heldout)):
+        raise CheckpointError(f"{path}: 'heldout' must be a list of non-empty strings")
+    return [(f["question"], f["answer"]) for f in facts], list(heldout), data
+
+
 def _check_pair(out: Path, src: Path, act_quant: bool | None) -> bool:
     """OUT must be a modelopt NVFP4 checkpoint converted from SRC (same config otherwise).
 
@@ -135,11 +169,13 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     over SRC's layers, the comparison one pass over both models', each fact's answer token one
     pass over OUT's), with the phase it is in.
 
-    Prompts come from ``src/facts.json`` (``heldout``; the embedded model ships one) or
-    :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model.
+    Prompts come from ``src/facts.json`` (``heldout``, when it has any; the embedded model ships
+    one) or :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model
+    (:func:`read_source_facts`).
 
     Raises:
-        CheckpointError: unreadable source/output or tensors that do not fit the model.
+        CheckpointError: unreadable source/output, tensors that do not fit the model, or a
+            malformed ``src/facts.json``.
     """
     from transformers import AutoTokenizer
 
@@ -152,11 +188,10 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
                               f"({type(e).__name__})") from e
     src_model = SourceStream(src, dtype)
     q_model = Nvfp4Stream(out, dtype, act_quant=act_quant)
-    facts_path = src / "facts.json"
     facts, prompts = [], list(DEFAULT_PROMPTS)
-    if facts_path.is_file():
-        data = json.loads(facts_path.read_text())
-        facts, prompts = [(f["question"], f["answer"]) for f in data["facts"]], data["heldout"]
+    read = read_source_facts(src)
+    if read is not None:
+        facts, prompts = read[0], read[1] or prompts
     prompt_ids = [chat_prompt_ids(tokenizer, p)[0].tolist() for p in prompts]
     layers = src_model.num_layers
     phases = [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]

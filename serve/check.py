@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from g4.convert.card import source_label as pushable_source_label
+from g4.convert.card import rerender_card, source_label as pushable_source_label
 from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
-from g4.convert.verify import DEFAULT_PROMPTS
+from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
 from g4.core.checkpoint import CONFIG_NAME, Checkpoint, check_converted_from, read_json_object, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
@@ -123,20 +123,20 @@ def load_prompts(prompts_file: Path | None, src: Path
 
     Raises:
         OptionError: a prompts file whose suffix is neither ``.txt`` nor ``.jsonl``.
-        G4Error: an unreadable or empty prompts file, or a malformed line.
+        G4Error: an unreadable or empty prompts file, or a malformed line; a malformed
+            ``SRC/facts.json`` (:func:`g4.convert.verify.read_source_facts`).
     """
     facts: list[tuple[str, str]] = []
     prompts = list(DEFAULT_PROMPTS)
     labels = ["built-in"] * len(prompts)
     held_out: list[bool | None] = [True] * len(prompts)
-    facts_path = src / "facts.json"
-    if facts_path.is_file():
-        data = json.loads(facts_path.read_text())
-        facts = [(f["question"], f["answer"]) for f in data.get("facts", [])]
-        heldout = list(data.get("heldout") or [])
-        prompts = [q for q, _ in facts] + heldout
-        labels = [str(facts_path)] * len(prompts)
-        held_out = [False] * len(facts) + [True] * len(heldout)
+    read = read_source_facts(src)
+    if read is not None:
+        facts, heldout, _ = read
+        if facts or heldout:  # a facts.json with tool calls only: the built-in prompts
+            prompts = [q for q, _ in facts] + heldout
+            labels = [str(src / SOURCE_FACTS)] * len(prompts)
+            held_out = [False] * len(facts) + [True] * len(heldout)
     if prompts_file is not None:
         suffix = check_prompts_file(prompts_file)
         try:
@@ -172,22 +172,21 @@ def load_tool_cases(src: Path) -> list[dict]:
     exactly ``arguments`` (the embedded model ships five; ``g4.convert.embedded_model`` writes them).
 
     Raises:
-        CheckpointError: ``facts.json`` unreadable, or an entry not of that shape (named by index).
+        CheckpointError: ``facts.json`` unreadable or malformed (:func:`g4.convert.verify.read_source_facts`), or
+            an entry not of that shape (named by index).
     """
-    path = Path(src) / "facts.json"
-    if not path.is_file():
+    read = read_source_facts(src)
+    if read is None:
         return []
-    try:
-        cases = json.loads(path.read_text()).get("tool_calls", [])
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: cannot read its tool_calls ({type(e).__name__})") from e
+    path, cases = Path(src) / SOURCE_FACTS, read[2].get("tool_calls", [])
     if not isinstance(cases, list):
         raise CheckpointError(f"{path}: tool_calls must be a list")
     for i, c in enumerate(cases):
-        if not (isinstance(c, dict) and isinstance(c.get("question"), str) and isinstance(c.get("tools"), list)
-                and c["tools"] and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)):
-            raise CheckpointError(f"{path}: tool_calls[{i}] must be an object with a 'question' string, a non-empty "
-                                  f"'tools' list, a 'name' string and an 'arguments' object")
+        if not (isinstance(c, dict) and isinstance(c.get("question"), str) and c["question"].strip()
+                and isinstance(c.get("tools"), list) and c["tools"] and isinstance(c.get("name"), str)
+                and isinstance(c.get("arguments"), dict)):
+            raise CheckpointError(f"{path}: tool_calls[{i}] must be an object with a non-empty 'question' string, "
+                                  f"a non-empty 'tools' list, a 'name' string and an 'arguments' object")
     return cases
 
 
@@ -577,6 +576,7 @@ def run_check(out: str | Path, src: str | Path, *, source_label: str | None = No
         "prompts": rows, "facts": fact_rows, "tool_calls": tool_rows, "chat_checks": checks, "files": files,
     }
     path = write_report(out, report)
+    rerender_card(out)
     facts_line = f", facts {report['overall']['facts_correct']}/{len(facts)}" if facts else ""
     facts_line += f", tool calls {report['overall']['tool_calls_correct']}/{len(tool_rows)}" if tool_rows else ""
     echo(f"token agreement {overall_agreement:.3f} over {positions} positions of {len(prompts)} prompts "

@@ -237,7 +237,7 @@ def _serve_vllm(out: Path, host: str, port: int, name: str, max_model_len, kv_ca
 @click.option("--max-tokens", type=COUNT, default=16, show_default=True,
               help="Tokens generated per prompt and fact.")
 @click.option("--chat-max-tokens", type=COUNT, default=256, show_default=True,
-              help="Tokens per P13 chat request (thinking on needs room).")
+              help="Tokens per P13 chat request (thinking on needs room) and per tool question.")
 @_backend_opt
 @click.option("--served-model-name", help="Model id to request (default: the server's first model).")
 @act_quant_option
@@ -248,7 +248,8 @@ def check(out, src, prompts_file, min_agreement, url, max_tokens, chat_max_token
           act_quant, dtype):
     """Serve OUT (or use --url), send the prompt set through /v1/chat/completions with the
     openai client, compare with SRC in transformers (greedy token agreement, first divergence,
-    facts, P13 chat checks) and write OUT/verification.json. Exits 1 on FAIL."""
+    facts, tool calls, P13 chat checks), write OUT/verification.json and re-render OUT's model
+    card. Exits 1 on FAIL."""
     if prompts_file is not None:
         check_prompts_file(prompts_file)  # before SRC is fetched or a server started
     src_dir = resolve_source(src)  # a repo id not in the HF cache downloads here, with its progress bar

@@ -21,8 +21,10 @@ from tampered import INT8_TAMPERS, NVFP4_TAMPERS, RANK1, assert_one_error_line, 
 from serve_fixtures import cpu_app, embedded_result, start_g4serve
 
 from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
+from g4.convert.verify import DEFAULT_PROMPTS
+from g4.core.errors import CheckpointError
 from g4.serve.check import STOP, agreement, free_port, load_tool_cases, normalise_ids
-from helpers import g4serve
+from helpers import g4convert, g4serve
 from g4.serve.server import BackgroundServer
 
 REPORT_KEYS = {"g4_verification", "format", "backend", "engine", "source", "min_agreement", "passed", "failures", "overall",
@@ -102,6 +104,8 @@ def test_check_passes_on_the_embedded_nvfp4_result(nvfp4_copy):
     assert [(c["thinking"], c["stream"], c["ok"], c["content"]) for c in report["chat_checks"]] == [
         (False, False, True, "4"), (False, True, True, "4"), (True, False, True, "4"), (True, True, True, "4")]
     assert_tool_calls_ok(report, r.output)
+    card = (nvfp4_copy / "README.md").read_text()  # the card is re-rendered with the check's result
+    assert "Not verified yet" not in card and "| tool calls (expected function and arguments) | 5 / 5 |" in card
     assert not list(nvfp4_copy.glob(".verification.json.*"))  # atomic write left no temp file
     # the README quotes this result's summary (the set-up command's, default algorithm) as printed
     summary = re.search(r"token agreement (\S+ over \d+ positions of \d+ prompts \(\d+ identical\))", r.output)
@@ -160,8 +164,6 @@ def test_check_fails_a_wrong_tool_call(nvfp4_copy, tmp_path, monkeypatch):
 
 
 def test_load_tool_cases_names_a_malformed_entry(tmp_path):
-    from g4.core.errors import CheckpointError
-
     assert load_tool_cases(tmp_path) == []  # no facts.json
     (tmp_path / "facts.json").write_text(json.dumps({"facts": []}))
     assert load_tool_cases(tmp_path) == []  # no tool_calls
@@ -172,9 +174,46 @@ def test_load_tool_cases_names_a_malformed_entry(tmp_path):
         (tmp_path / "facts.json").write_text(json.dumps({"tool_calls": bad}))
         with pytest.raises(CheckpointError, match=re.escape(why)):
             load_tool_cases(tmp_path)
-    (tmp_path / "facts.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="cannot read its tool_calls"):
+    (tmp_path / "facts.json").write_text(json.dumps({"tool_calls": [{**good, "question": " "}]}))
+    with pytest.raises(CheckpointError, match=re.escape("tool_calls[0] must be an object with a non-empty")):
         load_tool_cases(tmp_path)
+    (tmp_path / "facts.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="facts.json: cannot be read as JSON"):
+        load_tool_cases(tmp_path)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"facts": [', "cannot be read as JSON (JSONDecodeError"), ("", "cannot be read as JSON"),
+    ("[]", "must be a JSON object"), ('{"facts": 5}', "'facts' must be a list"),
+    ('{"facts": [{"question": "Q?"}]}', "'facts' must be a list"), ('{"heldout": "abc"}', "'heldout' must be a list"),
+    (b"\xff\xfe", "cannot be read as JSON (UnicodeDecodeError")])
+def test_a_malformed_source_facts_file_is_one_error_line(nvfp4_copy, tmp_path, text, why):
+    """check and verify read SRC/facts.json through one reader: bad JSON or a wrong shape is one
+    ``error:`` line naming the file (exit 2), before any model loads; verification.json untouched."""
+    from g4.convert.verify import read_source_facts
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    path = src / "facts.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError, match=re.escape(why)):
+        read_source_facts(src)
+    before = report_bytes(nvfp4_copy)
+    for r in (run("check", nvfp4_copy, "--against", src), g4convert("verify", nvfp4_copy, "--against", src)):
+        assert r.exit_code == 2, r.output
+        assert_one_error_line(r.output, path, re.escape(why))
+    assert report_bytes(nvfp4_copy) == before
+
+
+def test_a_facts_file_with_only_tool_calls_keeps_the_built_in_prompts(nvfp4_copy, tmp_path):
+    """A source whose facts.json has tool calls and no facts or held-out prompts is still checked on
+    the built-in prompts (never on none at all), and its tool calls are asked."""
+    from g4.serve.check import load_prompts
+
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    (src / "facts.json").write_text(json.dumps({"tool_calls": load_tool_cases(EMBEDDED_DIR)}))
+    prompts, facts, labels, held_out = load_prompts(None, src)
+    assert prompts == list(DEFAULT_PROMPTS) and facts == [] and set(labels) == {"built-in"}
+    assert len(load_tool_cases(src)) == 5
 
 
 @pytest.fixture(scope="module")
