@@ -280,6 +280,12 @@ def _int8_body(i8: dict) -> dict:
             "plan_notes": [re.sub(r"\s*\(\.\./shared/[^)]*\)", "", n) for n in plan.get("notes", [])], "embed_scale": m.embed_scale, "layout": m.format}
 
 
+def describe_calls(calls: list[dict]) -> str:
+    """``verification.json`` tool calls as ``name({"arg": ...}), ...`` (``""`` for none), as
+    ``g4serve check`` prints them and the card lists the wrong ones."""
+    return ", ".join(f"{c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls)
+
+
 def _verification_body(v: dict | None) -> dict | None:
     if v is None:
         return None
@@ -296,8 +302,7 @@ def _verification_body(v: dict | None) -> dict | None:
     if o.get("facts_total"):
         rows.append(["facts answered", f"{o.get('facts_correct')} / {o.get('facts_total')}"])
     if o.get("tool_calls_total"):
-        bad = [f"{t.get('question')!r} -> " + (", ".join(f"{c.get('name')}({json.dumps(c.get('arguments'))})"
-                                                         for c in t.get("calls") or []) or repr(t.get("content")))
+        bad = [f"{t.get('question')!r} -> " + (describe_calls(t.get("calls") or []) or repr(t.get("content")))
                for t in v.get("tool_calls") or [] if not t.get("ok")]
         rows.append(["tool calls (expected function and arguments)",
                      f"{o.get('tool_calls_correct')} / {o.get('tool_calls_total')}" + (f"; {'; '.join(bad)}" if bad else "")])

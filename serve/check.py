@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from g4.convert.card import rerender_card, source_label as pushable_source_label
+from g4.convert.card import describe_calls, rerender_card, source_label as pushable_source_label
 from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
@@ -431,9 +431,8 @@ def tool_call_checks(client, model: str, base: str, cases: list[dict], max_token
         ok = choice.finish_reason == "tool_calls" and calls == [expected]
         rows.append({"question": question, "expected": expected, "calls": calls,
                      "content": choice.message.content or "", "finish_reason": choice.finish_reason, "ok": ok})
-        got = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in calls) or repr(choice.message.content)
-        echo(f"  {'ok ' if ok else 'BAD'} tool {question!r} -> {got} (expected {case['name']}"
-             f"({json.dumps(case['arguments'])}))")
+        got = describe_calls(calls) or repr(choice.message.content)
+        echo(f"  {'ok ' if ok else 'BAD'} tool {question!r} -> {got} (expected {describe_calls([expected])})")
     return rows
 
 
