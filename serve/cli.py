@@ -71,7 +71,8 @@ def _terminate(signum, frame):
 @verbosity_options
 def main() -> None:
     """Serve a converted Gemma 4 result (NVFP4, int8-neuron, or a bf16 checkpoint) behind an
-    OpenAI-compatible API (/v1/chat/completions, /v1/models, /health), or check it end to end.
+    OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics),
+    or check it end to end.
 
     \b
     Backends: vllm (NVFP4 with vLLM and a CUDA GPU), neuron (int8-neuron on NeuronCores),

@@ -404,6 +404,60 @@ def test_a_non_streaming_client_that_leaves_while_queued_ends_its_request():
     worker.stop()
 
 
+def scrape(url: str, model: str = MODEL) -> dict[str, float]:
+    """``GET url/metrics`` parsed by prometheus_client: {sample name: value} of g4serve's samples
+    (each checked to carry the label model_name=``model``)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:  # raises on a non-200
+        assert r.headers["content-type"].startswith("text/plain"), r.headers
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("g4serve:"):
+                assert sample.labels == {"model_name": model}, sample
+                out[sample.name] = sample.value
+    return out
+
+
+def test_metrics_count_the_running_waiting_and_received_requests():
+    """``/metrics`` while one request generates and two wait behind it (a refused request is not
+    counted), then once all three are answered; the numbers as a Prometheus scraper reads them."""
+    from test_serve_worker import WAIT_S, SlowEngine
+
+    engine = SlowEngine(cpu_engine("nvfp4").tokenizer)
+    app = create_app(engine, served_model_name=MODEL)
+    with BackgroundServer(app) as srv:
+        assert scrape(srv.url) == {"g4serve:num_requests_running": 0, "g4serve:num_requests_waiting": 0,
+                                   "g4serve:request_received_total": 0}
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=0)
+        answers = []
+        asks = [threading.Thread(target=lambda: answers.append(
+            c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8).choices[0].finish_reason))
+            for _ in range(3)]
+        for t in asks:
+            t.start()
+        assert engine.at_gate.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while (now := scrape(srv.url))["g4serve:num_requests_waiting"] < 2:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.01)
+        assert now == {"g4serve:num_requests_running": 1, "g4serve:num_requests_waiting": 2,
+                       "g4serve:request_received_total": 3}
+        engine.gate.set()
+        for t in asks:
+            t.join(WAIT_S)
+        assert answers == ["length"] * 3
+        assert scrape(srv.url) == {"g4serve:num_requests_running": 0, "g4serve:num_requests_waiting": 0,
+                                   "g4serve:request_received_total": 3}
+    app.state.worker.stop()
+
+
 @pytest.mark.parametrize("signals, drain_s", [(["SIGTERM"], 0), (["SIGINT", "SIGINT"], 5)])
 def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(signals, drain_s):
     """`g4serve` as a process: one client sent half a body and stalls, 60 others are generating or
@@ -438,7 +492,10 @@ def test_shutdown_is_bounded_with_a_stalled_client_and_a_generation_in_flight(si
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while not outcome:  # the first answer is out: one request is generating, dozens are queued
+        # every request has reached the worker (one is generating, the rest queued or answered):
+        # signalled earlier, a request still connecting is refused or its unread bytes are cut
+        # with the idle connection, which is uvicorn's shutdown, not the drain this tests
+        while scrape(f"http://127.0.0.1:{port}", "tiny").get("g4serve:request_received_total", 0) < len(questions):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         start = time.monotonic()

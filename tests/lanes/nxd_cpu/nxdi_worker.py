@@ -269,6 +269,16 @@ def batch(job: dict) -> dict:
                     "max_tokens": 8, "return_token_ids": True}).json()
 
             together = [None] * len(job["questions"])
+            # each request holds its slot before either decodes: sent at once, a request of a few
+            # tokens can otherwise end before the other's context encoding on a loaded machine
+            held, start = threading.Barrier(len(job["questions"])), eng.start
+
+            def start_together(prompt_ids):
+                state = start(prompt_ids)
+                held.wait(120)
+                return state
+
+            eng.start = start_together
             with TestClient(app) as client:
                 asks = [threading.Thread(target=lambda i=i, q=q: together.__setitem__(i, post(client, q)))
                         for i, q in enumerate(job["questions"])]
@@ -277,6 +287,7 @@ def batch(job: dict) -> dict:
                 for t in asks:
                     t.join(120)
                 batches = eng.batcher.decode_batches[before:]
+                del eng.start  # the class's own again
                 alone = [post(client, q) for q in job["questions"]]  # one after another: the same answers
             app.state.worker.close()
             found["http"] = {"together": together, "alone": alone, "decode_batches": batches,
