@@ -26,6 +26,7 @@ text are identical by construction (tested token by token and over HTTP).
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -141,7 +142,8 @@ def parse_call_items(items: list) -> tuple[str, dict]:
     items is allowed. Function names may hold ``. : -`` (namespaced MCP tools, jundot/omlx PR #1854).
 
     Raises:
-        MalformedCall: anything else (an unterminated string or object, a bare word, trailing text).
+        MalformedCall: anything else (an unterminated string or object, a bare word, trailing text,
+            a key twice in one object, a number beyond a 64-bit float such as ``1e400``).
     """
     n, i = len(items), 0
 
@@ -185,7 +187,10 @@ def parse_call_items(items: list) -> tuple[str, dict]:
         if word in ("true", "false", "null"):
             return {"true": True, "false": False, "null": None}[word], j
         if _NUMBER.fullmatch(word):
-            return (json.loads(word)), j
+            number = json.loads(word)
+            if isinstance(number, float) and not math.isfinite(number):  # 1e400: json.dumps would write Infinity, not JSON
+                raise MalformedCall(f"{word[:40]!r} does not fit a 64-bit float")
+            return number, j
         raise MalformedCall(f"{word[:40]!r} is not a string, number, boolean or null")
 
     def obj(i):
@@ -206,6 +211,8 @@ def parse_call_items(items: list) -> tuple[str, dict]:
             i = ws(i)
             if i >= n or items[i] != ":":
                 raise MalformedCall(f"no ':' after the key {key!r}")
+            if key in out:  # a JSON parser would keep one of them silently
+                raise MalformedCall(f"the key {key!r} twice")
             out[key], i = value(i + 1)
             i = ws(i)
             if i < n and items[i] == ",":

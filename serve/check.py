@@ -62,7 +62,7 @@ from g4.core.checkpoint import CONFIG_NAME, Checkpoint, check_converted_from, re
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.serve.backends import choose_backend
-from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, render_prompt
+from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, openai_tools, render_prompt
 from g4.serve.engine import Engine, load_cpu_engine, load_tokenizer, max_context, served_file_stats
 from g4.serve.neuron_backend import load_neuron_engine
 from g4.serve.server import BackgroundServer, create_app
@@ -173,7 +173,8 @@ def load_tool_cases(src: Path) -> list[dict]:
 
     Raises:
         CheckpointError: ``facts.json`` unreadable or malformed (:func:`g4.convert.verify.read_source_facts`), or
-            an entry not of that shape (named by index).
+            an entry not of that shape (named by index): a tool that is not an OpenAI function tool
+            (:func:`g4.serve.chat.openai_tools`), or a ``name`` none of its tools has.
     """
     read = read_source_facts(src)
     if read is None:
@@ -187,6 +188,13 @@ def load_tool_cases(src: Path) -> list[dict]:
                 and isinstance(c.get("arguments"), dict)):
             raise CheckpointError(f"{path}: tool_calls[{i}] must be an object with a non-empty 'question' string, "
                                   f"a non-empty 'tools' list, a 'name' string and an 'arguments' object")
+        try:
+            declared = [t["function"]["name"] for t in openai_tools(c["tools"])]
+        except ChatError as e:
+            raise CheckpointError(f"{path}: tool_calls[{i}].{e}") from None
+        if c["name"] not in declared:
+            raise CheckpointError(f"{path}: tool_calls[{i}].name {c['name']!r} is not one of its tools "
+                                  f"({', '.join(map(repr, declared))})")
     return cases
 
 

@@ -170,7 +170,9 @@ def test_load_tool_cases_names_a_malformed_entry(tmp_path):
     good = load_tool_cases(EMBEDDED_DIR)[0]
     for bad, why in (([{**good, "arguments": "city=Paris"}], "tool_calls[0] must be an object"),
                      ([good, {**good, "tools": []}], "tool_calls[1] must be an object"),
-                     ({"q": 1}, "tool_calls must be a list")):
+                     ({"q": 1}, "tool_calls must be a list"),
+                     ([{**good, "tools": [{"type": "retrieval"}]}], "facts.json: tool_calls[0].tools[0] must be a function tool"),
+                     ([{**good, "name": "get_time"}], "tool_calls[0].name 'get_time' is not one of its tools ('get_weather')")):
         (tmp_path / "facts.json").write_text(json.dumps({"tool_calls": bad}))
         with pytest.raises(CheckpointError, match=re.escape(why)):
             load_tool_cases(tmp_path)

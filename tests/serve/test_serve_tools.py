@@ -124,6 +124,8 @@ def test_a_call_inside_the_reasoning_channel_is_not_a_call(served, tok):
     ["get_weather{city:", Q, "x", Q, "}"],  # no call:
     ["call:get_weather{city:", Q, "x", Q, "} trailing"],
     ["call:get_weather{city:", Q, "x", Q],  # unterminated object
+    ["call:get_weather{days:1e400}"],  # no float holds it: json.dumps would write Infinity
+    ["call:get_weather{city:", Q, "Paris", Q, ",city:", Q, "Rome", Q, "}"],  # a key twice
 ])
 def test_malformed_markup_is_content_with_its_delimiters(served, tok, body):
     ids = call_ids(tok, body)
