@@ -12,7 +12,9 @@ on the CPU is listed with its error. Every result is evaluated by ``g4convert ev
 (``g4.convert.evaluate``: the same chunks of the packaged held-out text, llama.cpp's statistics,
 W4A4 with activation emulation) against the same source in this run. Columns: mean / median /
 99% / 99.9% KLD (nats), top-1 agreement, PPL ratio, conversion seconds per decoder layer (g4: the
-whole ``convert_nvfp4``; modelopt: ``mtq.quantize`` + export), weight bytes on disk.
+whole ``convert_nvfp4``; modelopt: ``mtq.quantize`` + export), weight bytes on disk. One more row,
+"source weights, max's activations": the source's own weights with g4 max's W4A4 activation
+quantization, the W4A4 KLD no weight algorithm can go below (printed as a share of max's).
 
 The model: ``--model DIR``, default the trained quality test model ``bench/_work/quality-model``
 (``bench/quality_model.py`` builds it) when it is there, else the embedded model (its figures rank
@@ -74,6 +76,24 @@ def run_modelopt(src: Path, out: Path, cfg_name: str, ids: torch.Tensor) -> floa
     return time.perf_counter() - t0
 
 
+def evaluate_activations_only(src: Path, w4a4: Path, chunks: torch.Tensor) -> dict:
+    """``g4convert eval``'s statistics of the source's own (bf16) weights with the NVFP4 activation
+    quantization of the W4A4 result ``w4a4`` (its ``input_scale``s, the same emulation): the KLD that
+    W4A4 keeps whatever a weight algorithm does, since the weights can do no better than exact."""
+    from g4.convert.evaluate import compare_on_chunks, summarize
+    from g4.convert.stream import Nvfp4Stream, SourceStream
+
+    class ActivationsOnly(SourceStream):
+        def __init__(self):
+            super().__init__(src, torch.bfloat16)
+            self.scales = Nvfp4Stream(w4a4, torch.bfloat16, act_quant=True)
+
+        def layer_tensors(self, layer: int):
+            return super().layer_tensors(layer)[0], self.scales.layer_tensors(layer)[1]
+
+    return summarize(compare_on_chunks(SourceStream(src, torch.bfloat16), ActivationsOnly(), chunks))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="source checkpoint (default: the quality test model, else embedded)")
@@ -127,6 +147,11 @@ def main() -> None:
             rows.append((f"g4 {algo}", "W4A4" if w4a4 else "W4A16", evaluate(out, w4a4), seconds / layers,
                          weight_bytes(out)))
             print(f"  done: g4 {algo} {'W4A4' if w4a4 else 'W4A16'}", flush=True)
+    floor = None
+    if (args.work / "g4-max-w4a4").is_dir():
+        floor = evaluate_activations_only(src, args.work / "g4-max-w4a4", chunks)
+        rows.append(("source weights, max's activations", "A4 only", floor, None, None))
+        print("  done: activations only", flush=True)
     if not args.no_modelopt:
         for label, cfg, w4a4 in MODELOPT_CONFIGS:
             out = args.work / f"modelopt-{cfg}"
@@ -147,12 +172,17 @@ def main() -> None:
             print(f"| {name} | {act} | {r} | | | | | | | |")
             continue
         u, k = r["uncertainty"], r["kld"]
+        tail = f"{spl:.2f} | {size / 1e6:.3f} MB ({size / bf16_bytes:.3f}x)" if size is not None else "- | -"
         print(f"| {name} | {act} | {k['mean']:.5f} ± {u['kld_mean']:.5f} | {k['median']:.5f} | {k['p99']:.4f} | "
               f"{k['p999']:.4f} | {100 * r['top1_agreement']:.2f} ± {100 * u['top1_agreement']:.2f} % | "
-              f"{r['ppl_ratio']:.4f} ± {u['ppl_ratio']:.4f} | {spl:.2f} | {size / 1e6:.3f} MB "
-              f"({size / bf16_bytes:.3f}x) |")
+              f"{r['ppl_ratio']:.4f} ± {u['ppl_ratio']:.4f} | {tail} |")
     print(f"\n{rows[0][2]['tokens'] if not isinstance(rows[0][2], str) else '?'} tokens scored per row; "
           "± one standard error (llama.cpp's); W4A4 rows with activation emulation.")
+    if floor is not None:
+        base = next(r for name, act, r, _, _ in rows if name == "g4 max" and act == "W4A4")
+        print(f"W4A4 floor of every weight algorithm (the source's own weights, NVFP4 activations against max's "
+              f"input_scales): mean KLD {floor['kld']['mean']:.5f}, {100 * (1 - floor['kld']['mean'] / base['kld']['mean']):.0f}% "
+              f"below g4 max's W4A4 {base['kld']['mean']:.5f}")
     sys.stdout.flush()
 
 
