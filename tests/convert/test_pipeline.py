@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -181,36 +182,70 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
 def test_the_disk_is_asked_for_each_tensor_once_in_order_within_the_budget(tiny_mm, monkeypatch):
     """DiskReadahead: every tensor's exact byte range (its header offset, its nbytes) advised
     WILLNEED once, in read order, before it is read, and never more than the budget beyond the
-    tensor being read (at least the next one); the Prefetcher's reads are unchanged by it."""
+    tensor being read (at least the next one); a tensor larger than the kernel's readahead
+    window in pieces of that window, which cover it exactly (Linux reads at most one window
+    per call); the Prefetcher's reads are unchanged by it."""
+    from g4.convert import pipeline
     from g4.core.checkpoint import Checkpoint
     from g4.convert.pipeline import DiskReadahead, Prefetcher
 
     ckpt = Checkpoint(tiny_mm)
     names = [n for n in ckpt.tensors if ".layers." in n]
     infos = [ckpt.tensors[n] for n in names]
-    calls = []
+    piece = 1000
+    assert max(i.nbytes for i in infos) > 2 * piece  # some tensors take several pieces
+    monkeypatch.setattr(pipeline, "readahead_piece_bytes", lambda path: piece)
+    pieces = []
     real = os.posix_fadvise
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)) or real(fd, off, n, advice))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: pieces.append((off, n, advice)) or real(fd, off, n, advice))
+
+    def merged():  # each tensor's pieces, joined: (offset, nbytes) per tensor asked for
+        out = []
+        for off, n, _ in pieces:
+            assert n <= piece
+            if out and out[-1][0] + out[-1][1] == off and any(i.offset == out[-1][0] and i.nbytes > out[-1][1] for i in infos):
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((off, n))
+        return out
+
     budget = 3 * max(i.nbytes for i in infos)
     ahead = DiskReadahead(ckpt, names, budget)
     for i, info in enumerate(infos):
         ahead.reading(i)
-        asked = [(c[0], c[1]) for c in calls]
+        asked = merged()
         assert (info.offset, info.nbytes) in asked  # before it is read
         beyond = sum(n for off, n in asked) - sum(x.nbytes for x in infos[:i + 1])
         assert beyond < budget + max(x.nbytes for x in infos)  # stops at the first tensor past the budget
         assert len(asked) >= min(i + 2, len(infos))  # the next one always
         assert beyond + info.nbytes >= budget or len(asked) == len(infos)  # and up to the budget while tensors remain
     ahead.close()
-    assert [(c[0], c[1]) for c in calls] == [(i.offset, i.nbytes) for i in infos]
-    assert {c[2] for c in calls} == {os.POSIX_FADV_WILLNEED}
-    calls.clear()
+    assert merged() == [(i.offset, i.nbytes) for i in infos]
+    assert len(pieces) == sum(-(-i.nbytes // piece) for i in infos)
+    assert {c[2] for c in pieces} == {os.POSIX_FADV_WILLNEED}
+    pieces.clear()
     reader = Prefetcher(ckpt, names, budget_bytes=1 << 20)
     got = [reader.get(n) for n in names]
     reader.close()
     for name, t in zip(names, got):
         assert t.equal(ckpt.get(name))
-    assert len(calls) == len(names)
+    assert merged() == [(i.offset, i.nbytes) for i in infos]
+
+
+def test_a_readahead_piece_is_the_devices_readahead_window(tmp_path):
+    """readahead_piece_bytes: the backing device's read_ahead_kb from sysfs where Linux has it,
+    never under the kernel's default 128 KiB window, and 128 KiB for a path it cannot stat."""
+    from g4.convert.pipeline import readahead_piece_bytes
+
+    f = tmp_path / "x"
+    f.write_bytes(b"0")
+    got = readahead_piece_bytes(f)
+    dev = os.stat(f).st_dev
+    sysfs = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    if sysfs.exists():
+        assert got == max(int(sysfs.read_text()), 128) * 1024
+    assert got >= 128 << 10
+    assert readahead_piece_bytes(tmp_path / "missing") == 128 << 10
 
 
 def _record_fadvise(monkeypatch):
