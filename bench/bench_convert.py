@@ -10,7 +10,8 @@ The synthetic source is made once with `g4convert synth` and reused. The convers
 runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
 
 The I/O floor is measured in the same run, right after the conversion: read every source
-file (16 MiB reads) and write as many bytes as the conversion wrote to a file on the same
+file (16 MiB reads, the disk asked for the next 512 MiB ahead of them as the conversion asks
+for its tensors, :func:`io_floor_seconds`) and write as many bytes as the conversion wrote to a file on the same
 disk, by as many threads as the conversion writes with (``g4.convert.pipeline.WRITE_THREADS``:
 on this 2-core machine two threads wrote 5.4 GB of new data 2 to 10 times faster than one in
 alternating runs, so a one-thread floor would be no floor; ``--write-threads`` overrides it, e.g.
@@ -18,7 +19,8 @@ to measure an older g4 against the same floor); the conversion cannot beat read 
 disk. Printed: seconds per layer of both, their ratio (the issue's target is <= 1.5), and both projected to the real model's
 bytes (30 layers).
 
-Both timed phases start from the same page-cache state (:func:`settle`): every dirty page
+Both timed phases start from the same page-cache state (:func:`settle`; then a rest of
+``--settle-seconds``, :data:`SETTLE_SECONDS`, for this VM's memory): every dirty page
 flushed (``os.sync``), so neither pays for writing back the other's output (the floor used
 to run while the conversion's gigabytes were still being written back, which slowed it and
 made the ratio look better than it was), and then, with ``--cache cold`` (the default: the
@@ -53,10 +55,20 @@ from pathlib import Path
 GIB = 2**30
 
 
-def settle(src: Path, cache: str = "cold") -> None:
+# Seconds settle() waits once the cache is settled (--settle-seconds). This machine is a VM with
+# free page reporting (virtio_balloon): memory freed is handed back to the host about 2 s later,
+# and its next use faults it in from the host again (touching 2 GiB of fresh anonymous memory took
+# 6.2 s here, 1.6-2.4 s when it was reused soon after being freed). Measured 2026-12-04 on the
+# 2-layer synthetic: the floor 6.0-12.1 s started at once after an eviction, 11.8-12.8 s
+# started 6 s after it, three runs each, alternated: waiting puts both timed phases in the same
+# state (the slower one) instead of whichever memory the previous step happened to free.
+SETTLE_SECONDS = 6.0
+
+
+def settle(src: Path, cache: str = "cold", wait_s: float = SETTLE_SECONDS) -> None:
     """Bring the page cache to the state both timed phases start from: nothing dirty
     (``os.sync``), then every source file evicted (``cold``: ``POSIX_FADV_DONTNEED``) or read
-    once (``warm``)."""
+    once (``warm``), then ``wait_s`` seconds of rest (:data:`SETTLE_SECONDS`)."""
     os.sync()
     buf = bytearray(16 << 20)
     for f in sorted(src.rglob("*.safetensors")):
@@ -66,6 +78,7 @@ def settle(src: Path, cache: str = "cold") -> None:
                 continue
             while fh.readinto(buf):
                 pass
+    time.sleep(wait_s)
 
 
 def cached_bytes(root: Path) -> int | None:
@@ -88,16 +101,28 @@ def disk_read_bytes(before: resource.struct_rusage, after: resource.struct_rusag
 
 def io_floor_seconds(src: Path, nbytes_out: int, work: Path, threads: int) -> float:
     """Seconds to read every file under ``src`` and then write ``nbytes_out`` bytes into ``work``
-    (same disk as the conversion's output), in 16 MiB pieces, written by ``threads`` threads at
-    once (positioned writes into one file, as the conversion's writer threads do); the scratch
-    file is removed."""
+    (same disk as the conversion's output), in 16 MiB pieces, read with the disk asked for the
+    next :data:`g4.convert.pipeline.DISK_AHEAD_BYTES` ahead of the reads in the conversion's
+    readahead pieces (many reads in flight: 1.25-1.6x faster than 16 MiB reads alone, cold, on
+    this machine's disk), written by ``threads`` threads at once (positioned writes into one
+    file, as the conversion's writer threads do); the scratch file is removed."""
+    from g4.convert.pipeline import DISK_AHEAD_BYTES, _FileAdvice
+
     chunk = 16 << 20
     buf = bytearray(chunk)
+    advice = _FileAdvice()
     t = time.perf_counter()
     for f in sorted(src.rglob("*.safetensors")):
+        size, asked, at = f.stat().st_size, 0, 0
         with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
+            while True:  # the disk asked for the next DISK_AHEAD_BYTES, as the conversion asks for them
+                while asked < min(size, at + DISK_AHEAD_BYTES):
+                    advice.willneed(f, asked, 64 << 20)
+                    asked += 64 << 20
+                if not (n := fh.readinto(buf)):
+                    break
+                at += n
+    advice.close()
     scratch = work / "_io_floor.bin"
     fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     per = -(-nbytes_out // threads)
@@ -128,8 +153,12 @@ def main() -> None:
     ap.add_argument("--algorithm", default=None, help="nvfp4 --algorithm (default: g4convert's default)")
     ap.add_argument("--format", choices=["nvfp4", "int8-neuron"], default="nvfp4")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--target", default=None,
+                    help="int8-neuron --target (default: inf2.xlarge up to --tp 2, inf2.24xlarge above: 2 NeuronCores)")
     ap.add_argument("--cache", choices=["cold", "warm"], default="cold",
                     help="the source's page-cache state at the start of each timed phase (module docstring)")
+    ap.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
+                    help="rest after the page cache is settled, before each timed phase (SETTLE_SECONDS)")
     ap.add_argument("--write-threads", type=int, default=None,
                     help="threads writing the floor's bytes (default: g4.convert.pipeline.WRITE_THREADS)")
     args = ap.parse_args()
@@ -152,10 +181,11 @@ def main() -> None:
                 + (f", algorithm={args.algorithm!r}" if args.algorithm else "") + "); out_bytes = r.bytes_out")
     else:
         call = (f"from g4.convert.int8_neuron import convert_int8_neuron; r = convert_int8_neuron({str(src)!r}, "
-                f"{str(out)!r}, tp={args.tp}, target='inf2.xlarge', progress=False); out_bytes = r.bytes_per_rank[0]")
+                f"{str(out)!r}, tp={args.tp}, target={args.target or ('inf2.xlarge' if args.tp <= 2 else 'inf2.24xlarge')!r}, "
+                "progress=False); out_bytes = r.bytes_per_rank[0]")
     cmd = [sys.executable, "-c", f"import sys; {call}; print(r.summary(), file=sys.stderr); "
            "print(r.seconds, r.bytes_in, out_bytes, r.peak_rss_bytes)"]
-    settle(src, args.cache)
+    settle(src, args.cache, args.settle_seconds)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -166,7 +196,7 @@ def main() -> None:
     left_cached = cached_bytes(src)  # the source's pages the conversion left in the page cache
     print(res.stderr.strip().splitlines()[-1])
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    settle(src, args.cache)
+    settle(src, args.cache, args.settle_seconds)
     if args.write_threads is None:
         from g4.convert.pipeline import WRITE_THREADS as threads
     else:
