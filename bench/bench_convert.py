@@ -106,11 +106,11 @@ def io_floor_seconds(src: Path, nbytes_out: int, work: Path, threads: int) -> fl
     readahead pieces (many reads in flight: 1.25-1.6x faster than 16 MiB reads alone, cold, on
     this machine's disk), written by ``threads`` threads at once (positioned writes into one
     file, as the conversion's writer threads do); the scratch file is removed."""
-    from g4.convert.pipeline import DISK_AHEAD_BYTES, _FileAdvice
+    from g4.convert.pipeline import DISK_AHEAD_BYTES, FileAdvice
 
     chunk = 16 << 20
     buf = bytearray(chunk)
-    advice = _FileAdvice()
+    advice = FileAdvice()
     t = time.perf_counter()
     for f in sorted(src.rglob("*.safetensors")):
         size, asked, at = f.stat().st_size, 0, 0
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--format", choices=["nvfp4", "int8-neuron"], default="nvfp4")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--target", default=None,
-                    help="int8-neuron --target (default: inf2.xlarge up to --tp 2, inf2.24xlarge above: 2 NeuronCores)")
+                    help="int8-neuron --target (default: the first of g4.convert.plan.NEURON_TARGETS with --tp NeuronCores)")
     ap.add_argument("--cache", choices=["cold", "warm"], default="cold",
                     help="the source's page-cache state at the start of each timed phase (module docstring)")
     ap.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
@@ -180,9 +180,12 @@ def main() -> None:
                 f"weight_only={args.weight_only}, progress=False"
                 + (f", algorithm={args.algorithm!r}" if args.algorithm else "") + "); out_bytes = r.bytes_out")
     else:
+        from g4.convert.plan import NEURON_TARGETS
+
+        # default: the first target (smallest first) with a NeuronCore per TP rank
+        target = args.target or next(n for n, t in NEURON_TARGETS.items() if t.neuron_cores >= args.tp)
         call = (f"from g4.convert.int8_neuron import convert_int8_neuron; r = convert_int8_neuron({str(src)!r}, "
-                f"{str(out)!r}, tp={args.tp}, target={args.target or ('inf2.xlarge' if args.tp <= 2 else 'inf2.24xlarge')!r}, "
-                "progress=False); out_bytes = r.bytes_per_rank[0]")
+                f"{str(out)!r}, tp={args.tp}, target={target!r}, progress=False); out_bytes = r.bytes_per_rank[0]")
     cmd = [sys.executable, "-c", f"import sys; {call}; print(r.summary(), file=sys.stderr); "
            "print(r.seconds, r.bytes_in, out_bytes, r.peak_rss_bytes)"]
     settle(src, args.cache, args.settle_seconds)

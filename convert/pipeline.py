@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import hashlib
 import os
 import threading
@@ -108,7 +109,7 @@ class _ByteBudget:
             self.cv.notify_all()
 
 
-class _FileAdvice:
+class FileAdvice:
     """``posix_fadvise`` on byte ranges of source files, one read-only descriptor per file kept
     open until :meth:`close`; advice only, so an OSError is ignored (the read itself reports a
     real problem), and without ``posix_fadvise`` (not Linux/POSIX) nothing is done."""
@@ -147,31 +148,30 @@ class _FileAdvice:
         self._fds.clear()
 
 
-_PIECE_CACHE: dict[int, int] = {}
-
-
 def readahead_piece_bytes(path: "str | os.PathLike[str]") -> int:
     """Bytes one ``POSIX_FADV_WILLNEED`` call reads of a file on ``path``'s file system: its
     backing device's readahead window (``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``, KiB),
     at least 128 KiB (the kernel's default window, also used when sysfs does not say)."""
     try:
-        dev = os.stat(path).st_dev
+        return _readahead_window_bytes(os.stat(path).st_dev)
     except OSError:
         return 128 << 10
-    if dev not in _PIECE_CACHE:
-        try:
-            with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
-                kib = int(f.read().strip())
-        except (OSError, ValueError):
-            kib = 0
-        _PIECE_CACHE[dev] = max(kib, 128) << 10
-    return _PIECE_CACHE[dev]
+
+
+@functools.cache
+def _readahead_window_bytes(dev: int) -> int:
+    try:
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+            kib = int(f.read().strip())
+    except (OSError, ValueError):
+        kib = 0
+    return max(kib, 128) << 10
 
 
 class DiskReadahead:
     """Asks the kernel to read source tensors from the disk before they are read
     (``posix_fadvise(fd, offset, nbytes, POSIX_FADV_WILLNEED)`` on each tensor's byte range, in
-    pieces of the device's readahead window, :meth:`_FileAdvice.willneed`: asynchronous
+    pieces of the device's readahead window, :meth:`FileAdvice.willneed`: asynchronous
     readahead into the page cache, many reads in flight, without mapping), keeping the tensors
     from the one being read up to ``ahead_bytes`` beyond it asked for. Without
     ``posix_fadvise`` (not Linux/POSIX) it does nothing.
@@ -185,7 +185,7 @@ class DiskReadahead:
     def __init__(self, ckpt: Checkpoint, names: Sequence[str], ahead_bytes: int = DISK_AHEAD_BYTES):
         self._infos = [ckpt.tensors[n] for n in names]
         self._ahead = ahead_bytes
-        self._files = _FileAdvice()
+        self._files = FileAdvice()
         self._next = 0  # first tensor not yet asked for
         self._asked = 0  # bytes asked for from tensor `reading` on
 
@@ -237,7 +237,7 @@ class SourceRelease:
         self._read: dict[str, list[tuple[int, int]]] = {}  # path -> merged [a, b) it has read
         self._planning = True  # the hash waits until plan_done()
         self._finished = False
-        self._files = _FileAdvice()
+        self._files = FileAdvice()
         self._cv = threading.Condition(threading.RLock())  # consumed() may run as a finalizer in any call
         self.released_bytes = 0
 
