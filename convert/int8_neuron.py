@@ -67,12 +67,14 @@ from g4.exporters.neuron_int8 import (
     Entry,
     Geometry,
     Manifest,
+    RankMajorInt8,
     entry_specs,
     geometry,
     layer_entries,
     layer_prefix,
     model_entries,
     rank_file,
+    rank_major_layout,
     serving_max_context_length,
     serving_max_length,
     shard,
@@ -429,7 +431,12 @@ def _write_entry(writers, e: Entry, tensor: torch.Tensor | None, g: Geometry, la
     """Quantize (``e.int8``; by GPTQ where ``hessians`` are given, :func:`_int8_weight`) and shard
     ``tensor`` (None for a rank index); ``write(writer, name, t)`` each rank's pieces (views where
     the rule allows; ``BackgroundWriter.write``)."""
-    value = _int8_weight(e, tensor, hessians, layer) if e.int8 else tensor if tensor is None else tensor.to(KEPT_DTYPE)
+    layout = rank_major_layout(e, g) if hessians is None else None
+    if layout is not None:  # the experts' codes quantized straight into every rank's layout, one pass
+        q = int8.quantize_to_layout(tensor, layout)
+        value = RankMajorInt8(q.weight, q.scale)
+    else:
+        value = _int8_weight(e, tensor, hessians, layer) if e.int8 else tensor if tensor is None else tensor.to(KEPT_DTYPE)
     names = e.names(prefix)
     for r, w in enumerate(writers):
         for n, t in zip(names, shard(e, value, g, layer, r)):

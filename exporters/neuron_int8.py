@@ -242,6 +242,14 @@ class Rule:
     def take(self, w: torch.Tensor, s: torch.Tensor | None, g: Geometry, layer: int | None, rank: int):
         return w, s
 
+    # ``rank_split(x, tp)``: ``x`` (the whole tensor or its int8 codes, Hugging Face layout) as one
+    # view whose ``[r]`` holds rank r's share, and ``rank_major(x, tp)``: that view contiguous,
+    # ``[T, *local]``, for the rules whose shares are a permutation of whole dimensions (the
+    # experts): every rank's codes then come out of one quantizing pass (:class:`RankMajor`).
+    # None elsewhere (:meth:`take` cuts each rank's share).
+    rank_split = None
+    rank_major = None
+
     def gather(self, parts: list[torch.Tensor], g: Geometry, layer: int | None) -> torch.Tensor:
         """The inverse of :meth:`take`: every rank's local tensor (``parts[r]``, rank order, already
         dequantized when int8) back to the whole source tensor in the Hugging Face layout
@@ -355,16 +363,20 @@ class _ExpertGateUp(Rule):
     def scale_shape(self, local):
         return (local[0], 1, local[2])
 
-    @staticmethod
-    def index(two_i: int, tp: int, rank: int) -> torch.Tensor:
-        """Fused-row indices of rank ``rank``: its gate rows then its up rows."""
-        inter, per = two_i // 2, two_i // 2 // tp
-        own = torch.arange(rank * per, (rank + 1) * per)
-        return torch.cat([own, inter + own])
+    def rank_split(self, x, tp):
+        """``[E, 2I, X]`` (weight ``X = H``, scale ``X = 1``) -> ``[T, E, X, 2, I/T]``: rank r's
+        gate rows ``[r*I/T, (r+1)*I/T)`` then the same rows of up, transposed; ``[r]`` flattened
+        over its last two dims is rank r's ``[E, X, 2I/T]``."""
+        n_exp, two_i, x_dim = x.shape
+        return x.view(n_exp, 2, tp, two_i // 2 // tp, x_dim).permute(2, 0, 4, 1, 3)
 
-    def take(self, w, s, g, layer, rank):
-        idx = self.index(w.shape[1], g.tp, rank)
-        return w[:, idx].transpose(1, 2), None if s is None else s[:, idx].transpose(1, 2)
+    def rank_major(self, x, tp):
+        """Every rank's ``[E, X, 2I/T]`` at once, contiguous: ``[T, E, X, 2I/T]``."""
+        return self.rank_split(x, tp).contiguous().flatten(-2)
+
+    def take(self, w, s, g, layer, rank):  # rank r's share of rank_split (a copy of it alone)
+        return w if w is None else self.rank_split(w, g.tp)[rank].flatten(-2), \
+            None if s is None else self.rank_split(s, g.tp)[rank].flatten(-2)
 
     def gather(self, parts, g, layer):  # [E, H, 2I/T] = [gate_r | up_r] per rank -> [E, 2I, H] (gate rows first)
         halves = [p.transpose(1, 2).chunk(2, dim=1) for p in parts]
@@ -382,9 +394,18 @@ class _ExpertDown(Rule):
     def scale_shape(self, local):
         return (local[0], 1, local[2])
 
-    def take(self, w, s, g, layer, rank):
-        per = w.shape[2] // g.tp
-        return w[:, :, rank * per : (rank + 1) * per].transpose(1, 2), None if s is None else s.transpose(1, 2)
+    def rank_split(self, x, tp):
+        """Weight ``[E, H, I]`` -> ``[T, E, I/T, H]``: rank r the input columns
+        ``[r*I/T, (r+1)*I/T)``, transposed (the scale ``[E, H, 1]`` is not split: replicated)."""
+        n_exp, hidden, inter = x.shape
+        return x.view(n_exp, hidden, tp, inter // tp).permute(2, 0, 3, 1)
+
+    def rank_major(self, x, tp):
+        """Every rank's ``[E, I/T, H]`` at once, contiguous: ``[T, E, I/T, H]``."""
+        return self.rank_split(x, tp).contiguous()
+
+    def take(self, w, s, g, layer, rank):  # a view of w: the writer copies it a few rows at a time
+        return w if w is None else self.rank_split(w, g.tp)[rank], None if s is None else s.transpose(1, 2)
 
     def gather(self, parts, g, layer):  # [E, I/T, H] per rank -> [E, H, I]
         return torch.cat([p.transpose(1, 2) for p in parts], dim=2)
@@ -576,7 +597,43 @@ def expected_rank_specs(config: dict, tp: int, *, quantize_attention: bool, dtyp
     return specs
 
 
-def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | None, rank: int
+@dataclass(frozen=True)
+class RankMajor:
+    """The layout ``g4convert int8-neuron`` quantizes an expert weight straight into: called on
+    the int8 codes (Hugging Face layout ``[E, out, in]``) it returns every rank's tensor at once,
+    ``[T, *local]`` contiguous (``rule.rank_major``, from ``rule.rank_split``), so one compiled
+    pass reads the bf16 source and writes each rank's codes where the rank file wants them, with
+    no per-rank gather and no transposed copy in the writer. Hashable: the key of its compiled
+    kernel (``g4.quantizers.int8.quantize_to_layout``)."""
+
+    rule: Rule
+    tp: int
+
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rule.rank_major(codes, self.tp)
+
+
+@dataclass(frozen=True)
+class RankMajorInt8:
+    """An int8 weight already laid out per rank (:class:`RankMajor`).
+
+    Attributes:
+        weight: int8 ``[T, *local]``: ``weight[r]`` is rank r's tensor (contiguous).
+        scale: float32 ``[..., out, 1]`` in the Hugging Face layout (split by the rule's ``take``).
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def rank_major_layout(e: Entry, g: Geometry) -> RankMajor | None:
+    """The layout an int8 entry's codes can be quantized straight into (the experts'), or None."""
+    if not e.int8 or e.rule.rank_major is None:
+        return None
+    return RankMajor(e.rule, g.tp)
+
+
+def shard(e: Entry, value: torch.Tensor | Int8Weight | RankMajorInt8, g: Geometry, layer: int | None, rank: int
           ) -> list[torch.Tensor]:
     """Rank ``rank``'s tensors of entry ``e``: ``[weight, scale]`` for int8 entries, else ``[tensor]``.
 
@@ -589,6 +646,8 @@ def shard(e: Entry, value: torch.Tensor | Int8Weight, g: Geometry, layer: int | 
         (a row slice, a column slice, a transpose; ``ShardedSafetensorsWriter.write`` copies a
         non-contiguous view a few rows at a time), so a rank's share is not copied whole.
     """
+    if isinstance(value, RankMajorInt8):  # the codes are already per rank; the scale is split here
+        return [value.weight[rank], e.rule.take(None, value.scale, g, layer, rank)[1]]
     w, s = (value.weight, value.scale) if isinstance(value, Int8Weight) else (value, None)
     return [p for p in e.rule.take(w, s, g, layer, rank) if p is not None]
 

@@ -16,6 +16,7 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ class Int8Weight:
     """A weight quantized per output channel.
 
     Attributes:
-        weight: int8 ``[..., out, in]`` (same layout as the input).
+        weight: int8 ``[..., out, in]`` (same layout as the input; :func:`quantize_to_layout`: its layout).
         scale: float32 ``[..., out, 1]``, ``absmax / 127`` per output channel (floored at eps).
     """
 
@@ -97,6 +98,53 @@ def quantize(w: torch.Tensor) -> Int8Weight:
             if not torch.isfinite(scale[r0 : r0 + rows]).all():
                 raise ValueError("int8 quantization: weight holds NaN/Inf")
     return Int8Weight(q.reshape(w.shape), scale.reshape(*w.shape[:-1], 1))
+
+
+# One compiled kernel per layout given to quantize_to_layout (the layout is its key).
+_LAYOUT_KERNELS: dict[Hashable, CompiledKernel] = {}
+
+
+def quantize_to_layout(w: torch.Tensor, layout: Callable[[torch.Tensor], torch.Tensor]) -> Int8Weight:
+    """:func:`quantize`, with the int8 codes written straight into another layout in the same
+    pass: one compiled kernel reads ``w`` once and stores ``layout(codes)`` (no full-size codes in
+    the input's layout, no second copy); the eager path (small tensors, ``G4_INT8_EAGER=1``, a
+    compile or run failure) computes :func:`quantize` and then ``layout``: the same bytes.
+
+    Args:
+        w: ``[..., out, in]`` bf16/fp16/fp32 (not modified).
+        layout: a hashable callable (equal values: the same function) that takes int8 codes
+            ``[..., out, in]`` and returns them rearranged, contiguous (a permutation of whole
+            dimensions, e.g. every TP rank's share of an expert weight,
+            ``g4.exporters.neuron_int8.RankMajor``); compiled once per value and input shape.
+
+    Returns:
+        :class:`Int8Weight` whose ``weight`` is ``layout(codes)`` (int8) and whose ``scale`` is
+        fp32 ``[..., out, 1]`` in ``w``'s layout.
+
+    Raises:
+        ValueError: ``w`` has fewer than 2 dims or holds NaN/Inf.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"int8 per-channel quantization needs [..., out, in], got shape {tuple(w.shape)}")
+    kernel = _LAYOUT_KERNELS.get(layout)
+    if kernel is None:
+        def laid_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, s = _quantize_rows(x)
+            return layout(q), s
+
+        kernel = _LAYOUT_KERNELS[layout] = CompiledKernel(laid_out, eager_env="G4_INT8_EAGER", label="int8")
+    fused = kernel.for_size(w.numel())
+    if fused is not None:
+        try:
+            q, scale = fused(w)
+        except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
+            kernel.disable(e)
+        else:
+            if not torch.isfinite(scale).all():
+                raise ValueError("int8 quantization: weight holds NaN/Inf")
+            return Int8Weight(q, scale)
+    res = quantize(w)
+    return Int8Weight(layout(res.weight), res.scale)
 
 
 def dequantize(q: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

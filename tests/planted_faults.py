@@ -151,8 +151,8 @@ FAULTS: tuple[Fault, ...] = (
         "        rows = slice(rank * per, (rank + 1) * per)\n        return w[rows], None if s is None else s[rows]\n",
         "        rows = slice(rank * per, (rank + 1) * per)\n        return w[rows], None if s is None else s[:per]\n")),
     _f("int8-expert-up-gate-order", "each rank's fused expert columns up first, then gate", "nxd,nxdi",
-       ("exporters/neuron_int8.py", "        return torch.cat([own, inter + own])",
-        "        return torch.cat([inter + own, own])")),
+       ("exporters/neuron_int8.py", "        return x.view(n_exp, 2, tp, two_i // 2 // tp, x_dim).permute(2, 0, 4, 1, 3)",
+        "        return x.view(n_exp, 2, tp, two_i // 2 // tp, x_dim).flip(1).permute(2, 0, 4, 1, 3)")),
     # ---- NVFP4 (what vLLM loads)
     _f("e2m1-nibble-swap", "the odd element of each pair in the low nibble (modelopt: the even one)", "vllm",
        ("quantizers/nvfp4.py", "    return (codes[..., 0] + codes[..., 1] * 16).to(torch.uint8)",

@@ -11,7 +11,8 @@ from g4.convert.embedded_model import EMBEDDED_DIR, load_facts
 from g4.core.errors import G4Error
 from g4.core.gemma4 import embed_scale
 from g4.convert.int8_neuron import convert_int8_neuron
-from g4.exporters.neuron_int8 import EXPERT_DOWN, EXPERT_GATE_UP, Entry, geometry, rank_file, shard
+from g4.exporters.neuron_int8 import (COLUMN, EXPERT_DOWN, EXPERT_GATE_UP, Entry, RankMajor, RankMajorInt8, geometry,
+                                      rank_file, rank_major_layout, shard)
 from g4.quantizers import int8
 from g4.serve.neuron_emulator import NeuronEmulator, greedy
 
@@ -51,6 +52,45 @@ def test_compiled_quantizer_gives_the_eager_bytes(monkeypatch):
     assert torch.equal(fused.weight, eager.weight) and torch.equal(fused.scale, eager.scale)
     with pytest.raises(ValueError, match="NaN"):
         int8.quantize(torch.full((2, 16), float("nan")))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_experts_quantized_straight_into_every_ranks_layout_give_the_sharded_bytes(monkeypatch, tp):
+    # g4convert int8-neuron --algorithm max quantizes each expert tensor in one pass straight into
+    # [T, *local] (RankMajor); every rank's tensors must be the bytes of quantize-then-take, compiled
+    # and eager, with rank r's weight contiguous (written without a staging copy)
+    g = geom(tp, moe_intermediate_size=64, hidden_size=48, num_experts=3, num_attention_heads=8,
+             intermediate_size=256)
+    gen = torch.Generator().manual_seed(tp)
+    for rule, shape in ((EXPERT_GATE_UP, (3, 128, 48)), (EXPERT_DOWN, (3, 48, 64))):
+        e = Entry("x", "y", rule, True)
+        layout = rank_major_layout(e, g)
+        assert layout == RankMajor(rule, tp)
+        w = (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
+        w[0, :, 3] = 0.5  # half-way points after scaling, as in the eager/compiled check above
+        w[0, :, 4] = 0.25
+        int8.quantize_to_layout(w, layout)  # under the kernel's size: eager; creates the kernel
+        kernel = int8._LAYOUT_KERNELS[layout]
+        monkeypatch.setattr(kernel, "min_elements", 0)
+        runs = {"compiled": int8.quantize_to_layout(w, layout)}
+        if kernel.compiled is None:
+            runs.pop("compiled")  # torch.compile unavailable here: the eager path alone
+        monkeypatch.setattr(kernel, "compiled", None)
+        runs["eager"] = int8.quantize_to_layout(w, layout)
+        ref = int8.quantize(w)
+        for how, q in runs.items():
+            assert q.weight.shape == (tp, *rule.local_shape(shape, g, 0)), how
+            for r in range(tp):
+                want = shard(e, ref, g, 0, r)
+                got = shard(e, RankMajorInt8(q.weight, q.scale), g, 0, r)
+                assert got[0].is_contiguous(), how
+                assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(want, got)), (how, rule, r)
+    assert rank_major_layout(Entry("mlp.gate_proj", "mlp.gate_proj.weight", COLUMN, True),
+                             g) is None  # a row/column cut: take() slices each rank
+    bad = torch.zeros(3, 128, 48)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        int8.quantize_to_layout(bad, RankMajor(EXPERT_GATE_UP, tp))
 
 
 def geom(tp, **over):
