@@ -13,6 +13,7 @@ import fnmatch
 import json
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -371,6 +372,40 @@ class Checkpoint:
             return self._handle(info).get_tensor(name)
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor copied out of its file by positioned reads of exactly its bytes, with the
+        kernel's readahead off for that read (``POSIX_FADV_RANDOM``): for the small tensors read
+        back from a file whose pages are not in the page cache (g4's results are written with
+        direct I/O, ``g4.exporters.safetensors_writer``), where a fault on :meth:`get`'s mmap
+        reads a whole readahead window of the neighbouring tensors' bytes from the disk.
+
+        Raises:
+            CheckpointError: unknown name, or a shard that cannot be read or ends early.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
+        data = bytearray(info.nbytes)
+        view = memoryview(data)
+        try:
+            fd = os.open(info.path, os.O_RDONLY)
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_RANDOM)
+                done = 0
+                while done < info.nbytes:
+                    n = os.preadv(fd, [view[done:]], info.offset + done)
+                    if n == 0:
+                        raise OSError(f"ends {info.nbytes - done} bytes before the tensor's end")
+                    done += n
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
 
     def get_finite(self, name: str) -> torch.Tensor:
         """:meth:`get`, refusing NaN/Inf.

@@ -248,20 +248,22 @@ def check_export(out_dir: str | Path, *, label: str | Path | None = None,
 
 
 def _check_values(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
-    """Every scale of every quantized linear finite and > 0 (P04), fused partners sharing theirs."""
+    """Every scale of every quantized linear finite and > 0 (P04), fused partners sharing theirs.
+    Read with :meth:`Checkpoint.read` (exactly the scales' bytes: the result's pages are not in
+    the page cache, and an mmap fault would read the codes around each scale from the disk too)."""
     scalars: dict[str, torch.Tensor] = {}
     for lin in layout.linears:
         for role in lin.roles[2:]:  # weight_scale_2, input_scale
-            v = ckpt.get(lin.name(role))
+            v = ckpt.read(lin.name(role))
             if not (torch.isfinite(v) and v > 0):
                 raise ExportError(f"tensor {lin.name(role)}: {v.item()} is not finite and > 0")
             scalars[lin.name(role)] = v
-        bs = ckpt.get(lin.name(Role.WEIGHT_SCALE)).float()
+        bs = ckpt.read(lin.name(Role.WEIGHT_SCALE)).float()
         if not (torch.isfinite(bs).all() and (bs > 0).all()):
             raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
     for lay in layout.layers:  # FP8 KV cache scales: vLLM divides by them
         for t in lay.kv_scales:
-            v = ckpt.get(t.name)
+            v = ckpt.read(t.name)
             if not (torch.isfinite(v) and v > 0):
                 raise ExportError(f"tensor {t.name}: {v.item()} is not finite and > 0")
     _check_shared(layout, scalars)

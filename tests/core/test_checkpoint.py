@@ -51,6 +51,19 @@ def test_get_rows_gathers_without_full_read(tiny_mm):
     assert torch.equal(ck.get_rows(name, ids), ck.get(name)[ids])
 
 
+def test_read_copies_exactly_the_stored_bytes(tiny_mm, tmp_path):
+    ck = Checkpoint(tiny_mm)
+    for name in ck.tensors:  # every dtype and shape of the model, 0-d scalars included
+        got = ck.read(name)
+        assert got.dtype == ck.tensors[name].dtype and torch.equal(got, ck.get(name)), name
+    dst = shutil.copytree(tiny_mm, tmp_path / "t")
+    short = Checkpoint(dst)
+    name = max(short.tensors, key=lambda n: short.tensors[n].offset)  # the last tensor in the file
+    (dst / "model.safetensors").write_bytes((dst / "model.safetensors").read_bytes()[:-8])  # cut after the check
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: cannot read tensor {name}: ends 8 bytes"):
+        short.read(name)
+
+
 def test_equals_compares_a_stored_tensor_block_by_block(tiny_mm):
     ck = Checkpoint(tiny_mm)
     name = ck.prefix + "embed_tokens.weight"
