@@ -246,8 +246,8 @@ class ShardedSafetensorsWriter:
         total = tensor.numel() * tensor.element_size()
         if first_row:
             offset += first_row * tensor[0].numel() * tensor.element_size()
-        out = _BlockWriter(fd, self._direct_fd(shard_idx) if total >= 2 * DIRECT_BLOCK else None, offset,
-                           self._aligned_buffer() if self._direct else None)
+        direct_fd = self._direct_fd(shard_idx) if total >= 2 * DIRECT_BLOCK else None
+        out = _BlockWriter(fd, direct_fd, offset, self._aligned_buffer() if direct_fd is not None else None)
         if tensor.is_contiguous() or tensor.dim() == 0:
             data = _bytes_of(tensor)
             for b0 in range(0, len(data), COPY_CHUNK_BYTES):  # 16 MiB writes: one huge write() was 2-3x slower (bench)
@@ -379,8 +379,8 @@ class _BlockWriter:
     refused a direct write (EINVAL), after writing those bytes through ``fd``."""
 
     def __init__(self, fd: int, direct_fd: int | None, offset: int, buf: mmap.mmap | None):
-        self.fd, self.direct_fd, self.at = fd, direct_fd if buf is not None else None, offset
-        self.buf, self.view, self.filled, self.ok = buf, memoryview(buf) if buf is not None else None, 0, True
+        self.fd, self.direct_fd, self.at = fd, direct_fd, offset
+        self.view, self.filled, self.ok = memoryview(buf) if buf is not None else None, 0, True
 
     def write(self, data: memoryview) -> None:
         if self.direct_fd is None:
