@@ -25,6 +25,7 @@ import bisect
 import copy
 import functools
 import hashlib
+import mmap
 import os
 import threading
 import weakref
@@ -45,6 +46,11 @@ READ_AHEAD_BYTES = 64 << 20
 # instead of the page-fault-sized ones its mmap makes; the pages wait in the page cache.
 DISK_AHEAD_BYTES = 512 << 20
 WRITE_BEHIND_BYTES = 256 << 20
+# Threads hashing the source files (BackgroundHashes), a file each: with one, the hash of a
+# cold 10-layer synthetic 26B-A4B (19 GB in 4 files) fell behind the int8-neuron conversion it
+# is paced by (its share of 2 cores beside the quantization and the I/O threads) and the
+# conversion then waited 7-12 s for it at the end (bench/bench_convert.py).
+HASH_THREADS = 2
 # Threads writing the outputs (BackgroundWriter): two wrote new file data about 3x faster than
 # one on the 2-core machine here (bench/bench_convert.py measures its I/O floor the same way).
 WRITE_THREADS = 2
@@ -173,8 +179,11 @@ class DiskReadahead:
     (``posix_fadvise(fd, offset, nbytes, POSIX_FADV_WILLNEED)`` on each tensor's byte range, in
     pieces of the device's readahead window, :meth:`FileAdvice.willneed`: asynchronous
     readahead into the page cache, many reads in flight, without mapping), keeping the tensors
-    from the one being read up to ``ahead_bytes`` beyond it asked for. Without
-    ``posix_fadvise`` (not Linux/POSIX) it does nothing.
+    from the one being read up to ``ahead_bytes`` beyond it asked for. The asking is done by a
+    thread of its own: a ``WILLNEED`` call blocks while the disk's queue is full, and asked from
+    the reading thread, the 512 MiB beyond the tensor being read held up the read of that tensor
+    (a cold 10-layer int8-neuron conversion's reader spent 12 of its 31 s in these calls while the
+    layer loop waited 9 s for it). Without ``posix_fadvise`` (not Linux/POSIX) it does nothing.
 
     Args:
         ckpt: the source (its :class:`~g4.core.checkpoint.TensorInfo` paths and offsets).
@@ -186,25 +195,68 @@ class DiskReadahead:
         self._infos = [ckpt.tensors[n] for n in names]
         self._ahead = ahead_bytes
         self._files = FileAdvice()
+        self._cv = threading.Condition()
+        self._reading = -1  # the tensor being read (none yet)
         self._next = 0  # first tensor not yet asked for
-        self._asked = 0  # bytes asked for from tensor `reading` on
+        self._asked = 0  # bytes asked for from tensor `_reading` on
+        self._closed = False
+        self._thread = None
+        if self._files.on:
+            self._thread = threading.Thread(target=self._run, name="g4-readahead", daemon=True)
+            self._thread.start()
+
+    def _wanted(self) -> bool:
+        """Whether tensor ``_next`` is to be asked for now (the lock held)."""
+        return (0 <= self._reading and self._next < len(self._infos)
+                and (self._next <= self._reading + 1 or self._asked < self._ahead))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._wanted())
+                if self._closed:
+                    return
+                k = self._next
+                info = self._infos[k]
+            piece = readahead_piece_bytes(info.path)
+            for at in range(info.offset, info.offset + info.nbytes, piece):
+                if self._closed or not self._files.advise(info.path, at, min(piece, info.offset + info.nbytes - at),
+                                                          os.POSIX_FADV_WILLNEED):
+                    break
+            with self._cv:
+                if self._next == k:  # not skipped by reading() meanwhile
+                    self._next, self._asked = k + 1, self._asked + info.nbytes
+                self._cv.notify_all()
 
     def reading(self, i: int) -> None:
-        """Tensor ``i`` (of ``names``) is read now: ask for the ones after it, up to the budget."""
-        if not self._files.on:
+        """Tensor ``i`` (of ``names``) is read now: returns once it has been asked for; the ones
+        after it are asked for in the background, up to the budget."""
+        if self._thread is None:
             return
-        if i > 0:
-            self._asked -= self._infos[i - 1].nbytes
-        if self._next <= i:
-            self._next, self._asked = i, 0
-        while self._next < len(self._infos) and (self._next <= i + 1 or self._asked < self._ahead):
-            info = self._infos[self._next]
-            self._files.willneed(info.path, info.offset, info.nbytes)
-            self._asked += info.nbytes
-            self._next += 1
+        with self._cv:
+            if i > self._reading:
+                for j in range(max(self._reading, 0), min(i, self._next)):
+                    self._asked -= self._infos[j].nbytes
+                self._reading = i
+                if self._next <= i:  # behind the reads: skip what is read already
+                    self._next, self._asked = i, 0
+                self._cv.notify_all()
+            self._cv.wait_for(lambda: self._closed or self._next > i)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Block until every tensor the budget allows beyond the one being read has been asked
+        for (at most ``timeout`` seconds; for tests and benches)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or not self._wanted(), timeout)
 
     def close(self) -> None:
-        """Close the file descriptors it opened (pages already asked for stay in the page cache)."""
+        """Stop asking (at the next piece), wait for the thread, close the file descriptors it
+        opened (pages already asked for stay in the page cache)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
         self._files.close()
 
 
@@ -555,9 +607,10 @@ def overlapped(ckpt: Checkpoint, reads: Sequence[str], *, write_behind_bytes: in
 
 
 class BackgroundHashes:
-    """Hex sha256 of ``files`` (``{name: path}``), computed in a daemon thread, 16 MiB at a
-    time, while the caller converts: the int8-neuron manifest records its source's hashes, and
-    hashing 51.6 GB after the conversion took as long as a third of it (about 1.5 GB/s).
+    """Hex sha256 of ``files`` (``{name: path}``), computed by ``threads`` daemon threads (a file
+    each, in order), 16 MiB at a time, while the caller converts: the int8-neuron manifest records
+    its source's hashes, and hashing 51.6 GB after the conversion took as long as a third of it
+    (about 1.3 GB/s a core with SHA-NI).
     :meth:`close` stops it at the next 16 MiB (an aborted conversion does not wait for it).
     Same digests as :func:`g4.core.checkpoint.file_sha256`. ``release``: the conversion's
     :class:`SourceRelease` (``hashed=True``), which paces the hash behind the conversion's reads
@@ -565,38 +618,63 @@ class BackgroundHashes:
 
     _CHUNK = 16 << 20
 
-    def __init__(self, files: dict[str, "str | os.PathLike[str]"], release: SourceRelease | None = None):
+    def __init__(self, files: dict[str, "str | os.PathLike[str]"], release: SourceRelease | None = None,
+                 threads: int = HASH_THREADS):
         self._release = release
         self._files = dict(files)
+        self._todo = iter(list(self._files.items()))  # files in order, taken by the threads in turn
+        self._lock = threading.Lock()
         self._digests: dict[str, str] = {}
         self._error: tuple[str, OSError] | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="g4-hash", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"g4-hash-{i}", daemon=True)
+                         for i in range(max(1, min(threads, len(self._files))))]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
-        buf = bytearray(self._CHUNK)
-        view = memoryview(buf)
-        for name, path in self._files.items():
+        while True:
+            with self._lock:
+                name, path = next(self._todo, (None, None))
+            if name is None or self._stop.is_set():
+                return
             h = hashlib.sha256()
             try:
-                with open(path, "rb", buffering=0) as f:  # read, not mapped: mapped pages count as RSS
-                    at = 0
-                    while True:
-                        if self._release is not None:
-                            self._release.wait_hash_room(path, at, self._CHUNK, self._stop)
-                        if not (n := f.readinto(buf)):
-                            break
-                        if self._stop.is_set():
-                            return
-                        h.update(view[:n])
-                        at += n
-                        if self._release is not None:
-                            self._release.hashed_to(path, at)
-            except OSError as e:
-                self._error = (str(path), e)
+                with open(path, "rb", buffering=0) as f:
+                    done = self._hash_file(f, str(path), h)
+            except (OSError, ValueError) as e:  # ValueError: mmap of a file that is not a regular file
+                with self._lock:
+                    if self._error is None:
+                        self._error = (str(path), e if isinstance(e, OSError) else OSError(str(e)))
+                self._stop.set()  # the other threads stop at their next chunk
                 return
-            self._digests[name] = h.hexdigest()
+            if not done:
+                return
+            with self._lock:
+                self._digests[name] = h.hexdigest()
+
+    def _hash_file(self, f, path: str, h) -> bool:
+        """Hash the file ``f`` into ``h``, :attr:`_CHUNK` bytes at a time, each chunk mapped
+        read-only (``MAP_POPULATE``: its pages mapped in one call), hashed straight from the page
+        cache and unmapped: no copy into this process (reading it into a buffer took 25-30% more
+        CPU than the hash itself here, which at 1.3 GB/s, SHA-NI, is the largest CPU cost of an
+        int8-neuron conversion after the quantization), and one chunk mapped at a time, so RSS
+        holds at most one chunk of it. False: stopped by :meth:`close`."""
+        size = os.fstat(f.fileno()).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        at = 0
+        while at < size:
+            n = min(self._CHUNK, size - at)
+            if self._release is not None:
+                self._release.wait_hash_room(path, at, n, self._stop)
+            if self._stop.is_set():
+                return False
+            with mmap.mmap(f.fileno(), n, flags=flags, prot=mmap.PROT_READ, offset=at) as m:
+                h.update(m)
+            at += n
+            if self._release is not None:
+                self._release.hashed_to(path, at)
+        return True
 
     def result(self) -> dict[str, str]:
         """``{name: hex sha256}`` of every file, once all are hashed (waits).
@@ -604,7 +682,8 @@ class BackgroundHashes:
         Raises:
             CheckpointError: a file could not be read (named), or :meth:`close` came first.
         """
-        self._thread.join()
+        for t in self._threads:
+            t.join()
         if self._error is not None:
             path, e = self._error
             raise CheckpointError(f"{path}: cannot read to hash it ({e.strerror or e})")

@@ -15,13 +15,15 @@ from g4.core.errors import CheckpointError
 from g4.convert.pipeline import BackgroundHashes
 
 
-def test_background_hashes_equal_file_sha256(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_background_hashes_equal_file_sha256(tmp_path, threads):
+    """Each file's digest is file_sha256's, whichever thread hashed it (mapped chunk by chunk)."""
     files = {}
     for i, size in enumerate((0, 1, (16 << 20) + 3, 5000)):  # empty, tiny, over one 16 MiB chunk
         path = tmp_path / f"model-{i}.safetensors"
         path.write_bytes(os.urandom(size))
         files[path.name] = path
-    got = BackgroundHashes(files).result()
+    got = BackgroundHashes(files, threads=threads).result()
     assert got == {name: file_sha256(path) for name, path in files.items()}
 
 
@@ -181,7 +183,8 @@ def test_background_writer_threads_write_pieces_at_their_places(tmp_path, monkey
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is POSIX-only")
 def test_the_disk_is_asked_for_each_tensor_once_in_order_within_the_budget(tiny_mm, monkeypatch):
     """DiskReadahead: every tensor's exact byte range (its header offset, its nbytes) advised
-    WILLNEED once, in read order, before it is read, and never more than the budget beyond the
+    WILLNEED once, in read order, before it is read (reading(i) returns once tensor i is asked
+    for; the ones after it are asked for by its thread), and never more than the budget beyond the
     tensor being read (at least the next one); a tensor larger than the kernel's readahead
     window in pieces of that window, which cover it exactly (Linux reads at most one window
     per call); the Prefetcher's reads are unchanged by it."""
@@ -213,6 +216,8 @@ def test_the_disk_is_asked_for_each_tensor_once_in_order_within_the_budget(tiny_
     ahead = DiskReadahead(ckpt, names, budget)
     for i, info in enumerate(infos):
         ahead.reading(i)
+        assert (info.offset, info.nbytes) in merged()  # before reading(i) returns
+        ahead.wait_idle()  # the ones after it, asked for by its thread
         asked = merged()
         assert (info.offset, info.nbytes) in asked  # before it is read
         beyond = sum(n for off, n in asked) - sum(x.nbytes for x in infos[:i + 1])
