@@ -172,9 +172,11 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
 
 
 def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None,
-                   algorithm: str = "max", hessians: LayerHessians | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Output tensors of one layer (``w``: source name -> tensor), in the table's order."""
+                   algorithm: str = "max", hessians: LayerHessians | None = None,
+                   weight_amax: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Output tensors of one layer (``w``: source name -> tensor), in the table's order.
+    ``weight_amax``: source name -> ``max(|w|)`` (per expert for the experts) where known already
+    (:meth:`g4.convert.pipeline.Prefetcher.amax`), else computed here."""
     for t in lay.kept:
         yield t.name, w[t.source]
     kv_amax = {k: v for k, v in (amax or {}).items() if k in KV_AMAX_KEYS.values()}
@@ -206,8 +208,9 @@ def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str,
         qgu = _gptq_experts(w[gate.source], hessians, EXPERT_GATE_UP, lay.index)
         qdn = _gptq_experts(w[down.source], hessians, EXPERT_DOWN, lay.index)
     else:
-        qgu = q.quantize_experts(w[gate.source], method=algorithm)
-        qdn = q.quantize_experts(w[down.source], method=algorithm)
+        known = weight_amax or {}
+        qgu = q.quantize_experts(w[gate.source], method=algorithm, amax=known.get(gate.source))
+        qdn = q.quantize_experts(w[down.source], method=algorithm, amax=known.get(down.source))
     for e, (gate, up, down) in enumerate(lay.experts):
         gate_w, up_w = split_gate_up(qgu.weight[e])
         gate_s, up_s = split_gate_up(qgu.weight_scale[e])
@@ -395,6 +398,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             layer_params = params_in_layer(lay)
             bar.set_postfix_str(f"layer {lay.index}: reading", refresh=False)
             w = {s: reader.get(n) for s, n in lay.sources.items()}
+            # per-expert amax of the experts, from the reading thread's NaN/Inf check
+            src_amax = {n: reader.amax(n) for n in lay.sources.values()}
             amax = hessians = None
             if calibrator is not None:
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
@@ -406,7 +411,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             by_source = {lay.sources[s]: t for s, t in w.items()}
-            for name, t in _produce_layer(lay, by_source, amax, algorithm, hessians):
+            for name, t in _produce_layer(lay, by_source, amax, algorithm, hessians, src_amax):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
                 if layout.by_name[name].linear is not None:  # not kept, not a KV cache scale
@@ -420,7 +425,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
-            del w, by_source, hessians
+            del w, by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from g4.core.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint, finite_amax
 from g4.core.errors import CheckpointError
 
 # Bytes of small source tensors read ahead beyond the next one (Prefetcher), and of outputs
@@ -46,6 +46,9 @@ READ_AHEAD_BYTES = 64 << 20
 # instead of the page-fault-sized ones its mmap makes; the pages wait in the page cache.
 DISK_AHEAD_BYTES = 512 << 20
 WRITE_BEHIND_BYTES = 256 << 20
+# Seconds the Prefetcher's thread waits for room before it releases (SourceRelease.sweep) what
+# the consumer has dropped meanwhile, and waits again.
+_SWEEP_SECONDS = 0.05
 # Threads hashing the source files (BackgroundHashes), a file each: with one, the hash of a
 # cold 10-layer synthetic 26B-A4B (19 GB in 4 files) fell behind the int8-neuron conversion it
 # is paced by (its share of 2 cores beside the quantization and the I/O threads) and the
@@ -70,10 +73,12 @@ class _ByteBudget:
         self.error: BaseException | None = None
         self.cv = threading.Condition()
 
-    def wait_room(self, nbytes: int) -> None:
-        """Block until ``nbytes`` more fit (or nothing waits, nor is held)."""
+    def wait_room(self, nbytes: int, timeout: float | None = None) -> bool:
+        """Block until ``nbytes`` more fit (or nothing waits, nor is held, or an error came), at
+        most ``timeout`` seconds; whether they do."""
         with self.cv:
-            self.cv.wait_for(lambda: self.error is not None or self.bytes == 0 or self.bytes + nbytes <= self.budget)
+            return self.cv.wait_for(lambda: self.error is not None or self.bytes == 0
+                                    or self.bytes + nbytes <= self.budget, timeout)
 
     def put(self, item, nbytes: int, *, held: bool = False) -> None:
         """Queue ``item`` of ``nbytes`` once they fit. ``held``: its bytes count until
@@ -442,6 +447,8 @@ class Prefetcher:
         self._names = list(names)
         self._disk = DiskReadahead(ckpt, self._names, disk_ahead_bytes) if disk_ahead_bytes else None
         self._q = _ByteBudget(budget_bytes)
+        self._amax: dict[str, torch.Tensor] = {}  # set by the reading thread before the tensor is queued
+        self._handed: dict[str, torch.Tensor] = {}  # those of the tensors get() has handed out, until amax()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="g4-read", daemon=True)
         self._thread.start()
@@ -455,13 +462,21 @@ class Prefetcher:
                     self._release.sweep()
                 if self._disk is not None:
                     self._disk.reading(i)  # the disk reads ahead while this waits for room
-                self._q.wait_room(self._ckpt.tensors[name].nbytes)  # room first, then read
+                nbytes = self._ckpt.tensors[name].nbytes
+                # room first, then read; what the consumer dropped meanwhile is released here,
+                # not in its thread (page-cache release took 2.5 s of a 10-layer nvfp4 layer loop)
+                while not self._q.wait_room(nbytes, timeout=_SWEEP_SECONDS):
+                    if self._release is not None:
+                        self._release.sweep()
                 if self._stop:
                     break
-                t = self._ckpt.get_finite(name)  # every byte touched: in the page cache now
+                info = self._ckpt.tensors[name]
+                t = self._ckpt.get(name)
+                # every byte touched (in the page cache now) by the NaN/Inf check, which also
+                # gives the amax the consumer's quantizer needs (amax())
+                self._amax[name] = finite_amax(name, t, where=self._ckpt.root / info.file)
                 self._ckpt.close()
                 if self._release is not None:
-                    info = self._ckpt.tensors[name]
                     self._release.read(info.path, info.offset, info.nbytes)
                 self._q.put((name, t), t.numel() * t.element_size())
             self._q.finish()
@@ -479,8 +494,18 @@ class Prefetcher:
         if self._release is not None:  # its pages are released once the consumer has dropped it
             info = self._ckpt.tensors[name]
             weakref.finalize(item[1], self._release.consumed, info.path, info.offset, info.nbytes).atexit = False
-            self._release.sweep()
+        self._handed[name] = self._amax.pop(name)
         return item[1]
+
+    def amax(self, name: str) -> torch.Tensor:
+        """``max(|t|)`` of tensor ``name`` (fp32; per expert, ``[E]``, for a tensor of 3 or more
+        dimensions: :func:`g4.core.checkpoint.finite_amax`), computed by the reading thread as
+        its NaN/Inf check; once, after :meth:`get` of that tensor.
+
+        Raises:
+            KeyError: ``name`` has not been handed out by :meth:`get`, or its amax was taken.
+        """
+        return self._handed.pop(name)
 
     def close(self) -> None:
         """Stop reading ahead and wait for the thread."""

@@ -489,6 +489,29 @@ def check_finite(name: str, t: torch.Tensor, *, where: Path | str | None = None)
     return t
 
 
+def finite_amax(name: str, t: torch.Tensor, *, where: Path | str | None = None) -> torch.Tensor:
+    """``max(|t|)`` as fp32, refusing NaN/Inf as :func:`check_finite` does (the same one pass,
+    ``aminmax``, which also gives the amax): per index of the leading dimension (fp32 ``[E]``)
+    for a tensor of 3 or more dimensions (experts ``[E, out, in]``: the per-expert amax of
+    NVFP4's per-expert global scales, :func:`g4.quantizers.nvfp4.quantize_experts`), else fp32
+    ``[]``. Exact: the max of bf16/fp16 values is one of them. An integer or empty tensor: 0.
+
+    Raises:
+        CheckpointError: ``[<file>: ]tensor <name>: <n> NaN/Inf value(s) in the source weights``.
+    """
+    experts = t.dim() >= 3
+    parts = list(t) if experts else [t]  # views of each expert
+    amax = torch.zeros(len(parts), dtype=torch.float32)
+    if t.is_floating_point():
+        for i, x in enumerate(parts):
+            if x.numel():
+                lo, hi = torch.aminmax(x)
+                amax[i] = torch.maximum(-lo.float(), hi.float())
+        if not torch.isfinite(amax).all():
+            check_finite(name, t, where=where)  # raises, counting the values
+    return amax if experts else amax[0]
+
+
 # What travels with converted weights (case P14): tokenizer, chat template, generation and
 # processor configs. An allow-list, so stale quantization metadata, other weight formats
 # (.gguf, .bin) or READMEs of the source are never carried into OUT.

@@ -313,7 +313,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple
     return packed, scales
 
 
-def quantize_experts(w: torch.Tensor, *, method: str = "max") -> NVFP4Weight:
+def quantize_experts(w: torch.Tensor, *, method: str = "max", amax: torch.Tensor | None = None) -> NVFP4Weight:
     """:func:`quantize` of every ``w[e]`` with its own global scale ``amax(|w[e]|) / 2688``.
 
     Same bytes as ``quantize(w[e])`` for each e (an all-zero expert gets ``1 / 2688``): one
@@ -324,6 +324,9 @@ def quantize_experts(w: torch.Tensor, *, method: str = "max") -> NVFP4Weight:
         w: ``[E, out, in]`` bf16/fp16/fp32, ``in % 16 == 0`` (e.g. a fused ``gate_up_proj``,
             whose gate and up rows then share their expert's global scale, as vLLM needs).
         method: block scales, ``"max"`` or ``"mse"`` as in :func:`quantize`.
+        amax: fp32 ``[E]``, ``max(|w[e]|)`` of each expert where the caller has it already (the
+            conversion's reading thread computes it as its NaN/Inf check,
+            :func:`g4.core.checkpoint.finite_amax`); None: computed here (:func:`weight_amax`).
 
     Returns:
         :class:`NVFP4Weight` with ``weight`` uint8 ``[E, out, in/2]``, ``weight_scale``
@@ -337,7 +340,11 @@ def quantize_experts(w: torch.Tensor, *, method: str = "max") -> NVFP4Weight:
     n_exp, out_features, in_features = w.shape
     # one whole-tensor aminmax per expert: torch's aminmax(dim=1) over [E, out*in] runs 6-7x
     # slower on the CPU (526 vs 78 ms for a 26B-A4B gate_up layer [128, 1408, 2816], 2 threads)
-    g = torch.stack([weight_amax(w[e]) for e in range(n_exp)]) / NVFP4_SCALE_DENOM
+    if amax is None:
+        amax = torch.stack([weight_amax(w[e]) for e in range(n_exp)])
+    elif amax.shape != (n_exp,):
+        raise ValueError(f"NVFP4 experts: amax of shape {tuple(amax.shape)} for {n_exp} experts")
+    g = amax.float() / NVFP4_SCALE_DENOM
     g = torch.where(g == 0, global_scale_from_amax(1.0), g)
     packed = torch.empty(n_exp, out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(n_exp, out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from g4.core.checkpoint import file_sha256
 from g4.core.errors import CheckpointError
@@ -367,3 +368,25 @@ def test_an_nvfp4_conversion_releases_every_source_tensor_it_reads(tmp_path, mon
     a, b = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b")
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert set(a.tensors) == set(b.tensors)
+
+
+def test_the_reader_hands_out_each_tensors_amax_once(tiny_mm):
+    """Prefetcher.amax: the reading thread's NaN/Inf check gives each tensor's max |t| (per
+    expert for 3-D experts), taken once after its get; asking again, or before the get, fails."""
+    from g4.core.checkpoint import Checkpoint, finite_amax
+    from g4.convert.pipeline import Prefetcher
+
+    ckpt = Checkpoint(tiny_mm)
+    names = [n for n in ckpt.tensors if ".layers.0." in n]
+    assert any(ckpt.tensors[n].shape.__len__() == 3 for n in names)  # experts among them
+    reader = Prefetcher(ckpt, names, budget_bytes=1 << 20)
+    with pytest.raises(KeyError):
+        reader.amax(names[0])  # not handed out yet
+    for n in names:
+        t = reader.get(n)
+        got = reader.amax(n)
+        assert torch.equal(got, finite_amax(n, ckpt.get(n)))
+        assert got.shape == ((t.shape[0],) if t.dim() >= 3 else ())
+        with pytest.raises(KeyError):
+            reader.amax(n)
+    reader.close()

@@ -173,3 +173,23 @@ def test_a_single_file_beside_an_index_of_other_shards_is_refused(sharded, tiny_
     (one / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
     assert set(Checkpoint(one).tensors) == set(names)
+
+
+def test_finite_amax_is_per_expert_and_refuses_nan_and_inf_naming_the_tensor():
+    """finite_amax: max |t| as fp32, per leading index for 3-D experts, a scalar otherwise,
+    equal to the quantizers' weight_amax; NaN or Inf anywhere raises check_finite's error."""
+    from g4.core.checkpoint import finite_amax
+    from g4.quantizers.nvfp4 import weight_amax
+
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randn(3, 8, 16, generator=g).bfloat16()
+    got = finite_amax("e", experts)
+    assert got.shape == (3,) and torch.equal(got, torch.stack([weight_amax(x) for x in experts]))
+    dense = torch.randn(8, 16, generator=g).half()
+    assert finite_amax("d", dense).shape == () and finite_amax("d", dense) == weight_amax(dense)
+    assert finite_amax("z", torch.zeros(2, 0, 4)).tolist() == [0.0, 0.0]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = experts.clone()
+        x[2, 3, 4] = bad
+        with pytest.raises(CheckpointError, match=r"^f\.safetensors: tensor e: 1 NaN/Inf value\(s\) in the source weights"):
+            finite_amax("e", x, where="f.safetensors")

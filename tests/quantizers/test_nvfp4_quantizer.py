@@ -127,6 +127,23 @@ def test_experts_in_one_call_match_one_by_one(mode):
         assert torch.equal(batched.weight_scale_2[e], one.weight_scale_2)
 
 
+def test_experts_with_a_given_amax_are_the_same_bytes(mode):
+    """quantize_experts(amax=...) (the conversion's reading thread computes it,
+    g4.core.checkpoint.finite_amax) gives the bytes it computes itself; a wrong shape is refused."""
+    from g4.core.checkpoint import finite_amax
+
+    w = (torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    w[1] = 0
+    w[3, 5, 7] = -3.0  # the amax is a negative value's magnitude
+    amax = finite_amax("w", w)
+    assert amax.dtype == torch.float32 and amax.shape == (4,) and amax[3] == 3.0 and amax[1] == 0
+    own, given = q.quantize_experts(w), q.quantize_experts(w, amax=amax)
+    assert torch.equal(own.weight, given.weight) and torch.equal(own.weight_scale_2, given.weight_scale_2)
+    assert torch.equal(own.weight_scale.view(torch.uint8), given.weight_scale.view(torch.uint8))
+    with pytest.raises(ValueError, match="amax of shape"):
+        q.quantize_experts(w, amax=amax[:3])
+
+
 def test_a_failing_compiled_kernel_falls_back_to_the_eager_bytes(monkeypatch, caplog):
     """A compiled kernel that fails to run (no C compiler, a codegen error) is dropped with one
     warning, and the same call gives the eager path's bytes."""
