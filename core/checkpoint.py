@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -383,24 +384,51 @@ class Checkpoint:
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
         """
-        info = self.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
-        data = bytearray(info.nbytes)
-        view = memoryview(data)
-        try:
-            fd = os.open(info.path, os.O_RDONLY)
+        return self.read_many([name])[name]
+
+    def read_many(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """:meth:`read` of several tensors, ``{name: tensor}``: each shard opened once, its
+        readahead off, and its tensors read in file order (an NVFP4 result's export check reads
+        three scales per linear, 11,700 small tensors for a 10-layer 26B-A4B: one open, advice
+        and close each took 6 of its 46 s).
+
+        Raises:
+            CheckpointError: unknown name, or a shard that cannot be read or ends early.
+        """
+        by_path: dict[Path, list[tuple[int, str, TensorInfo]]] = {}
+        for name in names:
+            info = self.tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
+            by_path.setdefault(info.path, []).append((info.offset, name, info))
+        out: dict[str, torch.Tensor] = {}
+        for path, items in by_path.items():
+            items.sort(key=lambda x: x[0])
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                name, info = items[0][1], items[0][2]
+                raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
             try:
                 if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, info.offset, info.nbytes, os.POSIX_FADV_RANDOM)
-                done = 0
-                while done < info.nbytes:
-                    n = os.preadv(fd, [view[done:]], info.offset + done)
-                    if n == 0:
-                        raise OSError(f"ends {info.nbytes - done} bytes before the tensor's end")
-                    done += n
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                for _, name, info in items:
+                    out[name] = self._pread(fd, name, info)
             finally:
                 os.close(fd)
+        return out
+
+    def _pread(self, fd: int, name: str, info: TensorInfo) -> torch.Tensor:
+        """Tensor ``name`` read from the open shard ``fd`` (exactly its bytes)."""
+        data = bytearray(info.nbytes)
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < info.nbytes:
+                n = os.preadv(fd, [view[done:]], info.offset + done)
+                if n == 0:
+                    raise OSError(f"ends {info.nbytes - done} bytes before the tensor's end")
+                done += n
         except OSError as e:
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
         if not info.nbytes:

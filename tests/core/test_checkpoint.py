@@ -64,6 +64,30 @@ def test_read_copies_exactly_the_stored_bytes(tiny_mm, tmp_path):
         short.read(name)
 
 
+def test_read_many_reads_every_shard_once_in_file_order(tiny_mm, tmp_path, monkeypatch):
+    """read_many: the bytes of read() for tensors of several shards, given in any order, each
+    shard opened once and read in file order; an unknown name is named."""
+    import os
+
+    src = shard_copy(tiny_mm, tmp_path / "sharded", 200_000)
+    ck = Checkpoint(src)
+    names = sorted(ck.tensors, reverse=True)
+    assert len({ck.tensors[n].path for n in names}) > 1
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **kw: opened.append(str(p)) or real_open(p, *a, **kw))
+    got = ck.read_many(names)
+    assert sorted(opened) == sorted({str(ck.tensors[n].path) for n in names})  # each shard once
+    monkeypatch.undo()
+    for path in set(opened):  # within a shard, in file order
+        offsets = [ck.tensors[n].offset for n in got if str(ck.tensors[n].path) == path]
+        assert offsets == sorted(offsets)
+    for n in names:
+        assert got[n].dtype == ck.tensors[n].dtype and torch.equal(got[n], ck.get(n)), n
+    with pytest.raises(CheckpointError, match="tensor nope is not in the checkpoint"):
+        ck.read_many([names[0], "nope"])
+
+
 def test_equals_compares_a_stored_tensor_block_by_block(tiny_mm):
     ck = Checkpoint(tiny_mm)
     name = ck.prefix + "embed_tokens.weight"
