@@ -389,8 +389,8 @@ class Checkpoint:
     def read_many(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """:meth:`read` of several tensors, ``{name: tensor}``: each shard opened once, its
         readahead off, and its tensors read in file order (an NVFP4 result's export check reads
-        three scales per linear, 11,700 small tensors for a 10-layer 26B-A4B: one open, advice
-        and close each took 6 of its 46 s).
+        three scales per linear, 11,700 small tensors for a 10-layer 26B-A4B: with an open,
+        advice and close each, its conversion took 44.2 s against 42.7 s, A/B).
 
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
