@@ -430,7 +430,11 @@ class Prefetcher:
         disk_ahead_bytes: bytes the disk is asked to read ahead of the reads
             (:class:`DiskReadahead`; 0: none), held in the page cache, not in this process.
         release: told of each tensor handed out once the consumer has dropped it
-            (:class:`SourceRelease`, swept before each read); None: nothing released.
+            (:class:`SourceRelease`, swept by the reading thread before each read and while it
+            waits for room); None: nothing released.
+
+    Each tensor's NaN/Inf check is done by the reading thread, whose amax :meth:`amax` hands out
+    (kept until taken, or until the Prefetcher is dropped).
 
     Raises (from :meth:`get`): whatever reading raised (CheckpointError for NaN/Inf or a bad shard).
     """
