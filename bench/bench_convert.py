@@ -6,7 +6,8 @@ int8-neuron), projected real-model size, and peak RSS against the bound
     python bench/bench_convert.py [--layers 2] [--format nvfp4|int8-neuron] [--tp 2]
                                   [--work bench/_work] [--calib-samples 32]
 
-The synthetic source is made once with `g4convert synth` and reused. The conversion
+The synthetic source is made once with `g4convert synth` and reused; the converted result is
+removed once measured (``--keep-output`` keeps it). The conversion
 runs in a child process so its peak RSS (ru_maxrss of that process) is its own.
 
 The I/O floor is measured in the same run, right after the conversion: read every source
@@ -207,10 +208,12 @@ def main() -> None:
                     help="the source's page-cache state at the start of each timed phase (module docstring)")
     ap.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
                     help="rest after the page cache is settled, before each timed phase (SETTLE_SECONDS)")
+    ap.add_argument("--keep-output", action="store_true",
+                    help="keep the converted result in --work (by default it is removed once measured: "
+                         "7-12 GB each at 10 layers)")
     ap.add_argument("--write-threads", type=int, default=None,
                     help="threads writing the floor's bytes (default: g4.convert.pipeline.WRITE_THREADS)")
     args = ap.parse_args()
-    from g4.core.checkpoint import Checkpoint
     from g4.convert.synth import synthetic_config, synthetic_specs
 
     src = args.work / f"synth-26b-{args.layers}L"
@@ -273,6 +276,18 @@ def main() -> None:
                       "source_left_in_page_cache_GB": None if left_cached is None else round(left_cached / 1e9, 3),
                       "projected_real_26B_seconds": round(seconds * real_in / bytes_in),
                       "projected_real_26B_io_floor_seconds": round(floor * real_in / bytes_in)}, indent=2))
+    try:
+        _print_sizes(args, src, out, seconds, bytes_in, bytes_out, rss)
+    finally:
+        if not args.keep_output:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _print_sizes(args, src: Path, out: Path, seconds: float, bytes_in: float, bytes_out: float, rss: float) -> None:
+    """The sizes in and out, the projection to the real 26B and peak RSS against its bound."""
+    from g4.core.checkpoint import Checkpoint
+    from g4.convert.synth import synthetic_config, synthetic_specs
+
     if args.format == "int8-neuron":
         print(json.dumps({"layers": args.layers, "tp": args.tp, "seconds_total": round(seconds, 1),
                           "bytes_per_rank_GB": round(bytes_out / 1e9, 3),

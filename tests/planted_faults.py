@@ -155,14 +155,14 @@ FAULTS: tuple[Fault, ...] = (
         "        return x.view(n_exp, 2, tp, two_i // 2 // tp, x_dim).flip(1).permute(2, 0, 4, 1, 3)")),
     # ---- NVFP4 (what vLLM loads)
     _f("e2m1-nibble-swap", "the odd element of each pair in the low nibble (modelopt: the even one)", "vllm",
-       ("quantizers/nvfp4.py", "    return (codes[..., 0] + codes[..., 1] * 16).to(torch.uint8)",
-        "    return (codes[..., 1] + codes[..., 0] * 16).to(torch.uint8)")),
+       ("quantizers/nvfp4.py", "    return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)",
+        "    return (((pairs >> 8) & 0xF) | ((pairs << 4) & 0xF0)).to(torch.uint8)")),
     _f("scale-key-renamed", "the global scale written as weight_scale2 (modelopt: weight_scale_2)", "vllm",
        ("exporters/nvfp4_names.py", '    WEIGHT_SCALE_2 = "weight_scale_2"', '    WEIGHT_SCALE_2 = "weight_scale2"')),
     _f("expert-gate-up-unshared", "each expert's gate and up quantized with their own global scale "
        "(vLLM keeps one for the fused w13)", "vllm",
-       ("convert/nvfp4.py", "        qgu = q.quantize_experts(w[gate.source], method=algorithm)\n",
-        "        qgu = q.quantize_experts(w[gate.source], method=algorithm)\n"
+       ("convert/nvfp4.py", "        qgu = q.quantize_experts(w[gate.source], method=algorithm, amax=known.get(gate.source))\n",
+        "        qgu = q.quantize_experts(w[gate.source], method=algorithm, amax=known.get(gate.source))\n"
         "        qg, qu = (q.quantize_experts(h.contiguous(), method=algorithm) for h in split_gate_up(w[gate.source]))\n"),
        ("convert/nvfp4.py",
         "        yield from _named(gate, (gate_w, gate_s, qgu.weight_scale_2[e].clone(), in_gu))\n"
