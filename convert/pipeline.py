@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -142,7 +142,8 @@ class FileAdvice:
         except OSError:
             return False
 
-    def willneed(self, path: "str | os.PathLike[str]", offset: int, nbytes: int) -> None:
+    def willneed(self, path: "str | os.PathLike[str]", offset: int, nbytes: int,
+                 stop: Callable[[], bool] | None = None) -> None:
         """``POSIX_FADV_WILLNEED`` on ``nbytes`` at ``offset`` of ``path``, in pieces of
         :func:`readahead_piece_bytes`: Linux reads at most the device's readahead window per
         call (``force_page_cache_ra`` in ``mm/readahead.c`` caps it at the larger of the
@@ -150,7 +151,8 @@ class FileAdvice:
         tensor read 8 MiB of it here, and 128 calls of 8 MiB read all of it in 0.2 s of calls."""
         piece = readahead_piece_bytes(path)
         end = offset + nbytes
-        while offset < end and self.advise(path, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED):
+        while (offset < end and not (stop is not None and stop())
+               and self.advise(path, offset, min(piece, end - offset), os.POSIX_FADV_WILLNEED)):
             offset += piece
 
     def close(self) -> None:
@@ -223,11 +225,7 @@ class DiskReadahead:
                     return
                 k = self._next
                 info = self._infos[k]
-            piece = readahead_piece_bytes(info.path)
-            for at in range(info.offset, info.offset + info.nbytes, piece):
-                if self._closed or not self._files.advise(info.path, at, min(piece, info.offset + info.nbytes - at),
-                                                          os.POSIX_FADV_WILLNEED):
-                    break
+            self._files.willneed(info.path, info.offset, info.nbytes, stop=lambda: self._closed)
             with self._cv:
                 if self._next == k:  # not skipped by reading() meanwhile
                     self._next, self._asked = k + 1, self._asked + info.nbytes

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.core.gemma4 import MULTIMODAL_PREFIX, TEXT_PREFIX, Architecture, read_architecture, release_config
+from g4.quantizers.nvfp4 import weight_amax  # the one definition of a weight's amax
 
 SRC_FORMS = "a local checkpoint directory, 'embedded', or a Hub repo id owner/name[@revision]"
 """What SRC may be (g4.convert.resolve resolves it), for the messages that name it."""
@@ -533,8 +534,7 @@ def finite_amax(name: str, t: torch.Tensor, *, where: Path | str | None = None) 
     if t.is_floating_point():
         for i, x in enumerate(parts):
             if x.numel():
-                lo, hi = torch.aminmax(x)
-                amax[i] = torch.maximum(-lo.float(), hi.float())
+                amax[i] = weight_amax(x)
         if not torch.isfinite(amax).all():
             check_finite(name, t, where=where)  # raises, counting the values
     return amax if experts else amax[0]
