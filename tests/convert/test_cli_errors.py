@@ -63,6 +63,18 @@ def test_an_unknown_hidden_activation_is_one_error_line_on_every_command(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
+def test_gemma4s_activation_is_one_transformers_computes():
+    """read_architecture takes HIDDEN_ACTIVATION without importing transformers (the conversion's
+    start): it must be one transformers' ACT2CLS has, and the one transformers' Gemma 4 config uses."""
+    from transformers import Gemma4TextConfig
+    from transformers.activations import ACT2CLS
+
+    from g4.core.gemma4 import HIDDEN_ACTIVATION
+
+    assert HIDDEN_ACTIVATION in ACT2CLS
+    assert Gemma4TextConfig().hidden_activation == HIDDEN_ACTIVATION
+
+
 _one_error_line = one_error_line
 
 
