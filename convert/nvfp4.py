@@ -335,6 +335,8 @@ def convert_nvfp4(
     specs = output_specs(layout)
 
     _log_tensor_kinds(ckpt, layout)
+    # the kernels compiled while the kept tensors and the first layer are read, not after
+    q.warm(_kernel_shapes(ckpt, layout), "mse" if algorithm == "gptq" else algorithm)
     calibrator, calib_tokens = None, 0
     if calibrate:
         calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
@@ -428,6 +430,20 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             del w, by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
+
+
+def _kernel_shapes(ckpt: Checkpoint, layout: Nvfp4Layout) -> list[tuple[int, int, torch.dtype]]:
+    """``(out, in, dtype)`` of every 2-D weight the NVFP4 kernel is given (a dense linear, one
+    expert of an experts tensor), in the order the layer loop quantizes them."""
+    shapes = []
+    for lay in layout.layers:
+        for group in lay.groups:
+            shapes += [(lin.out_features, lin.in_features, ckpt.tensors[lin.source].dtype) for lin in group]
+        if lay.experts:
+            for lin in (lay.experts[0][0], lay.experts[0][2]):  # gate (the fused gate_up), down
+                info = ckpt.tensors[lin.source]
+                shapes.append((*info.shape[-2:], info.dtype))
+    return shapes
 
 
 def params_in_layer(lay: LayerLayout) -> int:

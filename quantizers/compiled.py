@@ -6,13 +6,19 @@ caller marks the rows dynamic). It is not used for tensors under ``min_elements`
 for small test models), when the ``eager_env`` variable is set to anything but ``0``, or once
 a compile or run has failed (no C compiler, a codegen error): the caller's eager path then
 gives the same bytes, which the quantizers' tests check.
+
+A conversion can compile its kernels in the background while it reads (:meth:`CompiledKernel.warm`):
+in a fresh process the first compile costs seconds even with inductor's on-disk cache (importing
+dynamo and inductor, inductor's probe of the CPU's vector instructions, which runs child processes,
+and loading each width's compiled code), time the conversion's reads of its first tensors can cover.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -38,19 +44,55 @@ class CompiledKernel:
     def __init__(self, fn: Callable, *, eager_env: str, label: str, min_elements: int = 1 << 20):
         self.fn, self.eager_env, self.label, self.min_elements = fn, eager_env, label, min_elements
         self.compiled = _UNSET
+        self._lock = threading.Lock()  # the first for_size() call may come from two threads (warm())
+        self._warming: threading.Thread | None = None
 
     def for_size(self, numel: int) -> Callable | None:
-        """The compiled kernel for a tensor of ``numel`` elements, or None for the eager path."""
+        """The compiled kernel for a tensor of ``numel`` elements, or None for the eager path;
+        waits for a :meth:`warm` thread to finish first."""
         if numel < self.min_elements:
             return None
-        if self.compiled is _UNSET:
-            self.compiled = None
-            if os.environ.get(self.eager_env, "") in ("", "0"):
-                try:
-                    self.compiled = torch.compile(self.fn, dynamic=False)
-                except Exception as e:  # noqa: BLE001 - torch.compile raises many types
-                    log.warning("%s: torch.compile unavailable (%s); using the eager quantizer", self.label, e)
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()
+            self._warming = None
+        with self._lock:
+            if self.compiled is _UNSET:
+                compiled = None
+                if os.environ.get(self.eager_env, "") in ("", "0"):
+                    try:
+                        compiled = torch.compile(self.fn, dynamic=False)
+                    except Exception as e:  # noqa: BLE001 - torch.compile raises many types
+                        log.warning("%s: torch.compile unavailable (%s); using the eager quantizer", self.label, e)
+                self.compiled = compiled
         return self.compiled
+
+    def warm(self, examples: Iterable[tuple]) -> threading.Thread | None:
+        """Compile the kernel for each argument tuple of ``examples`` (small tensors of the real
+        inputs' dtypes, static sizes and dynamic marks, so the real calls find the compiled code
+        by its guards) by running it once on them, in order, in a daemon thread; returns the
+        thread (join it to wait), or None where the kernel is not compiled (``eager_env`` set, no
+        ``torch.compile``). ``examples`` is iterated in that thread (a generator can build its
+        tensors there: marking a dimension dynamic imports dynamo, seconds of the caller's time). A failure there is left to the real call, which then falls back to the
+        eager path (:meth:`disable`). The first real call (:meth:`for_size`) waits for the thread:
+        called while dynamo compiles the same function in another thread, it waited for that
+        compile and then traced and compiled again (``torch._dynamo.convert_frame``)."""
+        if os.environ.get(self.eager_env, "") not in ("", "0") or self.compiled is None:
+            return None
+
+        def run() -> None:
+            for args in examples:
+                try:
+                    if (fused := self.for_size(self.min_elements)) is None:
+                        return
+                    fused(*args)
+                except Exception as e:  # noqa: BLE001 - the real call meets it again and falls back
+                    log.debug("%s: warming the compiled kernel failed (%s)", self.label, e)
+                    return
+
+        thread = self._warming = threading.Thread(target=run, name=f"g4-compile-{self.label}", daemon=True)
+        thread.start()
+        return thread
 
     def disable(self, e: Exception) -> None:
         """After a failed compile or run: log it once and use the eager path from now on."""

@@ -16,7 +16,8 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,28 @@ def quantize(w: torch.Tensor) -> Int8Weight:
             if not torch.isfinite(scale[r0 : r0 + rows]).all():
                 raise ValueError("int8 quantization: weight holds NaN/Inf")
     return Int8Weight(q.reshape(w.shape), scale.reshape(*w.shape[:-1], 1))
+
+
+def warm(shapes: Iterable[tuple[int, int, torch.dtype]]) -> threading.Thread | None:
+    """Compile, in a background thread, the kernel :func:`quantize` will run on weights of each
+    ``(rows, in, dtype)`` of ``shapes`` (rows: the product of the leading dimensions; in the order
+    of first use): one compile per input width and dtype, for the shapes the kernel is used for,
+    on a few rows of zeros marked dynamic as :func:`quantize` marks them (as
+    :func:`g4.quantizers.nvfp4.warm`). :func:`quantize_to_layout`'s kernels are static in every
+    dimension and are compiled on first use. Returns the thread, or None; the bytes are the same."""
+    widths = list(dict.fromkeys((k, dtype) for rows, k, dtype in shapes if rows * k >= KERNEL.min_elements))
+
+    def examples() -> Iterator[tuple[torch.Tensor]]:  # run in the thread: marking imports dynamo
+        for k, dtype in widths:
+            x = torch.zeros(_WARM_ROWS, k, dtype=dtype)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            yield (x,)
+
+    return KERNEL.warm(examples()) if widths else None
+
+
+# Rows of the zeros warm() compiles on (dynamic: 0 and 1 would be specialised).
+_WARM_ROWS = 64
 
 
 # One compiled kernel per layout given to quantize_to_layout (the layout is its key).

@@ -26,6 +26,8 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +171,7 @@ def _pack_codes(x: torch.Tensor, s8: torch.Tensor, g: torch.Tensor) -> torch.Ten
 # _pack_codes replaced, in the same session).
 # Static in the input dimension (a dynamic one loses the vectorization, 4x slower) and
 # dynamic in the rows, so one compile per input width (a few seconds with inductor's
-# on-disk cache, up to ~30 s without). Tensors under 1M elements stay eager (no
+# on-disk cache, up to ~30 s without; for most widths one in all, :data:`_MAX_FOLD`). Tensors under 1M elements stay eager (no
 # compile for small test models). G4_NVFP4_EAGER=1, or any compile or run failure (no C
 # compiler), uses the eager chunks, which give the same bytes (tests/quantizers/test_nvfp4_quantizer.py
 # checks both against modelopt); see g4.quantizers.compiled.
@@ -293,6 +295,25 @@ def quantize(
     return NVFP4Weight(packed, scales, g.clone())
 
 
+# The max kernel is given every weight as ``[blocks / 4, 4, 16]`` where the blocks of a row are a
+# multiple of 4 (every Gemma 4 width: 2816, 4096, 8192, 2112, 704), so one compiled graph serves
+# every width (a compile is 0.25-0.4 s even from inductor's cache, and a conversion's kernels are
+# compiled before its layer loop can start); its arithmetic is per 16-element block, so the bytes
+# are the same. The 26B-A4B gate_up layer ran at 581 Melem/s so against 585 in the rows' own
+# shape (2 threads, 2026-12-06). The mse kernel keeps the rows' shape: folded, inductor's code
+# for its 33-scale search ran 20-50x slower.
+_MAX_FOLD = 4
+
+
+def _kernel_blocks(blocks: torch.Tensor, method: str) -> torch.Tensor:
+    """The view of ``blocks`` ``[rows, n, 16]`` that ``method``'s compiled kernel is given (its
+    static sizes pick the compiled graph): ``[rows * n / 4, 4, 16]`` for ``max`` where ``n % 4 == 0``
+    (:data:`_MAX_FOLD`), else ``blocks``."""
+    if method == "max" and blocks.shape[1] % _MAX_FOLD == 0:
+        return blocks.reshape(-1, _MAX_FOLD, BLOCK_SIZE)
+    return blocks
+
+
 def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and block scales of ``w`` ``[rows, in]`` under ``g`` (``[]``, > 0)."""
     kernel, eager = _KERNELS[method]
@@ -301,8 +322,10 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple
     fused = kernel.for_size(w.numel())
     if fused is not None:
         try:
-            torch._dynamo.maybe_mark_dynamic(blocks, 0)
-            return fused(blocks, g)
+            given = _kernel_blocks(blocks, method)
+            torch._dynamo.maybe_mark_dynamic(given, 0)
+            packed, scales = fused(given, g)
+            return packed.view(out_features, in_features // 2), scales.view(out_features, in_features // BLOCK_SIZE)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
             kernel.disable(e)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
@@ -311,6 +334,38 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple
     for r0 in range(0, out_features, rows):
         packed[r0 : r0 + rows], scales[r0 : r0 + rows] = eager(blocks[r0 : r0 + rows], g)
     return packed, scales
+
+
+def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") -> threading.Thread | None:
+    """Compile, in a background thread, the kernel that :func:`quantize` / :func:`quantize_experts`
+    with ``method`` will run on 2-D weights (one expert's for the experts) of each ``(out, in, dtype)``
+    in ``shapes`` (in the order of first use): one compile per input width (max: per
+    :func:`_kernel_blocks` view, one for most widths) and dtype, for the
+    shapes the kernel is used for (:class:`g4.quantizers.compiled.CompiledKernel`, ``min_elements``),
+    on a few rows of zeros marked dynamic as the real call marks them. Returns the thread, or None
+    (:meth:`~g4.quantizers.compiled.CompiledKernel.warm`). The bytes are the same with or without it.
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method not in _KERNELS:
+        raise ValueError(f"unknown NVFP4 block-scale method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
+    kernel = _KERNELS[method][0]
+    given = list(dict.fromkeys((_kernel_blocks(torch.empty(0, k // BLOCK_SIZE, BLOCK_SIZE), method).shape[1], dtype)
+                               for out, k, dtype in shapes
+                               if out * k >= kernel.min_elements and k % BLOCK_SIZE == 0))
+
+    def examples() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # run in the thread: marking imports dynamo
+        for n, dtype in given:
+            blocks = torch.zeros(_WARM_ROWS, n, BLOCK_SIZE, dtype=dtype)
+            torch._dynamo.maybe_mark_dynamic(blocks, 0)
+            yield blocks, torch.ones((), dtype=torch.float32)
+
+    return kernel.warm(examples()) if given else None
+
+
+# Rows of the zeros warm() compiles on (dynamic: 0 and 1 would be specialised).
+_WARM_ROWS = 64
 
 
 def quantize_experts(w: torch.Tensor, *, method: str = "max", amax: torch.Tensor | None = None) -> NVFP4Weight:
