@@ -127,6 +127,7 @@ class FileAdvice:
 
     def __init__(self):
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # any thread may advise
         self.on = hasattr(os, "posix_fadvise")
 
     def advise(self, path: "str | os.PathLike[str]", offset: int, nbytes: int, advice: int) -> bool:
@@ -134,9 +135,10 @@ class FileAdvice:
         if not self.on or nbytes <= 0:
             return False
         try:
-            fd = self._fds.get(str(path))
-            if fd is None:
-                fd = self._fds[str(path)] = os.open(path, os.O_RDONLY)
+            with self._lock:
+                fd = self._fds.get(str(path))
+                if fd is None:
+                    fd = self._fds[str(path)] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, offset, nbytes, advice)
             return True
         except OSError:
@@ -156,9 +158,10 @@ class FileAdvice:
             offset += piece
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def readahead_piece_bytes(path: "str | os.PathLike[str]") -> int:
@@ -537,6 +540,7 @@ class BackgroundWriter:
     def __init__(self, budget_bytes: int, threads: int = WRITE_THREADS, on_written=None,
                  release: SourceRelease | None = None):
         self._release = release
+        self._advice = FileAdvice()  # for copy(check=...)
         self._q = _ByteBudget(budget_bytes)
         self._on_written = on_written
         self._threads = [threading.Thread(target=self._run, name=f"g4-write-{i}", daemon=True) for i in range(threads)]
@@ -572,13 +576,18 @@ class BackgroundWriter:
             n = piece.numel() * piece.element_size()
             self._q.put((writer.put, (slot, piece, r0), n, n), n, held=True)
 
-    def copy(self, writer, name: str, source, *, release: bool = True) -> None:
+    def copy(self, writer, name: str, source, *, release: bool = True,
+             check: Callable[[int, int], None] | None = None) -> None:
         """Queue planned tensor ``name`` of ``writer`` as a copy of the stored bytes of source
         tensor ``source`` (a ``TensorInfo``: path, offset, dtype, shape), ahead of its turn
         (``ShardedSafetensorsWriter.claim_early``, ``copy_in``): for a tensor kept exactly as
         stored, written while the layers are still being quantized; it takes no RAM. ``release``:
         tell the writer's :class:`SourceRelease` the copied range is done with (False when the
-        same bytes are read again later, or they would come from the disk twice).
+        same bytes are read again later, or they would come from the disk twice). ``check``: called
+        as ``check(first_byte, nbytes)`` in the writing thread before each piece is copied, with the
+        disk asked for the piece first (``POSIX_FADV_WILLNEED``), e.g. the NaN/Inf check of the
+        source bytes (:meth:`g4.core.checkpoint.Checkpoint.check_finite_part`): the piece is then
+        read from the disk once, for both; what it raises comes back as any writing error does.
 
         Raises:
             ExportError: ``name`` is not planned, already claimed, or planned in another dtype/shape.
@@ -591,9 +600,13 @@ class BackgroundWriter:
             self._release.plan(source.path, source.offset, source.nbytes)
         for b0 in range(0, max(source.nbytes, 1), WRITE_PIECE_BYTES):
             n = min(WRITE_PIECE_BYTES, source.nbytes - b0)
-            self._q.put((self._copy_piece, (writer, slot, source, b0, n, release), 0, n), 0)
+            self._q.put((self._copy_piece, (writer, slot, source, b0, n, release, check), 0, n), 0)
 
-    def _copy_piece(self, writer, slot, source, b0: int, n: int, release: bool) -> None:
+    def _copy_piece(self, writer, slot, source, b0: int, n: int, release: bool,
+                    check: Callable[[int, int], None] | None = None) -> None:
+        if check is not None:
+            self._advice.willneed(source.path, source.offset + b0, n)  # large reads, not page faults
+            check(b0, n)
         writer.copy_in(slot, source.path, source.offset, b0, n)
         if self._release is not None:
             self._release.read(source.path, source.offset + b0, n)
@@ -605,6 +618,7 @@ class BackgroundWriter:
         self._q.finish()
         for t in self._threads:
             t.join()
+        self._advice.close()
         if self._q.error is not None:
             raise self._q.error
 

@@ -444,6 +444,32 @@ class Checkpoint:
         """
         return check_finite(name, self.get(name), where=self.root / self.tensors[name].file)
 
+    def check_finite_part(self, name: str, first_byte: int, nbytes: int) -> None:
+        """:func:`check_finite` of the stored bytes ``[first_byte, first_byte + nbytes)`` of tensor
+        ``name`` (whole elements; e.g. a piece the conversion's writer copies,
+        ``g4.convert.pipeline.BackgroundWriter.copy``), read through a view of the shard's mmap
+        (no copy; the shard's open handle, as :meth:`get`: opening one per call took 15 ms for a
+        synthetic 26B-A4B shard, and any thread may call this); a part that holds NaN/Inf is
+        reported with the count of the whole tensor, as :meth:`get_finite` does.
+
+        Raises:
+            CheckpointError: ``<file>: tensor <name>: <n> NaN/Inf value(s) in the source weights``,
+                or an unknown name or unreadable shard.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
+        if not info.dtype.is_floating_point or not nbytes:
+            return
+        try:
+            t = self._handle(info).get_tensor(name)
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
+        size = info.dtype.itemsize
+        lo, hi = torch.aminmax(t.reshape(-1)[first_byte // size : (first_byte + nbytes) // size])
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            check_finite(name, t, where=self.root / info.file)  # raises, counting the whole tensor's
+
     def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Gather rows of a 2-D tensor without reading the rest (e.g. embedding lookups).
 

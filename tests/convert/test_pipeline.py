@@ -390,3 +390,51 @@ def test_the_reader_hands_out_each_tensors_amax_once(tiny_mm):
         with pytest.raises(KeyError):
             reader.amax(n)
     reader.close()
+
+
+def test_a_checked_copy_checks_every_piece_before_copying_it_and_names_a_bad_tensor(tmp_path, monkeypatch):
+    """BackgroundWriter.copy(check=): each piece is checked (Checkpoint.check_finite_part) in the
+    writing thread before it is copied; a NaN in a later piece fails the copy with the whole
+    tensor's count, named, at the caller's next call, and a clean tensor is copied byte for byte."""
+    from safetensors.torch import save_file
+
+    from g4.convert import pipeline
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.core.checkpoint import Checkpoint
+    from g4.exporters import safetensors_writer as sw
+
+    good = torch.randn(64, 16).to(torch.bfloat16)
+    bad = good.clone()
+    bad[40, 3], bad[63, 15] = float("nan"), float("inf")  # both past the first 1000-byte piece
+    names = {"good": "model.layers.0.good.weight", "bad": "model.layers.0.bad.weight"}
+    save_file({names["good"]: good, names["bad"]: bad}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((EMBEDDED_DIR / "config.json").read_text())
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.check_finite_part(names["good"], 0, good.numel() * 2) is None
+    ckpt.check_finite_part(names["bad"], 0, 1000)  # the clean first piece passes
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.bad\.weight: 2 NaN/Inf value\(s\)"):
+        ckpt.check_finite_part(names["bad"], 1000, 1048)
+    monkeypatch.setattr(pipeline, "WRITE_PIECE_BYTES", 1000)
+    checked = []
+
+    def check(name):
+        def run(b0, n):
+            checked.append((name, b0, n))
+            ckpt.check_finite_part(names[name], b0, n)
+        return run
+
+    for name in ("good", "bad"):
+        (tmp_path / name).mkdir()
+        w = sw.ShardedSafetensorsWriter(tmp_path / name, [sw.TensorSpec(name, torch.bfloat16, (64, 16))])
+        out = pipeline.BackgroundWriter(budget_bytes=1000, threads=2)
+        out.copy(w, name, ckpt.tensors[names[name]], check=check(name))
+        if name == "good":
+            out.close()
+            w.close()
+            from safetensors.torch import load_file
+
+            assert torch.equal(load_file(tmp_path / name / "model.safetensors")[name], good)
+        else:
+            with pytest.raises(CheckpointError, match="tensor model.layers.0.bad.weight: 2 NaN/Inf"):
+                out.close()
+    assert sorted(c for c in checked if c[0] == "good") == [("good", 0, 1000), ("good", 1000, 1000), ("good", 2000, 48)]
