@@ -150,6 +150,7 @@ class ShardedSafetensorsWriter:
                 self._order.append((i, offset, spec))
                 offset += spec.nbytes
         self._next = 0
+        self._slots = {spec.name: i for i, (_, _, spec) in enumerate(self._order)}  # claim_early's lookup
         self._early: set[int] = set()
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -192,8 +193,8 @@ class ShardedSafetensorsWriter:
         Raises:
             ExportError: not planned, already claimed, or another dtype/shape than planned.
         """
-        slot = next((i for i in range(self._next, len(self._order)) if self._order[i][2].name == name), None)
-        if slot is None or slot in self._early:
+        slot = self._slots.get(name)  # not a scan of the plan per call: quadratic in the tensors
+        if slot is None or slot < self._next or slot in self._early:
             raise ExportError(f"output tensor {name} was not planned or is already claimed")
         _check_planned(self._order[slot][2], dtype, shape)
         self._early.add(slot)
