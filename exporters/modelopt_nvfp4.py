@@ -28,7 +28,7 @@ from g4.core.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, SOURCE_DTYPES, Chec
 from g4.core.errors import ExportError
 from g4.core.gemma4 import LM_HEAD, is_tied, release_config, tower_of
 from g4.exporters.nvfp4_names import DENSE_GROUPS, MODEL_KEEP, QUANT_ROLES, Nvfp4Layout, Part, Role
-from g4.quantizers.nvfp4 import BLOCK_SIZE
+from g4.quantizers.nvfp4 import BLOCK_SIZE, E4M3_MAX_CODE, E4M3_MIN_POSITIVE_CODE
 
 MODELOPT_COMPAT_VERSION = "0.47.0"
 # g4convert nvfp4 --kv-cache-dtype: "auto" writes no KV cache scales, "fp8" modelopt's FP8 KV export.
@@ -266,8 +266,10 @@ def _check_values(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
                 if not (torch.isfinite(v) and v > 0):
                     raise ExportError(f"tensor {lin.name(role)}: {v.item()} is not finite and > 0")
                 scalars[lin.name(role)] = v
-            bs = values[lin.name(Role.WEIGHT_SCALE)].float()
-            if not (torch.isfinite(bs).all() and (bs > 0).all()):
+            # finite and > 0 on the E4M3 codes, one pass (converting to fp32 first took 4.1 of
+            # the 5.3 s this check took on a 10-layer synthetic 26B-A4B's 470M block scales)
+            lo, hi = torch.aminmax(values[lin.name(Role.WEIGHT_SCALE)].view(torch.uint8))
+            if not (lo >= E4M3_MIN_POSITIVE_CODE and hi <= E4M3_MAX_CODE):
                 raise ExportError(f"tensor {lin.name(Role.WEIGHT_SCALE)}: has non-finite or non-positive block scales")
         del values
     for lay in layout.layers:  # FP8 KV cache scales: vLLM divides by them

@@ -196,7 +196,9 @@ KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVF
 # Ties keep max's scale (it is tried first), so a block where max is already optimal gets max's bytes.
 MSE_CODE_OFFSETS = (0, *range(-16, 0), *range(1, 17))
 _E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
-_E4M3_MAX_CODE = 126  # 448; 127 is NaN
+# float8_e4m3fn codes (the byte as uint8) of the positive finite values: 1 (2**-9) to 126 (448);
+# 0 is +0, 127 NaN, 128 and up negative (sign bit).
+E4M3_MIN_POSITIVE_CODE, E4M3_MAX_CODE = 1, 126
 
 
 def e2m1_round(y: torch.Tensor) -> torch.Tensor:
@@ -214,7 +216,7 @@ def mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     values = _E4M3_CODE_VALUES.to(x.device)
     best_code, best_err = base, None
     for k in MSE_CODE_OFFSETS:
-        code = (base + k).clamp(1, _E4M3_MAX_CODE)
+        code = (base + k).clamp(E4M3_MIN_POSITIVE_CODE, E4M3_MAX_CODE)
         sg = (values[code] * g).unsqueeze(-1)
         err = (x - e2m1_round(x / sg) * sg).square().sum(-1)
         if best_err is None:

@@ -254,6 +254,17 @@ def test_checker_rejects_inconsistent_outputs(tiny_mm_nvfp4, tmp_path):
         check_export(broken(lambda sd: sd.__setitem__(f"{p}.experts.1.up_proj.weight_scale_2", torch.tensor(1.0))))
     with pytest.raises(ExportError, match="is not finite and > 0"):
         check_export(broken(lambda sd: sd.__setitem__(f"{p}.mlp.down_proj.input_scale", torch.tensor(float("nan")))))
+    scale = f"{p}.experts.2.gate_proj.weight_scale"
+    for code in (0x00, 0x7F, 0x80, 0xB8, 0xFF):  # +0, NaN, -0, -1.0, -NaN: the E4M3 codes a scale must not have
+        def plant(sd, code=code):
+            sd[scale] = sd[scale].clone()
+            sd[scale].view(torch.uint8)[1, 2] = code
+        with pytest.raises(ExportError, match=f"tensor {scale}: has non-finite or non-positive block scales"):
+            check_export(broken(plant))
+    def extremes(sd):  # 2**-9 and 448: the smallest and largest positive E4M3 scales pass
+        sd[scale] = sd[scale].clone()
+        sd[scale].view(torch.uint8)[0, :2] = torch.tensor([0x01, 0x7E], dtype=torch.uint8)
+    check_export(broken(extremes))
 
     def exclude_mlp(qc):
         qc.setdefault("ignore", qc.get("exclude_modules"))
