@@ -39,7 +39,7 @@ from g4.convert.calibrate import (
     make_calibrator,
 )
 from g4.convert.card import write_model_card
-from g4.convert.pipeline import SourceRelease, overlapped
+from g4.convert.pipeline import InOrder, SourceRelease, overlapped
 from g4.convert.sources import checked_sources
 from g4.core.checkpoint import Checkpoint, copy_side_files
 from g4.core.errors import CheckpointError, ExportError
@@ -379,7 +379,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
         (quantized linears, quantized parameters, bytes of their codes and scales).
     """
     n_quant = params_quant = quant_bytes = 0
-    reads = [n for lay in layout.layers for n in lay.sources.values()]
+    reads = [n for lay in layout.layers for n in production_reads(lay)]
     # Read the next layer while this one is calibrated and quantized, write in the background.
     # The reader holds at most one tensor (or READ_AHEAD_BYTES of small ones) that this layer
     # has not taken yet, so RSS is about one layer + the next layer's largest tensor.
@@ -396,20 +396,24 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             layer_bytes = sum(ckpt.tensors[n].nbytes for n in lay.sources.values())
             layer_params = params_in_layer(lay)
             bar.set_postfix_str(f"layer {lay.index}: reading", refresh=False)
-            w = {s: reader.get(n) for s, n in lay.sources.items()}
-            # per-expert amax of the experts, from the reading thread's NaN/Inf check
-            src_amax = {n: reader.amax(n) for n in lay.sources.values()}
+            # each tensor taken from the reader when the layer's production first needs it, in the
+            # order it is read (production_reads): without calibration the dense linears are
+            # quantized while the experts are read, and each expert tensor while the next is read
+            by_source = InOrder(reader, production_reads(lay))
             amax = hessians = None
-            if calibrator is not None:
+            if calibrator is not None:  # the calibration forward needs the whole layer first
+                w = {s: by_source[n] for s, n in lay.sources.items()}
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
                 hessians = LayerHessians() if algorithm == "gptq" else None
                 amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
                     f"layer {L}: calibrating, {done}/{n} samples"), hessians=hessians)
                 if not act_quant:  # W4A16: no input scales; the KV cache amaxes (if any) stay
                     amax = {k: v for k, v in amax.items() if k in KV_AMAX_KEYS.values()} or None
+                del w
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
-            by_source = {lay.sources[s]: t for s, t in w.items()}
+            # per-expert amax of the experts, from the reading thread's NaN/Inf check
+            src_amax = by_source.amaxes
             for name, t in _produce_layer(lay, by_source, amax, algorithm, hessians, src_amax):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
@@ -421,12 +425,23 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
                     step = layer_bytes * t.numel() * 2 // max(layer_params, 1)
                     bar.update(min(step, layer_bytes - done))
                     done += min(step, layer_bytes - done)
+            by_source.take_rest()  # a source no output reads (none in Gemma 4): the reader's order stays
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
-            del w, by_source, hessians, src_amax
+            del by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
+
+
+def production_reads(lay: LayerLayout) -> list[str]:
+    """The source tensors of a layer in the order :func:`_produce_layer` first uses them (kept
+    tensors, dense groups, the experts' gate_up, then down), then any other source of the layer:
+    the order the conversion reads them in, so that each is taken as it arrives."""
+    order = [t.source for t in lay.kept] + [lin.source for g in lay.groups for lin in g]
+    if lay.experts:
+        order += [lay.experts[0][0].source, lay.experts[0][2].source]
+    return list(dict.fromkeys(order + list(lay.sources.values())))
 
 
 def _kernel_shapes(ckpt: Checkpoint, layout: Nvfp4Layout) -> list[tuple[int, int, torch.dtype]]:

@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -520,6 +520,71 @@ class Prefetcher:
             self._q.bytes = 0
             self._q.cv.notify_all()
         self._thread.join()
+
+
+class InOrder(Mapping):
+    """A read-only mapping ``name -> tensor`` of a step's tensors (e.g. a decoder layer's), each
+    taken from a :class:`Prefetcher` when first asked for: the Prefetcher hands them out in
+    ``names``' order, so asking for a later one first takes the ones before it (kept here). The
+    consumer can so work on each tensor as it arrives instead of waiting for the whole step.
+    :attr:`amaxes`: the same for :meth:`Prefetcher.amax` (``name -> max |t|``).
+
+    Raises (on a lookup): KeyError for a name not in ``names``; whatever :meth:`Prefetcher.get` raises.
+    """
+
+    def __init__(self, reader: Prefetcher, names: Sequence[str]):
+        self._reader, self._names = reader, list(names)
+        self._known = set(self._names)
+        self._next = 0
+        self._got: dict[str, torch.Tensor] = {}
+        self._amax: dict[str, torch.Tensor] = {}
+
+    def _take(self, name: str) -> None:
+        if name not in self._known:
+            raise KeyError(name)
+        while name not in self._got:
+            n = self._names[self._next]
+            self._got[n] = self._reader.get(n)
+            self._amax[n] = self._reader.amax(n)
+            self._next += 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._take(name)
+        return self._got[name]
+
+    @property
+    def amaxes(self) -> Mapping[str, torch.Tensor]:
+        # made when asked for, not kept: a reference back from it would make a cycle, and the
+        # step's tensors (and the release of their pages) would wait for the cyclic GC
+        return _Taken(self, self._amax)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def take_rest(self) -> None:
+        """Take every tensor not asked for yet (the Prefetcher's next one is then the next step's)."""
+        if self._names:
+            self._take(self._names[-1])
+
+
+class _Taken(Mapping):
+    """:attr:`InOrder.amaxes`."""
+
+    def __init__(self, owner: InOrder, values: dict):
+        self._owner, self._values = owner, values
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._owner._take(name)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
 
 
 class BackgroundWriter:

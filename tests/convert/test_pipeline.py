@@ -438,3 +438,37 @@ def test_a_checked_copy_checks_every_piece_before_copying_it_and_names_a_bad_ten
             with pytest.raises(CheckpointError, match="tensor model.layers.0.bad.weight: 2 NaN/Inf"):
                 out.close()
     assert sorted(c for c in checked if c[0] == "good") == [("good", 0, 1000), ("good", 1000, 1000), ("good", 2000, 48)]
+
+
+def test_a_layers_tensors_are_taken_from_the_reader_when_first_asked_for(tiny_mm, monkeypatch):
+    """InOrder: a tensor is taken from the Prefetcher when first asked for (with the ones read
+    before it), never earlier; amaxes too; an unknown name is a KeyError; take_rest takes the
+    others, so the next layer's first tensor is the Prefetcher's next. The nvfp4 loop reads a
+    layer in the order it produces it (production_reads): kept, dense, gate_up, down."""
+    from g4.core.checkpoint import Checkpoint, finite_amax
+    from g4.convert import pipeline
+    from g4.convert.nvfp4 import production_reads, source_layout
+    from g4.exporters.nvfp4_names import PRESETS
+
+    ckpt = Checkpoint(tiny_mm, source=True)
+    lay0, lay1 = source_layout(ckpt, PRESETS["default"], act_quant=False).layers[:2]
+    order0, order1 = production_reads(lay0), production_reads(lay1)
+    assert sorted(order0) == sorted(lay0.sources.values())
+    assert order0[-2:] == [lay0.experts[0][0].source, lay0.experts[0][2].source]
+    reader = pipeline.Prefetcher(ckpt, order0 + order1, budget_bytes=1 << 20)
+    taken = []
+    get = reader.get
+    monkeypatch.setattr(reader, "get", lambda n: (taken.append(n), get(n))[1])
+    layer = pipeline.InOrder(reader, order0)
+    assert taken == []
+    dense = lay0.groups[0][0].source
+    assert torch.equal(layer[dense], ckpt.get(dense))
+    assert taken == order0[: order0.index(dense) + 1]
+    assert torch.equal(layer.amaxes[order0[0]], finite_amax(order0[0], ckpt.get(order0[0])))
+    assert taken == order0[: order0.index(dense) + 1]  # already taken: nothing more
+    with pytest.raises(KeyError):
+        layer[order1[0]]
+    layer.take_rest()
+    assert taken == order0
+    assert torch.equal(pipeline.InOrder(reader, order1)[order1[0]], ckpt.get(order1[0]))
+    reader.close()
