@@ -176,7 +176,8 @@ def _input_scale(amax: dict[str, torch.Tensor], keys: tuple[str, ...], fallback:
 def _produce_layer(lay: LayerLayout, w: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None,
                    algorithm: str = "max", hessians: LayerHessians | None = None,
                    weight_amax: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Output tensors of one layer (``w``: source name -> tensor), in the table's order.
+    """Output tensors of one layer (``w``: source name -> tensor, each looked up once, so a
+    :class:`g4.convert.pipeline.InOrder` can hand it out as it is read), in the table's order.
     ``weight_amax``: source name -> ``max(|w|)`` (per expert for the experts) where known already
     (:meth:`g4.convert.pipeline.Prefetcher.amax`), else computed here."""
     for t in lay.kept:
@@ -399,21 +400,24 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             # each tensor taken from the reader when the layer's production first needs it, in the
             # order it is read (production_reads): without calibration the dense linears are
             # quantized while the experts are read, and each expert tensor while the next is read
-            by_source = InOrder(reader, production_reads(lay))
+            # (each handed out once: a source tensor is freed once quantized or written)
+            layer = InOrder(reader, production_reads(lay))
+            by_source = layer
             amax = hessians = None
             if calibrator is not None:  # the calibration forward needs the whole layer first
-                w = {s: by_source[n] for s, n in lay.sources.items()}
+                w = {s: layer[n] for s, n in lay.sources.items()}
                 bar.set_postfix_str(f"layer {lay.index}: calibrating")
                 hessians = LayerHessians() if algorithm == "gptq" else None
                 amax = calibrator.run_layer(lay.index, w, on_batch=lambda done, n, L=lay.index: bar.set_postfix_str(
                     f"layer {L}: calibrating, {done}/{n} samples"), hessians=hessians)
                 if not act_quant:  # W4A16: no input scales; the KV cache amaxes (if any) stay
                     amax = {k: v for k, v in amax.items() if k in KV_AMAX_KEYS.values()} or None
+                by_source = {lay.sources[s]: t for s, t in w.items()}
                 del w
             bar.set_postfix_str(f"layer {lay.index}: quantizing")
             done = 0
             # per-expert amax of the experts, from the reading thread's NaN/Inf check
-            src_amax = by_source.amaxes
+            src_amax = layer.amaxes
             for name, t in _produce_layer(lay, by_source, amax, algorithm, hessians, src_amax):
                 out.write(writer, name, t)
                 role = layout.by_name[name].role
@@ -425,11 +429,11 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
                     step = layer_bytes * t.numel() * 2 // max(layer_params, 1)
                     bar.update(min(step, layer_bytes - done))
                     done += min(step, layer_bytes - done)
-            by_source.take_rest()  # a source no output reads (none in Gemma 4): the reader's order stays
+            layer.take_rest()  # a source no output reads (none in Gemma 4): the reader's order stays
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
-            del by_source, hessians, src_amax
+            del layer, by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
 

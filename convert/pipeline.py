@@ -523,26 +523,28 @@ class Prefetcher:
 
 
 class InOrder(Mapping):
-    """A read-only mapping ``name -> tensor`` of a step's tensors (e.g. a decoder layer's), each
-    taken from a :class:`Prefetcher` when first asked for: the Prefetcher hands them out in
-    ``names``' order, so asking for a later one first takes the ones before it (kept here). The
-    consumer can so work on each tensor as it arrives instead of waiting for the whole step.
-    :attr:`amaxes`: the same for :meth:`Prefetcher.amax` (``name -> max |t|``).
+    """A mapping ``name -> tensor`` of a step's tensors (e.g. a decoder layer's), each taken from
+    a :class:`Prefetcher` when first asked for and handed out once: the Prefetcher hands them
+    out in ``names``' order, so asking for a later one first takes the ones before it (kept here
+    until asked for). The consumer can so work on each tensor as it arrives instead of waiting
+    for the whole step, and a tensor it has dropped is freed (and its pages released) at once.
+    :attr:`amaxes`: :meth:`Prefetcher.amax` of each (``name -> max |t|``), any number of times.
 
-    Raises (on a lookup): KeyError for a name not in ``names``; whatever :meth:`Prefetcher.get` raises.
+    Raises (on a lookup): KeyError for a name not in ``names`` or already handed out; whatever
+    :meth:`Prefetcher.get` raises.
     """
 
     def __init__(self, reader: Prefetcher, names: Sequence[str]):
         self._reader, self._names = reader, list(names)
         self._known = set(self._names)
         self._next = 0
-        self._got: dict[str, torch.Tensor] = {}
+        self._got: dict[str, torch.Tensor] = {}  # taken, not yet handed out
         self._amax: dict[str, torch.Tensor] = {}
 
     def _take(self, name: str) -> None:
         if name not in self._known:
             raise KeyError(name)
-        while name not in self._got:
+        while name not in self._amax:
             n = self._names[self._next]
             self._got[n] = self._reader.get(n)
             self._amax[n] = self._reader.amax(n)
@@ -550,7 +552,7 @@ class InOrder(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         self._take(name)
-        return self._got[name]
+        return self._got.pop(name)  # KeyError: handed out before
 
     @property
     def amaxes(self) -> Mapping[str, torch.Tensor]:
@@ -565,9 +567,11 @@ class InOrder(Mapping):
         return len(self._names)
 
     def take_rest(self) -> None:
-        """Take every tensor not asked for yet (the Prefetcher's next one is then the next step's)."""
+        """Take (and drop) every tensor not asked for yet: the Prefetcher's next one is then the
+        next step's."""
         if self._names:
             self._take(self._names[-1])
+        self._got.clear()
 
 
 class _Taken(Mapping):

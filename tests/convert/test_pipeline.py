@@ -442,7 +442,7 @@ def test_a_checked_copy_checks_every_piece_before_copying_it_and_names_a_bad_ten
 
 def test_a_layers_tensors_are_taken_from_the_reader_when_first_asked_for(tiny_mm, monkeypatch):
     """InOrder: a tensor is taken from the Prefetcher when first asked for (with the ones read
-    before it), never earlier; amaxes too; an unknown name is a KeyError; take_rest takes the
+    before it), never earlier, and handed out once; amaxes too; an unknown name is a KeyError; take_rest takes the
     others, so the next layer's first tensor is the Prefetcher's next. The nvfp4 loop reads a
     layer in the order it produces it (production_reads): kept, dense, gate_up, down."""
     from g4.core.checkpoint import Checkpoint, finite_amax
@@ -468,6 +468,8 @@ def test_a_layers_tensors_are_taken_from_the_reader_when_first_asked_for(tiny_mm
     assert taken == order0[: order0.index(dense) + 1]  # already taken: nothing more
     with pytest.raises(KeyError):
         layer[order1[0]]
+    with pytest.raises(KeyError):
+        layer[dense]  # handed out once
     layer.take_rest()
     assert taken == order0
     assert torch.equal(pipeline.InOrder(reader, order1)[order1[0]], ckpt.get(order1[0]))
