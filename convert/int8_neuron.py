@@ -246,14 +246,14 @@ def convert_int8_neuron(
         calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
                                                    batch_size=calib_batch_size, dtype=calib_dtype, device=device,
                                                    without="use --algorithm max")
-    # the kernels compiled while the first tensors are read, not after
-    int8.warm(_kernel_shapes(ckpt, g, layers, model))
     # the manifest's source hashes, while the weights are written, paced behind the conversion's
     # reads so both use the same pages; each range leaves the page cache once both are done with it
     release = SourceRelease(hashed=True)
     hashes = BackgroundHashes(ckpt.shards, release=release)
     try:
         with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
+            # the kernels compiled while the first tensors are read, not after
+            int8.warm(_kernel_shapes(ckpt, g, layers, model, experts=algorithm == "gptq"))
             with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
                 per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention, calibrator,
                                           release)
@@ -311,14 +311,16 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
     return plan
 
 
-def _kernel_shapes(ckpt: Checkpoint, g: Geometry, layers, model) -> list[tuple[int, int, torch.dtype]]:
+def _kernel_shapes(ckpt: Checkpoint, g: Geometry, layers, model, *, experts: bool = False
+                   ) -> list[tuple[int, int, torch.dtype]]:
     """``(rows, in, dtype)`` of every int8 entry's source tensor that :func:`int8.quantize`'s
-    kernel is given (not the experts', which :func:`int8.quantize_to_layout` takes), in the order
-    the conversion quantizes them."""
+    kernel is given, in the order the conversion quantizes them: not the experts', which
+    :func:`int8.quantize_to_layout` takes, unless ``experts`` (``--algorithm gptq`` quantizes
+    them with :func:`int8.quantize`)."""
     shapes = []
     jobs = [(e, src_names[e.source]) for _, src_names, entries in layers for e in entries if e.source is not None]
     for e, name in jobs + [(e, name) for e, name in model if name is not None]:
-        if e.int8 and rank_major_layout(e, g) is None:
+        if e.int8 and (experts or rank_major_layout(e, g) is None):
             info = ckpt.tensors[name]
             shapes.append((math.prod(info.shape[:-1]), info.shape[-1], info.dtype))
     return shapes

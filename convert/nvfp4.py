@@ -39,7 +39,7 @@ from g4.convert.calibrate import (
     make_calibrator,
 )
 from g4.convert.card import write_model_card
-from g4.convert.pipeline import InOrder, SourceRelease, overlapped
+from g4.convert.pipeline import DiskReadahead, InOrder, SourceRelease, overlapped
 from g4.convert.sources import checked_sources
 from g4.core.checkpoint import Checkpoint, copy_side_files
 from g4.core.errors import CheckpointError, ExportError
@@ -316,7 +316,8 @@ def convert_nvfp4(
         :class:`ConvertReport`.
 
     Raises:
-        CheckpointError, MappingError: bad source (named file/tensor); nothing is written.
+        CheckpointError, MappingError: bad source (named file/tensor); nothing is left behind
+            (a bad kept tensor may be found once OUT's temporary directory is made: it is removed).
         ExportError: ``out`` exists without ``overwrite``, or the result fails its checks.
     """
     t0 = time.perf_counter()
@@ -338,8 +339,6 @@ def convert_nvfp4(
     specs = output_specs(layout)
 
     _log_tensor_kinds(ckpt, layout)
-    # the kernels compiled while the kept tensors and the first layer are read, not after
-    q.warm(_kernel_shapes(ckpt, layout), "mse" if algorithm == "gptq" else algorithm)
     calibrator, calib_tokens = None, 0
     if calibrate:
         calibrator, calib_tokens = make_calibrator(ckpt, calib_data, samples=calib_samples, seq_len=calib_seq_len,
@@ -347,12 +346,16 @@ def convert_nvfp4(
                                                    kv_cache=kv_cache, without="use --weight-only")
 
     bytes_in = sum(i.nbytes for i in ckpt.tensors.values())
+    if calibrate:  # the kept tensors checked before a layer's calibration (minutes), not beside it
+        _check_kept(ckpt, layout)
     need = sum(spec.nbytes for spec in specs)
     with atomic_output_dir(Path(out), overwrite=overwrite, sources=[ckpt.root], need_bytes=need) as tmp:
+        # the kernels compiled while the kept tensors and the first layer are read, not after
+        q.warm(_kernel_shapes(ckpt, layout), "mse" if algorithm == "gptq" else algorithm)
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
             n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar, algorithm,
-                                                                act_quant=not weight_only)
+                                                                act_quant=not weight_only, check_kept=not calibrate)
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
@@ -373,8 +376,10 @@ def convert_nvfp4(
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: Nvfp4Layout,
                    calibrator: LayerCalibrator | None, bar, algorithm: str = "max", *,
-                   act_quant: bool = True) -> tuple[int, int, int]:
+                   act_quant: bool = True, check_kept: bool = True) -> tuple[int, int, int]:
     """Every output tensor in the table's order, one decoder layer in RAM at a time.
+    ``check_kept``: the kept model tensors are checked for NaN/Inf as they are copied (else the
+    caller has checked them, :func:`_check_kept`).
 
     Returns:
         (quantized linears, quantized parameters, bytes of their codes and scales).
@@ -392,7 +397,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
         # checked before the loop, the 26B-A4B's 1.5 GB of them held up its start by 1.7-2.9 s
         # on the 2-core machine here)
         for t in layout.model:
-            out.copy(writer, t.name, ckpt.tensors[t.source], check=functools.partial(ckpt.check_finite_part, t.source))
+            check = functools.partial(ckpt.check_finite_part, t.source) if check_kept else None
+            out.copy(writer, t.name, ckpt.tensors[t.source], check=check)
         for lay in layout.layers:
             layer_bytes = sum(ckpt.tensors[n].nbytes for n in lay.sources.values())
             layer_params = params_in_layer(lay)
@@ -436,6 +442,24 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             del layer, by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes
+
+
+def _check_kept(ckpt: Checkpoint, layout: Nvfp4Layout) -> None:
+    """Refuse NaN/Inf in the kept model tensors (:meth:`Checkpoint.get_finite`), read in order
+    with the disk asked for them ahead (a cold 1.5 GB embedding otherwise comes in
+    page-fault-sized reads).
+
+    Raises:
+        CheckpointError: naming the file and tensor.
+    """
+    ahead = DiskReadahead(ckpt, [t.source for t in layout.model])
+    try:
+        for i, t in enumerate(layout.model):
+            ahead.reading(i)
+            ckpt.get_finite(t.source)
+            ckpt.close()
+    finally:
+        ahead.close()
 
 
 def production_reads(lay: LayerLayout) -> list[str]:

@@ -566,6 +566,9 @@ class InOrder(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would take (and hand out) the tensor
+        return name in self._known
+
     def take_rest(self) -> None:
         """Take (and drop) every tensor not asked for yet: the Prefetcher's next one is then the
         next step's."""

@@ -481,13 +481,14 @@ class Checkpoint:
                 m = mmap.mmap(f.fileno(), start - base + nbytes, offset=base, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
+        view = None
         try:
             view = torch.frombuffer(m, dtype=info.dtype, count=nbytes // info.dtype.itemsize, offset=start - base)
             lo, hi = torch.aminmax(view)
             bad = 0 if torch.isfinite(lo) and torch.isfinite(hi) else (
                 int((~torch.isfinite(view)).sum()) if count else 1)
-            del view
         finally:
+            view = None  # frombuffer keeps no export of m: no view may outlive the mapping, not even in a traceback
             m.close()
         return bad
 

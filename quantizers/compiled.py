@@ -73,22 +73,26 @@ class CompiledKernel:
         by its guards) by running it once on them, in order, in a daemon thread; returns the
         thread (join it to wait), or None where the kernel is not compiled (``eager_env`` set, no
         ``torch.compile``). ``examples`` is iterated in that thread (a generator can build its
-        tensors there: marking a dimension dynamic imports dynamo, seconds of the caller's time). A failure there is left to the real call, which then falls back to the
-        eager path (:meth:`disable`). The first real call (:meth:`for_size`) waits for the thread:
-        called while dynamo compiles the same function in another thread, it waited for that
-        compile and then traced and compiled again (``torch._dynamo.convert_frame``)."""
+        tensors there: marking a dimension dynamic imports dynamo, seconds of the caller's time).
+        A failure there is left to the real call, which then falls back to the eager path
+        (:meth:`disable`). The first real call (:meth:`for_size`) waits for the thread: called
+        while dynamo compiles the same function in another thread, it waited for that compile and
+        then traced and compiled again (``torch._dynamo.convert_frame``); a second warm() starts
+        once the first has finished, so waiting for the last waits for both."""
         if os.environ.get(self.eager_env, "") not in ("", "0") or self.compiled is None:
             return None
+        previous = self._warming
 
         def run() -> None:
-            for args in examples:
-                try:
+            try:
+                if previous is not None:
+                    previous.join()
+                for args in examples:
                     if (fused := self.for_size(self.min_elements)) is None:
                         return
                     fused(*args)
-                except Exception as e:  # noqa: BLE001 - the real call meets it again and falls back
-                    log.debug("%s: warming the compiled kernel failed (%s)", self.label, e)
-                    return
+            except Exception as e:  # noqa: BLE001 - the real call meets it again and falls back
+                log.debug("%s: warming the compiled kernel failed (%s)", self.label, e)
 
         thread = self._warming = threading.Thread(target=run, name=f"g4-compile-{self.label}", daemon=True)
         thread.start()

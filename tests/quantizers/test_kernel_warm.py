@@ -25,9 +25,11 @@ def test_a_warmed_kernel_is_found_by_the_real_calls_and_gives_the_same_bytes(mon
         pytest.skip("no compiled kernel here (G4_NVFP4_EAGER set)")
     for t in th:
         t.join()
-    if q.KERNEL.compiled is None or int8.KERNEL.compiled is None:
-        pytest.skip("torch.compile is unavailable here")
     graphs = counters["stats"]["unique_graphs"]
+    if graphs == before:  # nothing compiled: a real call tells whether torch.compile works here
+        q.quantize(torch.zeros(96, 64, dtype=torch.bfloat16))
+        if q.KERNEL.compiled is None:
+            pytest.skip("torch.compile is unavailable here (no C compiler)")
     assert graphs - before == 3  # widths 64 and 48 (3 x 16 is under min_elements), and int8's 64
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(4, 96, 64, generator=gen) * 0.02).bfloat16()
