@@ -153,9 +153,9 @@ def io_floor_direct_seconds(src: Path, nbytes_out: int, work: Path, threads: int
     or None where the file system refuses ``O_DIRECT``. On this VM a page-cache page costs its
     first touch from the host (``dd`` of 16 MiB blocks, 2026-12-04: cold reads 0.66 GB/s buffered,
     1.6 GB/s direct; writes of new data 0.43 GB/s buffered, 1.9-2.7 GB/s direct), so this is the
-    disk's own speed, the stricter floor; the conversion reads and writes through the page cache
-    (mmap views of the source, buffered writes), and its ratio to this floor is what the page
-    cache costs it."""
+    disk's own speed, the stricter floor; the conversion reads through the page cache (mmap views
+    of the source) and writes its tensor bytes with ``O_DIRECT`` (``g4.exporters.safetensors_writer``),
+    so this is the fair floor for it."""
     import mmap
 
     chunk = 16 << 20
