@@ -450,10 +450,10 @@ class Checkpoint:
         ``name`` (whole elements; e.g. a piece the conversion's writer copies,
         ``g4.convert.pipeline.BackgroundWriter.copy``), read through a mapping of just those
         bytes (no copy), unmapped before it returns: any thread may call it, and the pages it
-        touched count in this process's RSS only meanwhile (through the
-        shard's open mmap, as :meth:`get`, a 10-layer synthetic 26B-A4B conversion's 1.5 GB of
-        kept tensors stayed mapped: peak RSS 5.3 GiB, over its bound). A part that holds NaN/Inf
-        is reported with the count of the whole tensor, as :meth:`get_finite` does.
+        touched count in this process's RSS only meanwhile (read through the shard's open mmap,
+        as :meth:`get` reads, a 26B-A4B's 1.5 GB of kept tensors stayed mapped to the
+        conversion's end, and could not leave the page cache). A part that holds NaN/Inf is
+        reported with the count of the whole tensor, as :meth:`get_finite` does.
 
         Raises:
             CheckpointError: ``<file>: tensor <name>: <n> NaN/Inf value(s) in the source weights``,

@@ -55,7 +55,8 @@ class CompiledKernel:
         warming = self._warming
         if warming is not None and warming is not threading.current_thread():
             warming.join()
-            self._warming = None
+            if self._warming is warming:  # not a warm() started meanwhile
+                self._warming = None
         with self._lock:
             if self.compiled is _UNSET:
                 compiled = None
