@@ -18,13 +18,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 log = logging.getLogger(__name__)
 
 _UNSET = object()
+# Rows of the zeros CompiledKernel.warm_rows compiles on (dynamic: 0 and 1 would be specialised).
+WARM_ROWS = 64
 
 
 class CompiledKernel:
@@ -98,6 +100,25 @@ class CompiledKernel:
         thread = self._warming = threading.Thread(target=run, name=f"g4-compile-{self.label}", daemon=True)
         thread.start()
         return thread
+
+    def warm_rows(self, inputs: Iterable[tuple[int, tuple[int, ...], torch.dtype]], *extra: torch.Tensor
+                  ) -> threading.Thread | None:
+        """:meth:`warm` for a kernel whose first argument is dynamic in its first dimension (the
+        rows) and static in the others: ``inputs`` holds ``(numel, tail, dtype)`` of each real
+        first argument (its element count, its shape without the rows, its dtype; in the order
+        of first use); one compile per ``(tail, dtype)`` among those of at least ``min_elements``,
+        on :data:`WARM_ROWS` rows of zeros marked dynamic in the rows (as the callers mark their
+        real inputs), followed by ``extra`` arguments. Returns the thread, or None (nothing to
+        compile, or :meth:`warm`'s None)."""
+        given = list(dict.fromkeys((tuple(tail), dtype) for numel, tail, dtype in inputs if numel >= self.min_elements))
+
+        def examples() -> Iterator[tuple[torch.Tensor, ...]]:  # run in the thread: marking imports dynamo
+            for tail, dtype in given:
+                x = torch.zeros(WARM_ROWS, *tail, dtype=dtype)
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+                yield (x, *extra)
+
+        return self.warm(examples()) if given else None
 
     def disable(self, e: Exception) -> None:
         """After a failed compile or run: log it once and use the eager path from now on."""

@@ -17,7 +17,7 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -108,19 +108,7 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]]) -> threading.Thread | N
     on a few rows of zeros marked dynamic as :func:`quantize` marks them (as
     :func:`g4.quantizers.nvfp4.warm`). :func:`quantize_to_layout`'s kernels are static in every
     dimension and are compiled on first use. Returns the thread, or None; the bytes are the same."""
-    widths = list(dict.fromkeys((k, dtype) for rows, k, dtype in shapes if rows * k >= KERNEL.min_elements))
-
-    def examples() -> Iterator[tuple[torch.Tensor]]:  # run in the thread: marking imports dynamo
-        for k, dtype in widths:
-            x = torch.zeros(_WARM_ROWS, k, dtype=dtype)
-            torch._dynamo.maybe_mark_dynamic(x, 0)
-            yield (x,)
-
-    return KERNEL.warm(examples()) if widths else None
-
-
-# Rows of the zeros warm() compiles on (dynamic: 0 and 1 would be specialised).
-_WARM_ROWS = 64
+    return KERNEL.warm_rows((rows * k, (k,), dtype) for rows, k, dtype in shapes)
 
 
 # One compiled kernel per layout given to quantize_to_layout (the layout is its key).

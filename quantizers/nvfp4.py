@@ -27,7 +27,7 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -352,22 +352,9 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") ->
     """
     if method not in _KERNELS:
         raise ValueError(f"unknown NVFP4 block-scale method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
-    kernel = _KERNELS[method][0]
-    given = list(dict.fromkeys((_kernel_blocks(torch.empty(0, k // BLOCK_SIZE, BLOCK_SIZE), method).shape[1], dtype)
-                               for out, k, dtype in shapes
-                               if out * k >= kernel.min_elements and k % BLOCK_SIZE == 0))
-
-    def examples() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # run in the thread: marking imports dynamo
-        for n, dtype in given:
-            blocks = torch.zeros(_WARM_ROWS, n, BLOCK_SIZE, dtype=dtype)
-            torch._dynamo.maybe_mark_dynamic(blocks, 0)
-            yield blocks, torch.ones((), dtype=torch.float32)
-
-    return kernel.warm(examples()) if given else None
-
-
-# Rows of the zeros warm() compiles on (dynamic: 0 and 1 would be specialised).
-_WARM_ROWS = 64
+    return _KERNELS[method][0].warm_rows(
+        ((out * k, _kernel_blocks(torch.empty(0, k // BLOCK_SIZE, BLOCK_SIZE), method).shape[1:], dtype)
+         for out, k, dtype in shapes if k % BLOCK_SIZE == 0), torch.ones((), dtype=torch.float32))
 
 
 def quantize_experts(w: torch.Tensor, *, method: str = "max", amax: torch.Tensor | None = None) -> NVFP4Weight:
