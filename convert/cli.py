@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -153,6 +154,7 @@ def main() -> None:
       g4convert int8-neuron embedded --tp 2     # -> ./gemma4-tiny-int8-neuron-tp2
       g4convert plan gemma-4-26B-A4B --format int8-neuron --tp 2 --target inf2.xlarge
       g4convert synth --like gemma-4-26B-A4B --layers 2 ./synth-26b
+      g4convert kernels ./synth-26b          # compile the quantization kernels once per machine
     """
     install_signal_handlers()  # clean up partial outputs on kill as on Ctrl-C (exit 143); signals recorded
     configure_output(logging.INFO)  # -q / -v given after the subcommand apply when it parses them
@@ -331,6 +333,43 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
     report = evaluate(out, src_dir, text=text, max_tokens=max_tokens, ctx=ctx_len, act_quant=act_quant,
                       dtype=getattr(torch, dtype), device=device, progress=not is_quiet())
     click.echo(json.dumps(report, indent=2) if as_json else summary(report) + f"\nwrote {out / 'eval.json'}")
+
+
+@main.command()
+@verbosity_options
+@click.argument("src", default=EMBEDDED)
+@click.option("--format", "fmt", type=click.Choice(["nvfp4", "int8-neuron"]), default="nvfp4", show_default=True,
+              help="The conversion whose kernels to compile.")
+@click.option("--algorithm", help=f"The conversion's --algorithm (default: nvfp4 {DEFAULT_ALGORITHM}, "
+                                  f"int8-neuron {INT8_DEFAULT_ALGORITHM}).")
+@click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
+              show_default=True, help="nvfp4's --preset.")
+@click.option("--tp", type=COUNT, default=2, show_default=True, help="int8-neuron's --tp.")
+@click.pass_context
+@exit_on_user_error
+def kernels(ctx, src, fmt, algorithm, preset, tp):
+    """Compile once per machine the quantization kernels a conversion of SRC runs, into g4's
+    kernel cache ($G4_KERNEL_CACHE, default ~/.cache/g4/kernels): later conversions load them in
+    milliseconds instead of compiling them in each process (5-8 s here, before the first layer).
+    15-30 s per kernel; tensors under 1M elements run eagerly and need none."""
+    from g4.convert import int8_neuron, nvfp4
+    from g4.quantizers.compiled import KERNEL_CACHE_ENV, kernel_cache_dir
+
+    if kernel_cache_dir() is None:
+        raise OptionError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ[KERNEL_CACHE_ENV]}); "
+                          f"set {KERNEL_CACHE_ENV} to a directory")
+    choices = ALGORITHMS if fmt == "nvfp4" else INT8_ALGORITHMS
+    if algorithm is not None and algorithm not in choices:
+        raise OptionError(f"--algorithm {algorithm!r} is not one of {fmt}'s: {', '.join(choices)}")
+    src_dir = resolve_source(src)
+    if fmt == "nvfp4":
+        done = nvfp4.save_kernels(src_dir, preset=preset, algorithm=algorithm or DEFAULT_ALGORITHM)
+    else:
+        done = int8_neuron.save_kernels(src_dir, tp=tp, algorithm=algorithm or INT8_DEFAULT_ALGORITHM)
+    for path, seconds in done:
+        click.echo(f"{'in the cache' if seconds is None else f'compiled in {seconds:.1f} s'}: {path}")
+    if not done:
+        click.echo("no kernel to compile: every tensor of SRC is under the kernels' 1M elements (run eagerly)")
 
 
 @main.command()

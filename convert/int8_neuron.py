@@ -67,6 +67,7 @@ from g4.exporters.neuron_int8 import (
     Entry,
     Geometry,
     Manifest,
+    RankMajor,
     RankMajorInt8,
     entry_specs,
     geometry,
@@ -311,6 +312,35 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
     return plan
 
 
+def save_kernels(src: str | Path, *, tp: int = 2, quantize_attention: bool = False,
+                 algorithm: str = DEFAULT_ALGORITHM) -> list[tuple[Path, float | None]]:
+    """Package into the per-machine kernel cache (:func:`g4.quantizers.compiled.kernel_cache_dir`)
+    the int8 kernels a conversion of ``src`` with these options compiles in its background thread
+    (:func:`g4.quantizers.int8.save_kernels`: not the experts' per-layout kernels), so that later
+    conversions load them in milliseconds.
+
+    Returns:
+        ``(package path, compile seconds, or None where the cache had it)`` per kernel.
+
+    Raises:
+        G4Error: an unknown algorithm; ``src`` is not a Gemma 4 checkpoint g4 reads or ``tp``
+            does not divide its heads.
+        ValueError: the kernel cache is off (``G4_KERNEL_CACHE=off``).
+        RuntimeError: a compiled package does not give the eager kernel's bytes.
+    """
+    if algorithm not in ALGORITHMS:
+        raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    ckpt = Checkpoint(src, source=True)
+    try:
+        g = geometry(ckpt.config, tp)
+        _, layers, model = _layer_jobs(ckpt, g, quantize_attention)
+        experts = algorithm == "gptq"  # gptq quantizes the experts with int8.quantize, not into a layout
+        return int8.save_kernels(_kernel_shapes(ckpt, g, layers, model, experts=experts),
+                                 [] if experts else _layout_kernel_shapes(ckpt, g, layers))
+    finally:
+        ckpt.close()
+
+
 def _kernel_shapes(ckpt: Checkpoint, g: Geometry, layers, model, *, experts: bool = False
                    ) -> list[tuple[int, int, torch.dtype]]:
     """``(rows, in, dtype)`` of every int8 entry's source tensor that :func:`int8.quantize`'s
@@ -323,6 +353,17 @@ def _kernel_shapes(ckpt: Checkpoint, g: Geometry, layers, model, *, experts: boo
         if e.int8 and (experts or rank_major_layout(e, g) is None):
             info = ckpt.tensors[name]
             shapes.append((math.prod(info.shape[:-1]), info.shape[-1], info.dtype))
+    return shapes
+
+
+def _layout_kernel_shapes(ckpt: Checkpoint, g: Geometry, layers) -> list[tuple[RankMajor, tuple[int, ...], torch.dtype]]:
+    """``(layout, shape, dtype)`` of every expert tensor :func:`int8.quantize_to_layout` is given."""
+    shapes = []
+    for _, src_names, entries in layers:
+        for e in entries:
+            if e.source is not None and (layout := rank_major_layout(e, g)) is not None:
+                info = ckpt.tensors[src_names[e.source]]
+                shapes.append((layout, tuple(info.shape), info.dtype))
     return shapes
 
 

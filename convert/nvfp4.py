@@ -472,6 +472,33 @@ def production_reads(lay: LayerLayout) -> list[str]:
     return list(dict.fromkeys(order + list(lay.sources.values())))
 
 
+def save_kernels(src: str | Path, *, preset: str = "default", algorithm: str = DEFAULT_ALGORITHM
+                 ) -> list[tuple[Path, float | None]]:
+    """Package into the per-machine kernel cache (:func:`g4.quantizers.compiled.kernel_cache_dir`)
+    the NVFP4 kernels a conversion of ``src`` with ``preset`` and ``algorithm`` compiles, so that
+    later conversions load them in milliseconds instead of compiling them (seconds per process).
+
+    Returns:
+        ``(package path, compile seconds, or None where the cache had it)`` per kernel.
+
+    Raises:
+        ExportError: an unknown preset or algorithm.
+        CheckpointError: ``src`` is not a Gemma 4 checkpoint g4 reads.
+        ValueError: the kernel cache is off (``G4_KERNEL_CACHE=off``).
+        RuntimeError: a compiled package does not give the eager kernel's bytes.
+    """
+    if preset not in PRESETS:
+        raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if algorithm not in ALGORITHMS:
+        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    ckpt = Checkpoint(src, source=True)
+    try:
+        layout = source_layout(ckpt, PRESETS[preset], act_quant=False, kv_cache=False)
+        return q.save_kernels(_kernel_shapes(ckpt, layout), "mse" if algorithm == "gptq" else algorithm)
+    finally:
+        ckpt.close()
+
+
 def _kernel_shapes(ckpt: Checkpoint, layout: Nvfp4Layout) -> list[tuple[int, int, torch.dtype]]:
     """``(out, in, dtype)`` of every 2-D weight the NVFP4 kernel is given (a dense linear, one
     expert of an experts tensor), in the order the layer loop quantizes them."""

@@ -1,24 +1,46 @@
 """A quantizer's one-pass kernel compiled by ``torch.compile`` (inductor, C++/OpenMP on the CPU),
-with the eager fallback both quantizers share.
+with the eager fallback both quantizers share, and a per-machine cache of the kernels packaged
+ahead of time.
 
-The kernel is compiled on first use, static in the input width and dynamic in the rows (the
-caller marks the rows dynamic). It is not used for tensors under ``min_elements`` (no compile
-for small test models), when the ``eager_env`` variable is set to anything but ``0``, or once
-a compile or run has failed (no C compiler, a codegen error): the caller's eager path then
-gives the same bytes, which the quantizers' tests check.
+The kernel is compiled on first use, static in the input width and dynamic in the rows
+(``rows_dynamic``: :class:`CompiledKernel` marks them). It is not used for tensors under
+``min_elements`` (no compile for small test models), when the ``eager_env`` variable is set to
+anything but ``0``, or once a compile or run has failed (no C compiler, a codegen error): the
+caller's eager path then gives the same bytes, which the quantizers' tests check.
 
 A conversion can compile its kernels in the background while it reads (:meth:`CompiledKernel.warm`):
 in a fresh process the first compile costs seconds even with inductor's on-disk cache (importing
 dynamo and inductor, inductor's probe of the CPU's vector instructions, which runs child processes,
 and loading each width's compiled code), time the conversion's reads of its first tensors can cover.
+
+The kernel cache (:func:`kernel_cache_dir`, filled by ``g4convert kernels`` through
+:meth:`CompiledKernel.save_packages`) holds a rows-dynamic kernel per input width and dtype as an
+AOTInductor package (``torch._inductor.aoti_compile_and_package`` of ``torch.export``'s graph;
+pytorch/pytorch ``torch/_inductor/package/package.py``): a later process loads it in milliseconds
+with PyTorch's C++ loader (``torch._C._aoti.AOTIModelPackageLoader``, what
+``torch._inductor.aoti_load_package`` wraps), without importing dynamo or inductor, and uses it
+only once it has given the eager kernel's bytes on a probe input. A package is found by a digest
+of the machine (torch build, CPU flags) and of the kernel's source file, so an edited quantizer or
+another torch never loads an old one. It is compiled once per machine (15-30 s a package here).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import logging
+import math
 import os
+import platform
+import re
+import stat
+import sys
 import threading
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -27,6 +49,64 @@ log = logging.getLogger(__name__)
 _UNSET = object()
 # Rows of the zeros CompiledKernel.warm_rows compiles on (dynamic: 0 and 1 would be specialised).
 WARM_ROWS = 64
+# Where the packaged kernels live: this variable's directory, or ``off`` (or ``0``) for none.
+KERNEL_CACHE_ENV = "G4_KERNEL_CACHE"
+_PACKAGE_FORMAT = "g4-aoti-1"  # part of every package's digest: bump when the package's form changes
+
+
+def kernel_cache_dir() -> Path | None:
+    """The per-machine kernel cache: ``$G4_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/g4/kernels``
+    (``~/.cache/g4/kernels``); None where ``G4_KERNEL_CACHE`` is ``off`` or ``0``."""
+    given = os.environ.get(KERNEL_CACHE_ENV, "")
+    if given.lower() in ("off", "0"):
+        return None
+    if given:
+        return Path(given).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "g4" / "kernels"
+
+
+@functools.cache
+def _machine_digest() -> str:
+    """What a packaged kernel's machine code depends on besides its source: the torch build, the
+    CPU's architecture and flags (inductor compiles for the host's vector instructions)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if re.match(r"(flags|Features)\s*:", line)), "")
+    except OSError:
+        flags = platform.processor()
+    parts = (_PACKAGE_FORMAT, torch.__version__, str(torch.version.git_version), sys.platform, platform.machine(),
+             torch.backends.cpu.get_cpu_capability(), " ".join(sorted(flags.split(":", 1)[-1].split())))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory owned by this user that no one else can write (a package
+    is a shared library the process loads: nobody else may have put it there)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    own = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+    return stat.S_ISDIR(st.st_mode) and own and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+class _Exported(torch.nn.Module):
+    """``fn`` as a module, for ``torch.export`` (which exports modules)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor):
+        return self.fn(*args)
+
+
+def _same_bytes(a, b) -> bool:
+    """Whether two kernel results (tuples of tensors) are the same tensors, byte for byte."""
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
 
 
 class CompiledKernel:
@@ -37,21 +117,34 @@ class CompiledKernel:
         eager_env: environment variable that forces the eager path (e.g. ``G4_NVFP4_EAGER``).
         label: the quantizer's name in log lines.
         min_elements: smallest tensor (elements) worth the compiled kernel.
+        rows_dynamic: torch.compile marks the first argument's first dimension (the rows)
+            dynamic (one compile per shape of the others); else one compile per shape. A cached
+            package is dynamic in the rows either way.
+        key: what else the kernel's arithmetic depends on, for the kernel cache's digest (e.g.
+            the layout of :func:`g4.quantizers.int8.quantize_to_layout`, by its ``repr``).
+        sources: objects (functions, classes, instances) whose source files ``fn`` depends on
+            beyond its own, for the same digest.
 
     Attributes:
-        compiled: the compiled function, None (eager only), or unset until first use; tests
+        compiled: the compiled function, None (eager only), or unset until first needed; tests
             set it to None to run the eager path.
     """
 
-    def __init__(self, fn: Callable, *, eager_env: str, label: str, min_elements: int = 1 << 20):
+    def __init__(self, fn: Callable, *, eager_env: str, label: str, min_elements: int = 1 << 20,
+                 rows_dynamic: bool = False, key: str = "", sources: tuple = ()):
         self.fn, self.eager_env, self.label, self.min_elements = fn, eager_env, label, min_elements
+        self.rows_dynamic, self.key, self.sources = rows_dynamic, key, sources
         self.compiled = _UNSET
-        self._lock = threading.Lock()  # the first for_size() call may come from two threads (warm())
+        self._lock = threading.Lock()  # the first calls may come from two threads (warm())
         self._warming: threading.Thread | None = None
+        self._packages: dict[tuple, object] = {}  # signature -> loaded package, or None: none usable
 
     def for_size(self, numel: int) -> Callable | None:
-        """The compiled kernel for a tensor of ``numel`` elements, or None for the eager path;
-        waits for a :meth:`warm` thread to finish first."""
+        """The kernel to call (as ``fn`` is called) for a tensor of ``numel`` elements, or None for
+        the eager path; waits for a :meth:`warm` thread to finish first. The kernel is the cached
+        package for the input's signature where one loads and gives the eager bytes, else the
+        torch.compile'd ``fn``; it raises whatever a failed compile or run raises (the caller then
+        calls :meth:`disable` and runs the eager path)."""
         if numel < self.min_elements:
             return None
         warming = self._warming
@@ -59,24 +152,165 @@ class CompiledKernel:
             warming.join()
             if self._warming is warming:  # not a warm() started meanwhile
                 self._warming = None
+        if os.environ.get(self.eager_env, "") not in ("", "0"):
+            self.compiled = None
+        return None if self.compiled is None else self._run
+
+    def _run(self, x: torch.Tensor, *extra: torch.Tensor):
+        if x.device.type == "cpu" and x.dim() and x.shape[0] >= 2:
+            package = self._package(x, extra)
+            if package is not None:
+                return tuple(package.run([x.contiguous(), *(e.contiguous() for e in extra)]))
+        compiled = self._compiled()
+        if self.rows_dynamic:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        return compiled(x, *extra)
+
+    def _compiled(self) -> Callable:
+        """``fn`` torch.compile'd (once); raises RuntimeError where torch.compile is unavailable."""
         with self._lock:
             if self.compiled is _UNSET:
-                compiled = None
-                if os.environ.get(self.eager_env, "") in ("", "0"):
-                    try:
-                        compiled = torch.compile(self.fn, dynamic=False)
-                    except Exception as e:  # noqa: BLE001 - torch.compile raises many types
-                        log.warning("%s: torch.compile unavailable (%s); using the eager quantizer", self.label, e)
-                self.compiled = compiled
-        return self.compiled
+                try:
+                    self.compiled = torch.compile(self.fn, dynamic=False)
+                except Exception as e:  # noqa: BLE001 - torch.compile raises many types
+                    self.compiled = None
+                    log.warning("%s: torch.compile unavailable (%s); using the eager quantizer", self.label, e)
+            if self.compiled is None:
+                raise RuntimeError("torch.compile unavailable")
+            return self.compiled
+
+    # ------------------------------------------------------------------------- the kernel cache
+    def _signature(self, x: torch.Tensor, extra: tuple[torch.Tensor, ...]) -> tuple:
+        """What a package is compiled for: the first argument's shape without the rows and its
+        dtype, and the other arguments' shapes and dtypes."""
+        return (tuple(x.shape[1:]), x.dtype, tuple((tuple(e.shape), e.dtype) for e in extra))
+
+    @functools.cached_property
+    def _source_digest(self) -> str | None:
+        digest = hashlib.sha256()
+        try:
+            for obj in (self.fn, *self.sources):
+                code = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+                digest.update(Path(inspect.getsourcefile(code)).read_bytes())
+        except (OSError, TypeError):  # no source file: nothing to key a package by
+            return None
+        return digest.hexdigest()
+
+    def package_path(self, signature: tuple) -> Path | None:
+        """The kernel cache's file for ``signature`` (:meth:`_signature`), or None (no cache, no
+        source to key it by)."""
+        root = kernel_cache_dir()
+        if root is None or self._source_digest is None:
+            return None
+        key = repr((_machine_digest(), self._source_digest, self.fn.__module__, self.fn.__qualname__, self.key,
+                    [str(v) for v in signature[:2]], [(s, str(d)) for s, d in signature[2]]))
+        name = re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-")
+        return root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
+
+    def _package(self, x: torch.Tensor, extra: tuple[torch.Tensor, ...]):
+        signature = self._signature(x, extra)
+        with self._lock:
+            if signature not in self._packages:
+                self._packages[signature] = self._load(signature, extra)
+            return self._packages[signature]
+
+    def _probe(self, signature: tuple) -> torch.Tensor:
+        """The input a package is exported on and must give the eager bytes on: up to
+        :data:`WARM_ROWS` rows (at least 2, about 1M elements at most, a count no other dimension
+        has, so the export keeps the rows apart) of seeded Gaussian weights (0.02 scale, as a
+        model's) with exact zeros and a few large values."""
+        tail, dtype = signature[0], signature[1]
+        rows = max(2, min(WARM_ROWS, (1 << 20) // max(1, math.prod(tail))))
+        while rows in tail:
+            rows += 1
+        x = torch.randn(rows, *tail, generator=torch.Generator().manual_seed(0)) * 0.02
+        x.view(rows, -1)[:, ::7] = 0
+        x.view(rows, -1)[::5, 3 % x[0].numel()] = 3.0
+        return x.to(dtype)
+
+    def _load(self, signature: tuple, extra: tuple[torch.Tensor, ...]):
+        """The package for ``signature`` from the kernel cache, or None (none there, the cache is
+        not this user's own, no loader, or it does not give the eager bytes on :meth:`_probe`)."""
+        path = self.package_path(signature)
+        if path is None or not path.is_file():
+            return None
+        if not _private_dir(path.parent):
+            log.warning("%s: kernel cache %s is not a directory only this user can write; not loading %s",
+                        self.label, path.parent, path.name)
+            return None
+        try:
+            package = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            probe = self._probe(signature)
+            ok = _same_bytes(tuple(package.run([probe, *(e.contiguous() for e in extra)])), self.fn(probe, *extra))
+        except Exception as e:  # noqa: BLE001 - a loader missing from this torch, a damaged package
+            log.warning("%s: kernel cache package %s not loaded (%s: %s)", self.label, path, type(e).__name__, e)
+            return None
+        if not ok:
+            log.warning("%s: kernel cache package %s does not give the eager bytes; not used", self.label, path)
+            return None
+        return package
+
+    def save_packages(self, inputs: Iterable[tuple[int, tuple[int, ...], torch.dtype]], *extra: torch.Tensor
+                      ) -> list[tuple[Path, float | None]]:
+        """Compile the kernel for each ``(numel, tail, dtype)`` of ``inputs`` (as
+        :meth:`warm_rows` takes them: tensors under ``min_elements`` are skipped) into the kernel
+        cache as an AOTInductor package, with ``extra`` as the other arguments (their shapes and
+        dtypes are part of the signature), unless one there already gives the eager bytes; each
+        new package is loaded and checked against the eager kernel before this returns.
+
+        Returns:
+            ``(path, seconds)`` per signature: the compile's seconds, or None where the cache had it.
+
+        Raises:
+            ValueError: the kernel has no source file, or the kernel cache is off.
+            RuntimeError: a package that does not load or does not give the eager bytes.
+            OSError: the cache directory cannot be made or written.
+        """
+        if kernel_cache_dir() is None:
+            raise ValueError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ.get(KERNEL_CACHE_ENV)})")
+        if self._source_digest is None:
+            raise ValueError(f"{self.label}: this kernel cannot be packaged (no source file)")
+        done = []
+        for tail, dtype in dict.fromkeys((tuple(t), d) for n, t, d in inputs if n >= self.min_elements):
+            x = self._probe(((*tail,), dtype))
+            signature = self._signature(x, extra)
+            path = self.package_path(signature)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with self._lock:
+                self._packages.pop(signature, None)
+            if self._package(x, extra) is not None:
+                done.append((path, None))
+                continue
+            t0 = time.perf_counter()
+            from torch.export import Dim, export
+
+            partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # must end in .pt2
+            try:
+                import torch._inductor
+
+                with warnings.catch_warnings():  # torch.export's own deprecation notices, not the user's
+                    warnings.simplefilter("ignore", FutureWarning)
+                    exported = export(_Exported(self.fn), (x, *extra),
+                                      dynamic_shapes=(({0: Dim("rows", min=2)}, *([None] * len(extra))),))
+                    torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+                os.replace(partial, path)
+            finally:
+                partial.unlink(missing_ok=True)
+            with self._lock:
+                self._packages.pop(signature, None)
+            if self._package(x, extra) is None:
+                raise RuntimeError(f"{self.label}: the package just compiled ({path}) does not load or does not "
+                                   "give the eager bytes")
+            done.append((path, time.perf_counter() - t0))
+        return done
 
     def warm(self, examples: Iterable[tuple]) -> threading.Thread | None:
-        """Compile the kernel for each argument tuple of ``examples`` (small tensors of the real
-        inputs' dtypes, static sizes and dynamic marks, so the real calls find the compiled code
-        by its guards) by running it once on them, in order, in a daemon thread; returns the
+        """Load or compile the kernel for each argument tuple of ``examples`` (small tensors of the
+        real inputs' dtypes and static sizes, so the real calls find the package or the compiled
+        code by its guards) by running it once on them, in order, in a daemon thread; returns the
         thread (join it to wait), or None where the kernel is not compiled (``eager_env`` set, no
         ``torch.compile``). ``examples`` is iterated in that thread (a generator can build its
-        tensors there: marking a dimension dynamic imports dynamo, seconds of the caller's time).
+        tensors there).
         A failure there is left to the real call, which then falls back to the eager path
         (:meth:`disable`). The first real call (:meth:`for_size`) waits for the thread: called
         while dynamo compiles the same function in another thread, it waited for that compile and
@@ -106,23 +340,22 @@ class CompiledKernel:
         """:meth:`warm` for a kernel whose first argument is dynamic in its first dimension (the
         rows) and static in the others: ``inputs`` holds ``(numel, tail, dtype)`` of each real
         first argument (its element count, its shape without the rows, its dtype; in the order
-        of first use); one compile per ``(tail, dtype)`` among those of at least ``min_elements``,
-        on :data:`WARM_ROWS` rows of zeros marked dynamic in the rows (as the callers mark their
-        real inputs), followed by ``extra`` arguments. Returns the thread, or None (nothing to
+        of first use); one package or compile per ``(tail, dtype)`` among those of at least
+        ``min_elements``, on :data:`WARM_ROWS` rows of zeros (the kernel marks the rows dynamic, as
+        for the real inputs), followed by ``extra`` arguments. Returns the thread, or None (nothing to
         compile, or :meth:`warm`'s None)."""
         given = list(dict.fromkeys((tuple(tail), dtype) for numel, tail, dtype in inputs if numel >= self.min_elements))
 
-        def examples() -> Iterator[tuple[torch.Tensor, ...]]:  # run in the thread: marking imports dynamo
+        def examples() -> Iterator[tuple[torch.Tensor, ...]]:
             for tail, dtype in given:
-                x = torch.zeros(WARM_ROWS, *tail, dtype=dtype)
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-                yield (x, *extra)
+                yield (torch.zeros(WARM_ROWS, *tail, dtype=dtype), *extra)
 
         return self.warm(examples()) if given else None
 
     def disable(self, e: Exception) -> None:
         """After a failed compile or run: log it once and use the eager path from now on."""
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        log.warning("%s: compiled quantizer failed (%s: %s); using the eager quantizer", self.label,
-                    type(e).__name__, first)
+        if self.compiled is not None:  # None: _compiled() has logged why
+            log.warning("%s: compiled quantizer failed (%s: %s); using the eager quantizer", self.label,
+                        type(e).__name__, first)
         self.compiled = None

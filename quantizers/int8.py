@@ -16,9 +16,11 @@ with ``PerChannelAbsMaxObserver(dtype=qint8, qscheme=per_channel_symmetric, ch_a
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -60,7 +62,7 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # As in g4.quantizers.nvfp4: _quantize_rows compiled by torch.compile (inductor) into one
 # pass, static in the input width, dynamic in the rows; small tensors,
 # G4_INT8_EAGER=1 or a compile/run failure use the eager chunks (same bytes; tests check both).
-KERNEL = CompiledKernel(_quantize_rows, eager_env="G4_INT8_EAGER", label="int8")
+KERNEL = CompiledKernel(_quantize_rows, eager_env="G4_INT8_EAGER", label="int8", rows_dynamic=True)
 
 
 def quantize(w: torch.Tensor) -> Int8Weight:
@@ -82,7 +84,6 @@ def quantize(w: torch.Tensor) -> Int8Weight:
     fused = KERNEL.for_size(flat.numel())
     if fused is not None:
         try:
-            torch._dynamo.maybe_mark_dynamic(flat, 0)
             q, scale = fused(flat)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
             KERNEL.disable(e)
@@ -111,8 +112,40 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]]) -> threading.Thread | N
     return KERNEL.warm_rows((rows * k, (k,), dtype) for rows, k, dtype in shapes)
 
 
+def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]],
+                 layouts: Iterable[tuple[Hashable, tuple[int, ...], torch.dtype]] = ()
+                 ) -> list[tuple[Path, float | None]]:
+    """Package into the kernel cache the kernels :func:`warm` would compile for ``shapes``, and
+    :func:`quantize_to_layout`'s for each ``(layout, shape, dtype)`` of ``layouts``
+    (:meth:`g4.quantizers.compiled.CompiledKernel.save_packages`). Returns ``(path, compile
+    seconds or None where cached)`` per package.
+
+    Raises:
+        ValueError: the kernel cache is off.
+        RuntimeError: a package that does not give the eager bytes.
+    """
+    done = KERNEL.save_packages((rows * k, (k,), dtype) for rows, k, dtype in shapes)
+    for layout, shape, dtype in dict.fromkeys(layouts):
+        done += _layout_kernel(layout).save_packages([(math.prod(shape), tuple(shape[1:]), dtype)])
+    return done
+
+
 # One compiled kernel per layout given to quantize_to_layout (the layout is its key).
 _LAYOUT_KERNELS: dict[Hashable, CompiledKernel] = {}
+
+
+def _layout_kernel(layout: Callable[[torch.Tensor], torch.Tensor]) -> CompiledKernel:
+    """:func:`quantize_to_layout`'s kernel for ``layout`` (made on first use): static in every
+    dimension under torch.compile; its cached package is keyed by the layout's ``repr`` and source."""
+    kernel = _LAYOUT_KERNELS.get(layout)
+    if kernel is None:
+        def laid_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, s = _quantize_rows(x)
+            return layout(q), s
+
+        kernel = _LAYOUT_KERNELS[layout] = CompiledKernel(laid_out, eager_env="G4_INT8_EAGER", label="int8 layout",
+                                                          key=repr(layout), sources=(layout,))
+    return kernel
 
 
 def quantize_to_layout(w: torch.Tensor, layout: Callable[[torch.Tensor], torch.Tensor]) -> Int8Weight:
@@ -137,13 +170,7 @@ def quantize_to_layout(w: torch.Tensor, layout: Callable[[torch.Tensor], torch.T
     """
     if w.dim() < 2:
         raise ValueError(f"int8 per-channel quantization needs [..., out, in], got shape {tuple(w.shape)}")
-    kernel = _LAYOUT_KERNELS.get(layout)
-    if kernel is None:
-        def laid_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            q, s = _quantize_rows(x)
-            return layout(q), s
-
-        kernel = _LAYOUT_KERNELS[layout] = CompiledKernel(laid_out, eager_env="G4_INT8_EAGER", label="int8")
+    kernel = _layout_kernel(layout)
     fused = kernel.for_size(w.numel())
     if fused is not None:
         try:

@@ -27,8 +27,9 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -175,7 +176,7 @@ def _pack_codes(x: torch.Tensor, s8: torch.Tensor, g: torch.Tensor) -> torch.Ten
 # compile for small test models). G4_NVFP4_EAGER=1, or any compile or run failure (no C
 # compiler), uses the eager chunks, which give the same bytes (tests/quantizers/test_nvfp4_quantizer.py
 # checks both against modelopt); see g4.quantizers.compiled.
-KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4")
+KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4", rows_dynamic=True)
 
 
 # ----------------------------------------------------------------------------- mse block scales
@@ -242,7 +243,7 @@ def _quantize_blocks_with_scales(blocks: torch.Tensor, s8: torch.Tensor, g: torc
 
 
 # Same compile rules as KERNEL (one compile per input width; G4_NVFP4_EAGER=1 or a failure: eager).
-MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", label="NVFP4 mse")
+MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", label="NVFP4 mse", rows_dynamic=True)
 BLOCK_METHODS = ("max", "mse")
 _KERNELS = {"max": (KERNEL, _quantize_blocks), "mse": (MSE_KERNEL, _quantize_blocks_mse)}
 
@@ -324,9 +325,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple
     fused = kernel.for_size(w.numel())
     if fused is not None:
         try:
-            given = _kernel_blocks(blocks, method)
-            torch._dynamo.maybe_mark_dynamic(given, 0)
-            packed, scales = fused(given, g)
+            packed, scales = fused(_kernel_blocks(blocks, method), g)
             return packed.view(out_features, in_features // 2), scales.view(out_features, in_features // BLOCK_SIZE)
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
             kernel.disable(e)
@@ -350,11 +349,29 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") ->
     Raises:
         ValueError: an unknown ``method``.
     """
+    return _KERNELS[method][0].warm_rows(_kernel_inputs(shapes, method), torch.ones((), dtype=torch.float32))
+
+
+def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") -> list[tuple[Path, float | None]]:
+    """Package into the kernel cache the kernels :func:`warm` would compile for ``shapes``
+    (:meth:`g4.quantizers.compiled.CompiledKernel.save_packages`): later processes load them in
+    milliseconds. Returns ``(path, compile seconds or None where cached)`` per package.
+
+    Raises:
+        ValueError: an unknown ``method``, or the kernel cache is off.
+        RuntimeError: a package that does not give the eager bytes.
+    """
+    return _KERNELS[method][0].save_packages(_kernel_inputs(shapes, method), torch.ones((), dtype=torch.float32))
+
+
+def _kernel_inputs(shapes: Iterable[tuple[int, int, torch.dtype]], method: str
+                   ) -> Iterator[tuple[int, tuple[int, ...], torch.dtype]]:
+    """``(numel, shape without the rows, dtype)`` of the kernel's first argument for each 2-D
+    weight ``(out, in, dtype)`` (:func:`_kernel_blocks`' view)."""
     if method not in _KERNELS:
         raise ValueError(f"unknown NVFP4 block-scale method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
-    return _KERNELS[method][0].warm_rows(
-        ((out * k, _kernel_blocks(torch.empty(0, k // BLOCK_SIZE, BLOCK_SIZE), method).shape[1:], dtype)
-         for out, k, dtype in shapes if k % BLOCK_SIZE == 0), torch.ones((), dtype=torch.float32))
+    return ((out * k, _kernel_blocks(torch.empty(0, k // BLOCK_SIZE, BLOCK_SIZE), method).shape[1:], dtype)
+            for out, k, dtype in shapes if k % BLOCK_SIZE == 0)
 
 
 def quantize_experts(w: torch.Tensor, *, method: str = "max", amax: torch.Tensor | None = None) -> NVFP4Weight:

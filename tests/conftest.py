@@ -10,6 +10,22 @@ warnings.filterwarnings("ignore", message=".*not tested with current version of 
 import tiny  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_kernel_cache(tmp_path_factory):
+    """Every test (and the processes it starts) uses an empty kernel cache of its own session, not
+    the user's ~/.cache/g4/kernels: a package there would stand in for the compiled kernels the
+    tests check (g4.quantizers.compiled)."""
+    import os
+
+    before = os.environ.get("G4_KERNEL_CACHE")
+    os.environ["G4_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel_cache"))
+    yield
+    if before is None:
+        os.environ.pop("G4_KERNEL_CACHE", None)
+    else:
+        os.environ["G4_KERNEL_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_mm(tmp_path_factory) -> Path:
     """Random tiny multimodal Gemma 4 MoE (read-only: copy before modifying)."""
