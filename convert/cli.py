@@ -353,7 +353,7 @@ def kernels(ctx, src, fmt, algorithm, preset, tp):
     milliseconds instead of compiling them in each process (5-8 s here, before the first layer).
     15-30 s per kernel; tensors under 1M elements run eagerly and need none."""
     from g4.convert import int8_neuron, nvfp4
-    from g4.quantizers.compiled import KERNEL_CACHE_ENV, kernel_cache_dir
+    from g4.quantizers.compiled import KERNEL_CACHE_ENV, PackageCompileError, kernel_cache_dir
 
     if kernel_cache_dir() is None:
         raise OptionError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ[KERNEL_CACHE_ENV]}); "
@@ -362,10 +362,13 @@ def kernels(ctx, src, fmt, algorithm, preset, tp):
     if algorithm is not None and algorithm not in choices:
         raise OptionError(f"--algorithm {algorithm!r} is not one of {fmt}'s: {', '.join(choices)}")
     src_dir = resolve_source(src)
-    if fmt == "nvfp4":
-        done = nvfp4.save_kernels(src_dir, preset=preset, algorithm=algorithm or DEFAULT_ALGORITHM)
-    else:
-        done = int8_neuron.save_kernels(src_dir, tp=tp, algorithm=algorithm or INT8_DEFAULT_ALGORITHM)
+    try:
+        if fmt == "nvfp4":
+            done = nvfp4.save_kernels(src_dir, preset=preset, algorithm=algorithm or DEFAULT_ALGORITHM)
+        else:
+            done = int8_neuron.save_kernels(src_dir, tp=tp, algorithm=algorithm or INT8_DEFAULT_ALGORITHM)
+    except PackageCompileError as e:
+        raise G4Error(f"{e}; conversions compile it in their own process instead") from e
     for path, seconds in done:
         click.echo(f"{'in the cache' if seconds is None else f'compiled in {seconds:.1f} s'}: {path}")
     if not done:

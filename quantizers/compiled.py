@@ -91,6 +91,10 @@ def _private_dir(path: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and own and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+class PackageCompileError(RuntimeError):
+    """AOTInductor could not export or compile a kernel here (no C++ compiler, a codegen error)."""
+
+
 class _Exported(torch.nn.Module):
     """``fn`` as a module, for ``torch.export`` (which exports modules)."""
 
@@ -170,6 +174,9 @@ class CompiledKernel:
         """``fn`` torch.compile'd (once); raises RuntimeError where torch.compile is unavailable."""
         with self._lock:
             if self.compiled is _UNSET:
+                if kernel_cache_dir() is not None:
+                    log.info("%s: compiling the kernel in this process (seconds); `g4convert kernels SRC` packages "
+                             "it once for this machine", self.label)
                 try:
                     self.compiled = torch.compile(self.fn, dynamic=False)
                 except Exception as e:  # noqa: BLE001 - torch.compile raises many types
@@ -263,7 +270,9 @@ class CompiledKernel:
 
         Raises:
             ValueError: the kernel has no source file, or the kernel cache is off.
+            PackageCompileError: AOTInductor could not export or compile the kernel.
             RuntimeError: a package that does not load or does not give the eager bytes.
+            PermissionError: the cache directory is not the user's own or others can write it.
             OSError: the cache directory cannot be made or written.
         """
         if kernel_cache_dir() is None:
@@ -276,6 +285,9 @@ class CompiledKernel:
             signature = self._signature(x, extra)
             path = self.package_path(signature)
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not _private_dir(path.parent):
+                raise PermissionError(f"{path.parent}: the kernel cache must be a directory of this user's that no one "
+                                      "else can write (its packages are shared libraries g4 loads): chmod 700 it")
             with self._lock:
                 self._packages.pop(signature, None)
             if self._package(x, extra) is not None:
@@ -293,6 +305,11 @@ class CompiledKernel:
                     exported = export(_Exported(self.fn), (x, *extra),
                                       dynamic_shapes=(({0: Dim("rows", min=2)}, *([None] * len(extra))),))
                     torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+            except Exception as e:  # noqa: BLE001 - export and inductor raise many types
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise PackageCompileError(f"{self.label}: AOTInductor could not compile the kernel for "
+                                          f"{list(tail)} {dtype} ({type(e).__name__}: {first})") from e
+            else:
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)

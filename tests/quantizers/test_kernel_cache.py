@@ -104,6 +104,12 @@ def test_a_cache_others_can_write_is_not_loaded(cache, monkeypatch, caplog):
     finally:
         os.chmod(root, 0o700)
     assert f"kernel cache {root} is not a directory only this user can write" in caplog.text
+    os.chmod(root, 0o770)
+    try:
+        with pytest.raises(PermissionError, match="no one else can write"):
+            q.save_kernels([(2048, 1024, torch.bfloat16)], "max")
+    finally:
+        os.chmod(root, 0o700)
 
 
 def test_the_package_name_depends_on_the_kernel_the_source_and_the_signature(monkeypatch):
