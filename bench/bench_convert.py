@@ -43,7 +43,7 @@ has finished (util-linux ``fincore``; the conversion releases what it is done wi
 ``g4.convert.pipeline.SourceRelease``). Meaningful with ``--cache cold`` only.
 
 Before the timed phases, untimed, ``g4convert kernels`` packages the conversion's quantization
-kernels into the per-machine kernel cache (``g4.quantizers.compiled``; 15-30 s per kernel the
+kernels into the per-machine kernel cache (``g4.quantizers.compiled``; 7-17 s per kernel the
 first time, then found there), as a user does once per machine: the conversion then loads them in
 milliseconds instead of compiling them in its own process (5-8 s before its first layer on this
 machine). ``--no-kernel-cache`` measures the conversion without it (``G4_KERNEL_CACHE=off``:

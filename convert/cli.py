@@ -345,13 +345,15 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
 @click.option("--preset", type=click.Choice(["default", "mlp-only", "experts-only"]), default="default",
               show_default=True, help="nvfp4's --preset.")
 @click.option("--tp", type=COUNT, default=2, show_default=True, help="int8-neuron's --tp.")
+@click.option("--quantize-attention", is_flag=True, help="int8-neuron's --quantize-attention.")
 @click.pass_context
 @exit_on_user_error
-def kernels(ctx, src, fmt, algorithm, preset, tp):
+def kernels(ctx, src, fmt, algorithm, preset, tp, quantize_attention):
     """Compile once per machine the quantization kernels a conversion of SRC runs, into g4's
     kernel cache ($G4_KERNEL_CACHE, default ~/.cache/g4/kernels): later conversions load them in
     milliseconds instead of compiling them in each process (5-8 s here, before the first layer).
-    15-30 s per kernel; tensors under 1M elements run eagerly and need none."""
+    7-17 s per kernel here; tensors under 1M elements run eagerly and need none. The options are
+    the conversion's."""
     from g4.convert import int8_neuron, nvfp4
     from g4.quantizers.compiled import KERNEL_CACHE_ENV, PackageCompileError, kernel_cache_dir
 
@@ -366,7 +368,8 @@ def kernels(ctx, src, fmt, algorithm, preset, tp):
         if fmt == "nvfp4":
             done = nvfp4.save_kernels(src_dir, preset=preset, algorithm=algorithm or DEFAULT_ALGORITHM)
         else:
-            done = int8_neuron.save_kernels(src_dir, tp=tp, algorithm=algorithm or INT8_DEFAULT_ALGORITHM)
+            done = int8_neuron.save_kernels(src_dir, tp=tp, quantize_attention=quantize_attention,
+                                            algorithm=algorithm or INT8_DEFAULT_ALGORITHM)
     except PackageCompileError as e:
         raise G4Error(f"{e}; conversions compile it in their own process instead") from e
     for path, seconds in done:

@@ -315,9 +315,9 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
 def save_kernels(src: str | Path, *, tp: int = 2, quantize_attention: bool = False,
                  algorithm: str = DEFAULT_ALGORITHM) -> list[tuple[Path, float | None]]:
     """Package into the per-machine kernel cache (:func:`g4.quantizers.compiled.kernel_cache_dir`)
-    the int8 kernels a conversion of ``src`` with these options compiles in its background thread
-    (:func:`g4.quantizers.int8.save_kernels`: not the experts' per-layout kernels), so that later
-    conversions load them in milliseconds.
+    the int8 kernels a conversion of ``src`` with these options compiles (:func:`g4.quantizers.int8.save_kernels`:
+    one per input width and dtype, and one per experts layout), so that later conversions load
+    them in milliseconds.
 
     Returns:
         ``(package path, compile seconds, or None where the cache had it)`` per kernel.
@@ -326,6 +326,8 @@ def save_kernels(src: str | Path, *, tp: int = 2, quantize_attention: bool = Fal
         G4Error: an unknown algorithm; ``src`` is not a Gemma 4 checkpoint g4 reads or ``tp``
             does not divide its heads.
         ValueError: the kernel cache is off (``G4_KERNEL_CACHE=off``).
+        PackageCompileError: AOTInductor cannot compile a kernel here.
+        PermissionError: the kernel cache directory is not the user's own or others can write it.
         RuntimeError: a compiled package does not give the eager kernel's bytes.
     """
     if algorithm not in ALGORITHMS:

@@ -485,6 +485,8 @@ def save_kernels(src: str | Path, *, preset: str = "default", algorithm: str = D
         ExportError: an unknown preset or algorithm.
         CheckpointError: ``src`` is not a Gemma 4 checkpoint g4 reads.
         ValueError: the kernel cache is off (``G4_KERNEL_CACHE=off``).
+        PackageCompileError: AOTInductor cannot compile a kernel here.
+        PermissionError: the kernel cache directory is not the user's own or others can write it.
         RuntimeError: a compiled package does not give the eager kernel's bytes.
     """
     if preset not in PRESETS:

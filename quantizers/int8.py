@@ -122,7 +122,8 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]],
 
     Raises:
         ValueError: the kernel cache is off.
-        RuntimeError: a package that does not give the eager bytes.
+        PackageCompileError, PermissionError, RuntimeError: as
+            :meth:`~g4.quantizers.compiled.CompiledKernel.save_packages` raises them.
     """
     done = KERNEL.save_packages((rows * k, (k,), dtype) for rows, k, dtype in shapes)
     for layout, shape, dtype in dict.fromkeys(layouts):

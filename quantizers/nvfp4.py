@@ -359,7 +359,8 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "
 
     Raises:
         ValueError: an unknown ``method``, or the kernel cache is off.
-        RuntimeError: a package that does not give the eager bytes.
+        PackageCompileError, PermissionError, RuntimeError: as
+            :meth:`~g4.quantizers.compiled.CompiledKernel.save_packages` raises them.
     """
     return _KERNELS[method][0].save_packages(_kernel_inputs(shapes, method), torch.ones((), dtype=torch.float32))
 
