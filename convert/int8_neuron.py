@@ -230,7 +230,9 @@ def convert_int8_neuron(
     if algorithm not in ALGORITHMS:
         raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     device = calibration_device(calib_device) if algorithm == "gptq" else None
-    ckpt = Checkpoint(src, source=True)
+    # without calibration the chat template is compiled (transformers imported, 1.3 s here) while
+    # the first layer is read
+    ckpt = Checkpoint(src, source=True, defer_template_check=algorithm != "gptq")
     g = geometry(ckpt.config, tp)
     max_length = serving_max_length(seq_len, g.arch.max_positions)
     prompt_length = serving_max_context_length(max_context_length, max_length)
@@ -258,6 +260,7 @@ def convert_int8_neuron(
             with progress_bar(bytes_in, "int8-neuron", enabled=progress) as bar:
                 per_rank = _write_weights(tmp, ckpt, g, layers, model, specs, bar, quantize_attention, calibrator,
                                           release)
+            ckpt.side_files_checked()
             ckpt.close()
             Manifest.build(
                 g, embed_dtype=KEPT_DTYPE, quantize_attention=quantize_attention,
@@ -437,6 +440,7 @@ def _write_weights(tmp: Path, ckpt: Checkpoint, g: Geometry, layers, model, spec
             bar.update(max(rest, 0))
             log.info("layer %d: experts, dense MLP%s -> int8 (%s), sharded over %d ranks", L,
                      " and attention" if quantize_attention else "", "gptq" if whole else "max", g.tp)
+            ckpt.side_files_checked()  # the chat template, checked while this layer was read
             del w, hessians
         values: dict[str, torch.Tensor] = {}
         head = None

@@ -334,7 +334,9 @@ def convert_nvfp4(
     calibrate = not weight_only or kv_cache or algorithm == "gptq"
     device = calibration_device(calib_device) if calibrate else None
     max_shard_bytes = parse_size(max_shard_size)
-    ckpt = Checkpoint(src, source=True)
+    # without calibration (minutes before the first layer ends) the chat template is compiled
+    # (transformers imported, 1.3 s here) while the first layer is read
+    ckpt = Checkpoint(src, source=True, defer_template_check=not calibrate)
     layout = source_layout(ckpt, parts, act_quant=not weight_only, kv_cache=kv_cache)
     specs = output_specs(layout)
 
@@ -356,6 +358,7 @@ def convert_nvfp4(
         with progress_bar(bytes_in, "nvfp4", enabled=progress) as bar:
             n_quant, params_quant, quant_bytes = _write_tensors(writer, ckpt, layout, calibrator, bar, algorithm,
                                                                 act_quant=not weight_only, check_kept=not calibrate)
+        ckpt.side_files_checked()
         writer.close()
         ckpt.close()
         copy_side_files(ckpt.root, tmp)
@@ -439,6 +442,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: Checkpoint, layout: N
             bar.update(layer_bytes - done)
             log.info("layer %d: %d dense groups + %d experts x 3 -> NVFP4, %d tensors kept",
                      lay.index, len(lay.groups), len(lay.experts), len(lay.kept))
+            ckpt.side_files_checked()  # the chat template, checked while this layer was read
             del layer, by_source, hessians, src_amax
     bar.update(sum(ckpt.tensors[t.source].nbytes for t in layout.model))
     return n_quant, params_quant, quant_bytes

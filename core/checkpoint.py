@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -290,21 +291,31 @@ class Checkpoint:
             ``<shard>: tensor <name> is stored as <dtype>`` for a dtype g4 cannot read as values.
     """
 
-    def __init__(self, root: str | Path, *, source: bool = False):
+    def __init__(self, root: str | Path, *, source: bool = False, defer_template_check: bool = False):
         self.root = Path(root)
         if not self.root.is_dir():
             why = "does not exist" if not self.root.exists() else "is a file, not a checkpoint directory"
             raise CheckpointError(f"{self.root}: {why} (SRC is {SRC_FORMS})")
         self.config = self._read_config()
+        self._template_check: _Background | None = None
         if source:
             refuse_quantized(self.root, self.config)
-            check_side_files(self.root)
+            check_side_files(self.root, chat_template=not defer_template_check)
+            if defer_template_check:
+                self._template_check = _Background(check_chat_template, self.root)
         self.text_config = self.config.get("text_config") or self.config
         self.tensors = self._index_tensors()
         if source:
             self._check_source_dtypes()
         self.prefix = self._detect_prefix()
         self._handles: dict[Path, object] = {}
+
+    def side_files_checked(self) -> None:
+        """Wait for the chat-template check a ``defer_template_check`` source runs in the
+        background (:func:`check_chat_template`); raises its CheckpointError. A conversion calls it
+        once its first layer is done, and again before its result is finished."""
+        if self._template_check is not None:
+            self._template_check.result()
 
     def _read_config(self) -> dict:
         path = self.root / CONFIG_NAME
@@ -626,15 +637,45 @@ def weight_files(root: Path) -> list[str]:
     return files
 
 
-def check_side_files(src: Path) -> None:
+def check_side_files(src: Path, *, chat_template: bool = True) -> None:
     """Check the side files of ``src`` that :func:`copy_side_files` would carry into OUT, so that a
     broken one stops the conversion up front instead of the server that loads OUT later: every
-    ``*.json`` must be a JSON object and ``chat_template.jinja`` must compile as transformers
-    compiles chat templates (huggingface/transformers ``src/transformers/utils/chat_template_utils.py``).
+    ``*.json`` must be a JSON object and, with ``chat_template``, ``chat_template.jinja`` must
+    compile (:func:`check_chat_template`).
 
     Raises:
         CheckpointError: ``<file>: invalid JSON (...)`` or ``<file>: invalid chat template (...)``.
     """
+    for f in sorted(Path(src).iterdir()):
+        if not (f.is_file() and f.suffix == ".json" and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS)):
+            continue
+        try:
+            value = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{f}: unreadable ({e})") from e
+        except ValueError as e:
+            raise CheckpointError(f"{f}: invalid JSON ({e})") from e
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{f}: invalid JSON (not an object)")
+    if chat_template:
+        check_chat_template(src)
+
+
+def check_chat_template(src: Path) -> None:
+    """Check that ``src/chat_template.jinja``, where there is one, compiles as transformers
+    compiles chat templates (huggingface/transformers ``src/transformers/utils/chat_template_utils.py``).
+    Imports transformers (1.3 s here) only where there is a template.
+
+    Raises:
+        CheckpointError: ``<file>: unreadable (...)`` or ``<file>: invalid chat template (...)``.
+    """
+    f = Path(src) / "chat_template.jinja"
+    if not f.is_file():
+        return
+    try:
+        text = f.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from e
     import jinja2
     from transformers.utils import chat_template_utils
 
@@ -642,27 +683,31 @@ def check_side_files(src: Path) -> None:
     # where this version has it under that name; else a plain Jinja parse with loopcontrols
     compile_template = getattr(chat_template_utils, "_compile_jinja_template", None) or (
         lambda text: jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text))
-    for f in sorted(Path(src).iterdir()):
-        if not (f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in SIDE_FILE_PATTERNS)):
-            continue
-        if f.suffix != ".json" and f.name != "chat_template.jinja":
-            continue
-        try:
-            text = f.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{f}: unreadable ({e})") from e
-        if f.suffix == ".json":
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"{f}: invalid chat template (line {e.lineno}: {e.message})") from e
+
+
+class _Background:
+    """``fn(*args)`` run in a daemon thread; :meth:`result` waits for it and raises what it raised."""
+
+    def __init__(self, fn, *args):
+        self._error: BaseException | None = None
+
+        def run() -> None:
             try:
-                value = json.loads(text)
-            except ValueError as e:
-                raise CheckpointError(f"{f}: invalid JSON ({e})") from e
-            if not isinstance(value, dict):
-                raise CheckpointError(f"{f}: invalid JSON (not an object)")
-        else:
-            try:
-                compile_template(text)
-            except jinja2.TemplateSyntaxError as e:
-                raise CheckpointError(f"{f}: invalid chat template (line {e.lineno}: {e.message})") from e
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that waits for it
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"g4-{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

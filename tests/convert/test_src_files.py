@@ -287,3 +287,20 @@ def test_config_values_a_server_cannot_run_are_refused_at_conversion(tiny_mm, tm
         one_error_line(run(*args), f"{src / 'config.json'}", says)
     one_error_line(run("plan", src / "config.json", "--format", "nvfp4"), says)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_deferred_template_check_raises_when_waited_for(tiny_mm, tmp_path):
+    """A conversion without calibration compiles the chat template in the background while its
+    first layer is read (Checkpoint(defer_template_check=True)); the error comes when it waits."""
+    from g4.core.checkpoint import Checkpoint
+    from g4.core.errors import CheckpointError
+
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    (src / "chat_template.jinja").write_text("{% if x %}")
+    ckpt = Checkpoint(src, source=True, defer_template_check=True)  # the JSON checks only, here
+    with pytest.raises(CheckpointError, match="invalid chat template"):
+        ckpt.side_files_checked()
+    with pytest.raises(CheckpointError, match="invalid chat template"):
+        Checkpoint(src, source=True)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    Checkpoint(src, source=True, defer_template_check=True).side_files_checked()
