@@ -790,7 +790,8 @@ class BackgroundHashes:
         return True
 
     def result(self) -> dict[str, str]:
-        """``{name: hex sha256}`` of every file, once all are hashed (waits).
+        """``{name: hex sha256}`` of every file, in name order (not the order the threads finished
+        them in: the manifest's bytes are the same every run), once all are hashed (waits).
 
         Raises:
             CheckpointError: a file could not be read (named), or :meth:`close` came first.
@@ -802,7 +803,7 @@ class BackgroundHashes:
             raise CheckpointError(f"{path}: cannot read to hash it ({e.strerror or e})")
         if len(self._digests) != len(self._files):
             raise CheckpointError("source hashing was stopped before it finished")
-        return dict(self._digests)
+        return dict(sorted(self._digests.items()))
 
     def close(self) -> None:
         """Stop hashing (at the next 16 MiB); the thread is a daemon and never blocks exit."""

@@ -24,8 +24,9 @@ def test_background_hashes_equal_file_sha256(tmp_path, threads):
         path = tmp_path / f"model-{i}.safetensors"
         path.write_bytes(os.urandom(size))
         files[path.name] = path
-    got = BackgroundHashes(files, threads=threads).result()
+    got = BackgroundHashes(dict(reversed(files.items())), threads=threads).result()
     assert got == {name: file_sha256(path) for name, path in files.items()}
+    assert list(got) == sorted(files)  # name order, not the order given or finished: the same manifest bytes
 
 
 def test_an_unreadable_file_is_named(tmp_path):
