@@ -350,10 +350,10 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
 @exit_on_user_error
 def kernels(ctx, src, fmt, algorithm, preset, tp, quantize_attention):
     """Compile once per machine the quantization kernels a conversion of SRC runs, into g4's
-    kernel cache ($G4_KERNEL_CACHE, default ~/.cache/g4/kernels): later conversions load them in
-    milliseconds instead of compiling them in each process (5-8 s here, before the first layer).
-    7-17 s per kernel here (nvfp4 mse: about 50 s per width); tensors under 1M elements run eagerly
-    and need none. The options are the conversion's."""
+    kernel cache ($G4_KERNEL_CACHE, default $XDG_CACHE_HOME/g4/kernels or ~/.cache/g4/kernels):
+    later conversions load them in milliseconds instead of compiling them in each process (5-8 s
+    here, before the first layer). 7-17 s per kernel here (nvfp4 mse: about 50 s per width);
+    tensors under 1M elements run eagerly and need none. The options are the conversion's."""
     from g4.convert import int8_neuron, nvfp4
     from g4.quantizers.compiled import KERNEL_CACHE_ENV, PackageCompileError, kernel_cache_dir
 

@@ -85,15 +85,27 @@ def _machine_digest() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _private_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory owned by this user that no one else can write (a package
-    is a shared library the process loads: nobody else may have put it there)."""
+def _private(path: Path, *, directory: bool) -> bool:
+    """Whether ``path`` is a directory (or a regular file, not a link) owned by this user that no
+    one else can write (a package is a shared library the process loads: nobody else may have
+    put it there or changed it)."""
     try:
-        st = path.stat()
+        st = path.lstat() if not directory else path.stat()
     except OSError:
         return False
     own = not hasattr(os, "getuid") or st.st_uid == os.getuid()
-    return stat.S_ISDIR(st.st_mode) and own and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind and own and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory owned by this user that no one else can write (a package
+    is a shared library the process loads: nobody else may have put it there)."""
+    return _private(path, directory=True)
 
 
 class PackageCompileError(RuntimeError):
@@ -133,6 +145,7 @@ class CompiledKernel:
             the layout of :func:`g4.quantizers.int8.quantize_to_layout`, by its ``repr``).
         sources: objects (functions, classes, instances) whose source files ``fn`` depends on
             beyond its own, for the same digest.
+        packaged_by: the command that packages it (said when it is compiled in the process).
 
     Attributes:
         compiled: the compiled function, None (eager only), or unset until first needed; tests
@@ -140,9 +153,9 @@ class CompiledKernel:
     """
 
     def __init__(self, fn: Callable, *, eager_env: str, label: str, min_elements: int = 1 << 20,
-                 rows_dynamic: bool = False, key: str = "", sources: tuple = ()):
+                 rows_dynamic: bool = False, key: str = "", sources: tuple = (), packaged_by: str = ""):
         self.fn, self.eager_env, self.label, self.min_elements = fn, eager_env, label, min_elements
-        self.rows_dynamic, self.key, self.sources = rows_dynamic, key, sources
+        self.rows_dynamic, self.key, self.sources, self.packaged_by = rows_dynamic, key, sources, packaged_by
         self.compiled = _UNSET
         self._lock = threading.Lock()  # the first calls may come from two threads (warm())
         self._warming: threading.Thread | None = None
@@ -179,9 +192,9 @@ class CompiledKernel:
         """``fn`` torch.compile'd (once); raises RuntimeError where torch.compile is unavailable."""
         with self._lock:
             if self.compiled is _UNSET:
-                if kernel_cache_dir() is not None:
-                    log.info("%s: compiling the kernel in this process (seconds); `g4convert kernels SRC` packages "
-                             "it once for this machine", self.label)
+                if kernel_cache_dir() is not None and self.packaged_by:
+                    log.info("%s: compiling the kernel in this process (seconds); `%s`, with this conversion's "
+                             "options, packages it once for this machine", self.label, self.packaged_by)
                 try:
                     self.compiled = torch.compile(self.fn, dynamic=False)
                 except Exception as e:  # noqa: BLE001 - torch.compile raises many types
@@ -246,9 +259,20 @@ class CompiledKernel:
         path = self.package_path(signature)
         if path is None or not path.is_file():
             return None
-        if not _private_dir(path.parent):
-            log.warning("%s: kernel cache %s is not a directory only this user can write; not loading %s",
-                        self.label, path.parent, path.name)
+        if not _private_dir(path.parent) or not _private(path, directory=False):
+            log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
+                        "this user can write; not loading it", self.label, path.parent, path.name)
+            return None
+        # the digest recorded when it was compiled: a damaged package's machine code can kill the
+        # process (SIGILL, SIGSEGV) before the probe could refuse it
+        recorded = path.with_name(path.name + ".sha256")
+        try:
+            intact = _private(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
+        except OSError:
+            intact = False
+        if not intact:
+            log.warning("%s: kernel cache package %s is damaged or incomplete (its sha256 is not the one recorded "
+                        "when it was compiled); not loading it (`g4convert kernels` compiles it again)", self.label, path)
             return None
         try:
             package = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
@@ -289,16 +313,22 @@ class CompiledKernel:
             x = self._probe(((*tail,), dtype))
             signature = self._signature(x, extra)
             path = self.package_path(signature)
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as e:
+                raise OSError(e.errno, f"the kernel cache ({KERNEL_CACHE_ENV}) cannot be made there: {e.strerror}",
+                              str(path.parent)) from e
             if not _private_dir(path.parent):
-                raise PermissionError(f"{path.parent}: the kernel cache must be a directory of this user's that no one "
-                                      "else can write (its packages are shared libraries g4 loads): chmod 700 it")
+                raise PermissionError(f"{path.parent}: the kernel cache ({KERNEL_CACHE_ENV}) must be a directory this "
+                                      "user owns that no one else can write (its packages are shared libraries g4 "
+                                      "loads)")
             with self._lock:
                 self._packages.pop(signature, None)
             if self._package(x, extra) is not None:
                 done.append((path, None))
                 continue
             t0 = time.perf_counter()
+            log.info("%s: compiling the package for %s %s (seconds to a minute)", self.label, list(tail), dtype)
             from torch.export import Dim, export
 
             partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # must end in .pt2
@@ -315,6 +345,9 @@ class CompiledKernel:
                 raise PackageCompileError(f"{self.label}: AOTInductor could not compile the kernel for "
                                           f"{list(tail)} {dtype} ({type(e).__name__}: {first})") from e
             else:
+                digest = path.with_name(f".partial-{os.getpid()}-{path.name}.sha256")
+                digest.write_text(_file_sha256(partial) + "\n")
+                os.replace(digest, path.with_name(path.name + ".sha256"))
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)

@@ -62,7 +62,8 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # As in g4.quantizers.nvfp4: _quantize_rows compiled by torch.compile (inductor) into one
 # pass, static in the input width, dynamic in the rows; small tensors,
 # G4_INT8_EAGER=1 or a compile/run failure use the eager chunks (same bytes; tests check both).
-KERNEL = CompiledKernel(_quantize_rows, eager_env="G4_INT8_EAGER", label="int8", rows_dynamic=True)
+KERNEL = CompiledKernel(_quantize_rows, eager_env="G4_INT8_EAGER", label="int8", rows_dynamic=True,
+                        packaged_by="g4convert kernels SRC --format int8-neuron --tp T")
 
 
 def quantize(w: torch.Tensor) -> Int8Weight:
@@ -145,7 +146,7 @@ def _layout_kernel(layout: Callable[[torch.Tensor], torch.Tensor]) -> CompiledKe
             return layout(q), s
 
         kernel = _LAYOUT_KERNELS[layout] = CompiledKernel(laid_out, eager_env="G4_INT8_EAGER", label="int8 layout",
-                                                          key=repr(layout), sources=(layout,))
+                                                          key=repr(layout), sources=(layout,), packaged_by=KERNEL.packaged_by)
     return kernel
 
 

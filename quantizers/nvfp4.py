@@ -176,7 +176,8 @@ def _pack_codes(x: torch.Tensor, s8: torch.Tensor, g: torch.Tensor) -> torch.Ten
 # compile for small test models). G4_NVFP4_EAGER=1, or any compile or run failure (no C
 # compiler), uses the eager chunks, which give the same bytes (tests/quantizers/test_nvfp4_quantizer.py
 # checks both against modelopt); see g4.quantizers.compiled.
-KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4", rows_dynamic=True)
+KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVFP4", rows_dynamic=True,
+                        packaged_by="g4convert kernels SRC --algorithm max")
 
 
 # ----------------------------------------------------------------------------- mse block scales
@@ -243,7 +244,8 @@ def _quantize_blocks_with_scales(blocks: torch.Tensor, s8: torch.Tensor, g: torc
 
 
 # Same compile rules as KERNEL (one compile per input width; G4_NVFP4_EAGER=1 or a failure: eager).
-MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", label="NVFP4 mse", rows_dynamic=True)
+MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", label="NVFP4 mse", rows_dynamic=True,
+                            packaged_by="g4convert kernels SRC --algorithm mse")
 BLOCK_METHODS = ("max", "mse")
 _KERNELS = {"max": (KERNEL, _quantize_blocks), "mse": (MSE_KERNEL, _quantize_blocks_mse)}
 

@@ -81,6 +81,7 @@ def test_another_kernels_package_is_refused_and_the_bytes_stay_right(cache, monk
     wrong = q.MSE_KERNEL.package_path(q.MSE_KERNEL._signature(x, (g,)))
     assert wrong != path and wrong.parent == root
     shutil.copyfile(path, wrong)
+    shutil.copyfile(f"{path}.sha256", f"{wrong}.sha256")  # intact, only not this kernel's
     monkeypatch.setattr(q.MSE_KERNEL, "_packages", {})
     monkeypatch.setattr(q.MSE_KERNEL, "compiled", None)  # eager, once the package is refused
     w = (torch.randn(256, 64, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
@@ -169,3 +170,40 @@ def test_an_int8_layout_kernel_package_gives_every_ranks_bytes(tmp_path, monkeyp
 
 def _no_compile(*args):
     raise AssertionError("the packaged kernel should have run, not torch.compile")
+
+
+def test_a_damaged_package_is_never_loaded(cache, monkeypatch, caplog):
+    """A package whose bytes are not those recorded when it was compiled is refused before PyTorch's
+    loader runs it: damaged machine code killed the process (SIGILL, SIGSEGV) before the probe."""
+    root, path = cache
+    damaged = root / "damaged"
+    damaged.mkdir(mode=0o700)
+    x = torch.zeros(64, 4, 16, dtype=torch.bfloat16)
+    g = (torch.ones(()),)
+    monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, str(damaged))
+    target = q.KERNEL.package_path(q.KERNEL._signature(x, g))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    shutil.copyfile(f"{path}.sha256", f"{target}.sha256")
+
+    def loader(*args):
+        raise AssertionError("a damaged package reached PyTorch's loader")
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", loader)
+    monkeypatch.setattr(q.KERNEL, "_packages", {})
+    with caplog.at_level("WARNING"):
+        assert q.KERNEL._package(x, g) is None
+    assert f"kernel cache package {target} is damaged or incomplete" in caplog.text
+    target.write_bytes(path.read_bytes())  # intact, but without its recorded digest
+    os.unlink(f"{target}.sha256")
+    monkeypatch.setattr(q.KERNEL, "_packages", {})
+    assert q.KERNEL._package(x, g) is None
+    os.symlink(path, damaged / "link.pt2")  # a link, or a file others can write, is not loaded either
+    os.replace(damaged / "link.pt2", target)
+    shutil.copyfile(f"{path}.sha256", f"{target}.sha256")
+    monkeypatch.setattr(q.KERNEL, "_packages", {})
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert q.KERNEL._package(x, g) is None
+    assert "is not a file only this user can write" in caplog.text
