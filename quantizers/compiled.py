@@ -254,8 +254,9 @@ class CompiledKernel:
         return x.to(dtype)
 
     def _load(self, signature: tuple, extra: tuple[torch.Tensor, ...]):
-        """The package for ``signature`` from the kernel cache, or None (none there, the cache is
-        not this user's own, no loader, or it does not give the eager bytes on :meth:`_probe`)."""
+        """The package for ``signature`` from the kernel cache, or None (none there, the cache or
+        the file is not this user's own, its sha256 is not the one recorded when it was compiled,
+        no loader, or it does not give the eager bytes on :meth:`_probe`)."""
         path = self.package_path(signature)
         if path is None or not path.is_file():
             return None
