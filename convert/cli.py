@@ -375,7 +375,10 @@ def kernels(ctx, src, fmt, algorithm, preset, tp, quantize_attention):
     for path, seconds in done:
         click.echo(f"{'in the cache' if seconds is None else f'compiled in {seconds:.1f} s'}: {path}")
     if not done:
-        click.echo("no kernel to compile: every tensor of SRC is under the kernels' 1M elements (run eagerly)")
+        from g4.quantizers.nvfp4 import KERNEL
+
+        click.echo(f"no kernel to compile: every tensor of SRC is under the kernels' {KERNEL.min_elements:,} "
+                   "elements (run eagerly)")
 
 
 @main.command()

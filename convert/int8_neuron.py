@@ -227,8 +227,7 @@ def convert_int8_neuron(
             device, text or tokenizer.
     """
     t0 = time.perf_counter()
-    if algorithm not in ALGORITHMS:
-        raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    _check_algorithm(algorithm)
     device = calibration_device(calib_device) if algorithm == "gptq" else None
     # without calibration the chat template is compiled (transformers imported, 1.3 s here) while
     # the first layer is read
@@ -315,6 +314,12 @@ def _checked_plan(ckpt: Checkpoint, tp: int, target: str | None, quantize_attent
     return plan
 
 
+def _check_algorithm(algorithm: str) -> None:
+    """Raises G4Error for an ``algorithm`` not in :data:`ALGORITHMS`."""
+    if algorithm not in ALGORITHMS:
+        raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
 def save_kernels(src: str | Path, *, tp: int = 2, quantize_attention: bool = False,
                  algorithm: str = DEFAULT_ALGORITHM) -> list[tuple[Path, float | None]]:
     """Package into the per-machine kernel cache (:func:`g4.quantizers.compiled.kernel_cache_dir`)
@@ -333,8 +338,7 @@ def save_kernels(src: str | Path, *, tp: int = 2, quantize_attention: bool = Fal
         PermissionError: the kernel cache directory is not the user's own or others can write it.
         RuntimeError: a compiled package does not give the eager kernel's bytes.
     """
-    if algorithm not in ALGORITHMS:
-        raise G4Error(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    _check_algorithm(algorithm)
     ckpt = Checkpoint(src, source=True)
     try:
         g = geometry(ckpt.config, tp)

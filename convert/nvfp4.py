@@ -321,10 +321,7 @@ def convert_nvfp4(
         ExportError: ``out`` exists without ``overwrite``, or the result fails its checks.
     """
     t0 = time.perf_counter()
-    if preset not in PRESETS:
-        raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if algorithm not in ALGORITHMS:
-        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    _check_preset_and_algorithm(preset, algorithm)
     if calib_dtype not in CALIB_DTYPES:
         raise ExportError(f"unknown calibration dtype {calib_dtype!r}; choose one of {', '.join(CALIB_DTYPES)}")
     if kv_cache_dtype not in meta.KV_CACHE_DTYPES:
@@ -476,6 +473,14 @@ def production_reads(lay: LayerLayout) -> list[str]:
     return list(dict.fromkeys(order + list(lay.sources.values())))
 
 
+def _check_preset_and_algorithm(preset: str, algorithm: str) -> None:
+    """Raises ExportError for a ``preset`` or ``algorithm`` not in :data:`PRESETS` / :data:`ALGORITHMS`."""
+    if preset not in PRESETS:
+        raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if algorithm not in ALGORITHMS:
+        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
 def save_kernels(src: str | Path, *, preset: str = "default", algorithm: str = DEFAULT_ALGORITHM
                  ) -> list[tuple[Path, float | None]]:
     """Package into the per-machine kernel cache (:func:`g4.quantizers.compiled.kernel_cache_dir`)
@@ -493,10 +498,7 @@ def save_kernels(src: str | Path, *, preset: str = "default", algorithm: str = D
         PermissionError: the kernel cache directory is not the user's own or others can write it.
         RuntimeError: a compiled package does not give the eager kernel's bytes.
     """
-    if preset not in PRESETS:
-        raise ExportError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if algorithm not in ALGORITHMS:
-        raise ExportError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    _check_preset_and_algorithm(preset, algorithm)
     ckpt = Checkpoint(src, source=True)
     try:
         layout = source_layout(ckpt, PRESETS[preset], act_quant=False, kv_cache=False)

@@ -239,6 +239,12 @@ class CompiledKernel:
                 self._packages[signature] = self._load(signature, extra)
             return self._packages[signature]
 
+    def _reload(self, x: torch.Tensor, extra: tuple[torch.Tensor, ...]):
+        """:meth:`_package` read from the kernel cache again (not the one this process remembers)."""
+        with self._lock:
+            self._packages.pop(self._signature(x, extra), None)
+        return self._package(x, extra)
+
     def _probe(self, signature: tuple) -> torch.Tensor:
         """The input a package is exported on and must give the eager bytes on: up to
         :data:`WARM_ROWS` rows (at least 2, about 1M elements at most, a count no other dimension
@@ -323,9 +329,7 @@ class CompiledKernel:
                 raise PermissionError(f"{path.parent}: the kernel cache ({KERNEL_CACHE_ENV}) must be a directory this "
                                       "user owns that no one else can write (its packages are shared libraries g4 "
                                       "loads)")
-            with self._lock:
-                self._packages.pop(signature, None)
-            if self._package(x, extra) is not None:
+            if self._reload(x, extra) is not None:
                 done.append((path, None))
                 continue
             t0 = time.perf_counter()
@@ -352,9 +356,7 @@ class CompiledKernel:
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)
-            with self._lock:
-                self._packages.pop(signature, None)
-            if self._package(x, extra) is None:
+            if self._reload(x, extra) is None:
                 raise RuntimeError(f"{self.label}: the package just compiled ({path}) does not load or does not "
                                    "give the eager bytes")
             done.append((path, time.perf_counter() - t0))
