@@ -10,23 +10,31 @@ child process. The projection: the measured seconds minus the head phase, per de
 30, plus the head phase (which does not grow with depth); the 26B's real text statistics are not
 measured here (random weights), only its cost. Memory does not grow with depth (one layer at a
 time; the hidden states of the chunks are the same for every layer count).
+
+eval runs twice, both from the same page-cache state (``--cache``): first with an empty cache of
+SRC's hidden states (``G4_EVAL_CACHE``, a temporary folder: SRC's side computed and kept), then
+again with it (``g4.convert.evaluate.SourceHiddenCache``: SRC's decoder layers not read), as a
+second result evaluated against the same SRC would run; printed: both runs and the second's
+seconds and bytes read as ratios to the first's. The statistics of both are the same (checked).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 GIB = 2**30
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True)
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
 
 
 def main() -> None:
@@ -50,32 +58,42 @@ def main() -> None:
         _run([*g4convert, "synth", "--layers", str(args.layers), str(src)])
     if not out.exists():
         _run([*g4convert, "nvfp4", "--weight-only", str(src), str(out)])
-    settle(src, args.cache)
-    settle(out, args.cache)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = _run(["/usr/bin/time", "-v", *g4convert, "eval", str(out), "--against", str(src), "--json",
-                 "--max-tokens", str(args.max_tokens), "--ctx", str(args.ctx)])
-    read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
-    report = json.loads(proc.stdout)
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
     ckpt = Checkpoint(src)
     layer_bytes = max(sum(ckpt.tensors[n].nbytes for n in ckpt.tensors if n.startswith(ckpt.layer_prefix(L)))
                       for L in range(ckpt.num_layers))
     bound = 4 * GIB + layer_bytes
     arch = read_architecture(ckpt.config)
-    head = report["head_seconds"]
-    per_layer = (report["seconds"] - head) / args.layers  # everything but the head grows with depth
-    print(f"eval of the {args.layers}-layer synthetic 26B-A4B (NVFP4 W4A16 vs bf16), {report['tokens']} tokens scored "
-          f"({report['chunks']} chunks of {report['ctx']}), {report['dtype']} on {report['device']}")
-    print(f"  {report['seconds']:.1f} s ({per_layer:.1f} s per layer for both models, head phase {head:.1f} s); "
-          f"peak RSS {rss / GIB:.2f} GiB, bound 4 GiB + one layer = {bound / GIB:.2f} GiB: "
-          f"{'within' if rss <= bound else 'OVER'}")
     both = sum(i.nbytes for i in ckpt.tensors.values()) + sum(i.nbytes for i in Checkpoint(out).tensors.values())
-    print(f"  read from the disk ({args.cache} cache at the start): {read / 1e9:.2f} GB = {read / both:.2f} x the "
-          f"source's and result's tensors ({both / 1e9:.2f} GB)")
-    print(f"  extrapolated to 30 layers: {(per_layer * 30 + head) / 60:.1f} min (extrapolated, not measured; "
-          f"{arch.num_layers}-layer source)")
-
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="g4-eval-cache-") as cache:
+        for label in ("SRC's side computed (empty cache)", "SRC's side from the cache"):
+            settle(src, args.cache)
+            settle(out, args.cache)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            proc = _run(["/usr/bin/time", "-v", *g4convert, "eval", str(out), "--against", str(src), "--json",
+                         "--max-tokens", str(args.max_tokens), "--ctx", str(args.ctx)],
+                        env={**os.environ, "G4_EVAL_CACHE": cache})
+            read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
+            report = json.loads(proc.stdout)
+            rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
+            runs.append((report, read))
+            head = report["head_seconds"]
+            per_layer = (report["seconds"] - head) / args.layers  # everything but the head grows with depth
+            print(f"eval of the {args.layers}-layer synthetic 26B-A4B (NVFP4 W4A16 vs bf16), {report['tokens']} "
+                  f"tokens scored ({report['chunks']} chunks of {report['ctx']}), {report['dtype']} on "
+                  f"{report['device']}, {label}")
+            print(f"  {report['seconds']:.1f} s ({per_layer:.1f} s per layer, head phase {head:.1f} s); peak RSS "
+                  f"{rss / GIB:.2f} GiB, bound 4 GiB + one layer = {bound / GIB:.2f} GiB: "
+                  f"{'within' if rss <= bound else 'OVER'}")
+            print(f"  read from the disk ({args.cache} cache at the start): {read / 1e9:.2f} GB = {read / both:.2f} x "
+                  f"the source's and result's tensors ({both / 1e9:.2f} GB)")
+            print(f"  extrapolated to 30 layers: {(per_layer * 30 + head) / 60:.1f} min (extrapolated, not measured; "
+                  f"{arch.num_layers}-layer source)")
+    (first, read1), (second, read2) = runs
+    same = all(first[k] == second[k] for k in ("kld", "ppl_src", "ppl_out", "top1_agreement", "rms_dp", "tokens"))
+    print(f"second run against the first: {second['seconds'] / first['seconds']:.2f}x the seconds, "
+          f"{read2 / max(read1, 1):.2f}x the bytes read; SRC's side from the cache: "
+          f"{second['src_hidden_from_cache']}; same statistics: {same}")
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,10 @@
 llama.cpp's ``perplexity --kl-divergence`` (ggml-org/llama.cpp ``tools/perplexity/perplexity.cpp``).
 
 Both models are teacher-forced over the same tokens, one decoder layer at a time
-(:mod:`g4.convert.stream`: layer L of SRC over every chunk, then layer L of OUT; never both in
-RAM, never a whole model), and compared position by position.
+(:mod:`g4.convert.stream`: SRC's layers over every chunk, then OUT's; never two layers in RAM,
+never a whole model), and compared position by position. SRC's last hidden states are kept
+between runs (:class:`SourceHiddenCache`): a later eval against the same SRC on the same text
+reads only SRC's embedding and final norm (its head).
 
 Tokens and chunks, as llama.cpp's ``perplexity`` cuts them: the text's documents are tokenized
 one after another (each starts with ``<bos>``, as the tokenizer adds it) into one stream, the
@@ -36,6 +38,7 @@ and their covariance, ``sqrt(p (1 - p) / (n - 1))`` for the agreement, and
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -55,6 +58,7 @@ from g4.core.checkpoint import check_converted_from, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
+from g4.quantizers.compiled import private_to_user, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +246,35 @@ def open_result(out: Path, src: Path, *, act_quant: bool | None, dtype: torch.dt
     return SourceStream(out, dtype, device=device), fmt, False
 
 
+def _batches(n: int, ctx: int) -> list[slice]:
+    """Chunks run through a layer together: at most :data:`MAX_TOKENS_PER_FORWARD` tokens a batch."""
+    per = max(1, MAX_TOKENS_PER_FORWARD // ctx)
+    return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+
+
 @torch.no_grad()
-def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: dict | None = None) -> TokenStats:
+def final_hidden(model, chunks: torch.Tensor, *, on_step=None) -> torch.Tensor:
+    """The last decoder layer's output over ``chunks`` (int64 ``[n, ctx]``, each from an empty
+    context): ``[n, ctx, H]`` in the model's compute dtype, on its device, one decoder layer in RAM
+    at a time (batches of :data:`MAX_TOKENS_PER_FORWARD` tokens). ``on_step``: called after each layer."""
+    n, ctx = chunks.shape
+    batches = _batches(n, ctx)
+    hidden = [model.embed(chunks[b].reshape(-1)).reshape(b.stop - b.start, ctx, -1) for b in batches]
+    pos = model.rope.positions(hidden[0][:1], 0)  # every chunk starts at position 0: one set for all
+    for layer in range(model.num_layers):
+        module = model.layer(layer)
+        hidden = [run_layer(module, layer, h, pos) for h in hidden]
+        del module
+        if on_step:
+            on_step()
+    return torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+
+
+@torch.no_grad()
+def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: dict | None = None,
+                      src_hidden: torch.Tensor | None = None) -> TokenStats:
     """Teacher-force both streamed models over ``chunks`` (int64 ``[n, ctx]``) one decoder layer
-    at a time (SRC's layer over every chunk, then OUT's), then the two heads, one chunk at a
+    at a time (SRC's layers over every chunk, then OUT's), then the two heads, one chunk at a
     time, over the scored positions only (the second half of each chunk, module docstring).
 
     Memory: both sides' hidden states ``[n, ctx, H]`` in the compute dtype, one layer, and in
@@ -255,6 +284,8 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     Args:
         on_step: called after each layer of each side and after the heads (a progress bar).
         timings: filled with ``{"layer_seconds", "head_seconds"}`` (wall seconds of the two phases).
+        src_hidden: SRC's :func:`final_hidden` over ``chunks`` where already known (eval's cache,
+            :class:`SourceHiddenCache`): SRC's decoder layers are then not run (nor read).
 
     Returns:
         :class:`TokenStats` of the ``n * (ctx - 1 - ctx // 2)`` scored tokens, chunk order.
@@ -262,18 +293,9 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     t0 = time.perf_counter()
     n, ctx = chunks.shape
     first = ctx // 2
-    per = max(1, MAX_TOKENS_PER_FORWARD // ctx)
-    batches = [slice(i, min(i + per, n)) for i in range(0, n, per)]
-    hidden = {side: [side.embed(chunks[b].reshape(-1)).reshape(b.stop - b.start, ctx, -1) for b in batches]
-              for side in (src, res)}
-    pos = src.rope.positions(hidden[src][0][:1], 0)  # every chunk starts at position 0: one set for all
-    for layer in range(src.num_layers):
-        for side in (src, res):
-            module = side.layer(layer)
-            hidden[side] = [run_layer(module, layer, h, pos) for h in hidden[side]]
-            del module
-            if on_step:
-                on_step()
+    if src_hidden is None:
+        src_hidden = final_hidden(src, chunks, on_step=on_step)
+    h_src, h_res = src_hidden.to(src.device), final_hidden(res, chunks, on_step=on_step)
     t1 = time.perf_counter()
     w_src = src.head_weights()
     if res.head_equals(w_src[1]):  # one [V, H] head in RAM, never two copies of the same bytes (compared from the file)
@@ -283,20 +305,142 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     head_src, head_res = src._head(*w_src), res._head(*w_res)
     del w_src, w_res
     parts = []
-    for bi, b in enumerate(batches):
-        for j in range(b.stop - b.start):
-            c = b.start + j
-            for r in range(first, ctx - 1, HEAD_ROWS):
-                rows = slice(r, min(r + HEAD_ROWS, ctx - 1))
-                lp = torch.log_softmax(head_src(hidden[src][bi][j : j + 1, rows]).float()[0], -1)
-                lq = torch.log_softmax(head_res(hidden[res][bi][j : j + 1, rows]).float()[0], -1)
-                parts.append(token_stats(lp, lq, chunks[c, rows.start + 1 : rows.stop + 1]))
-                del lp, lq
+    for c in range(n):
+        for r in range(first, ctx - 1, HEAD_ROWS):
+            rows = slice(r, min(r + HEAD_ROWS, ctx - 1))
+            lp = torch.log_softmax(head_src(h_src[c : c + 1, rows]).float()[0], -1)
+            lq = torch.log_softmax(head_res(h_res[c : c + 1, rows]).float()[0], -1)
+            parts.append(token_stats(lp, lq, chunks[c, rows.start + 1 : rows.stop + 1]))
+            del lp, lq
     if on_step:
         on_step()
     if timings is not None:
         timings.update(layer_seconds=round(t1 - t0, 3), head_seconds=round(time.perf_counter() - t1, 3))
     return TokenStats.cat(parts)
+
+
+# --------------------------------------------------------------------------- SRC's cached side
+
+# Where eval keeps SRC's final hidden states between runs (:class:`SourceHiddenCache`): this
+# variable's directory, or ``off`` (or ``0``) for none; default ``~/.cache/g4/eval``.
+EVAL_CACHE_ENV = "G4_EVAL_CACHE"
+_HIDDEN_FORMAT = "g4-eval-hidden-1"  # part of every entry's key: bump when what is stored changes
+_HIDDEN = "hidden"
+
+
+# The g4 modules that compute SRC's hidden states: an edited one never reuses an entry.
+_HIDDEN_CODE = ("g4.convert.stream", "g4.convert.sources", "g4.core.positions", "g4.core.gemma4", "g4.core.checkpoint")
+
+
+def _code_digest() -> str:
+    """sha256 of the source files of :data:`_HIDDEN_CODE`."""
+    h = hashlib.sha256()
+    for name in _HIDDEN_CODE:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.hexdigest()
+
+
+class SourceHiddenCache:
+    """SRC's side of an eval, kept between runs: its last decoder layer's output over the chunks
+    (:func:`final_hidden`, ``[n, ctx, H]`` in the compute dtype, 2 bytes a value in bf16: 23 MB for
+    the default 4096 tokens of the 26B-A4B), with SRC's :func:`source_identity` (for a local
+    directory the sha256 of its weight files, which eval.json records). Everything else eval
+    computes from SRC (the head) is read again, so a later eval of another result against the same
+    SRC on the same text reads SRC's embedding and final norm only, not its decoder layers nor the
+    rest of its files: on the real 26B-A4B about 1.5 GB of its 51.6 GB, and the SRC half of the
+    layer compute is not run.
+
+    An entry is one safetensors file in :func:`user_cache_dir` ``("eval", G4_EVAL_CACHE)`` named by
+    the sha256 of everything the hidden states depend on: every SRC weight file's resolved path,
+    size, inode, mtime and ctime (any write to a file changes its ctime; a copied SRC is another
+    SRC), SRC's ``config.json``, the chunks' token ids (so the text, the tokenizer, ``--ctx`` and
+    ``--max-tokens``), the compute dtype and device type (and CPU threads), torch and transformers'
+    versions, and the g4 modules that compute them. It is used only from a directory and a file
+    this user owns that no one else can write (:func:`g4.quantizers.compiled.private_to_user`), and
+    only when its recorded key, shape and dtype are the expected ones; otherwise eval computes
+    SRC's side as without a cache (a warning says why). Written atomically (a temp file, renamed).
+    Safetensors only: loading an entry runs no code.
+
+    Args:
+        src: SRC's layer-streamed model (its checkpoint's weight files and config).
+        chunks: the eval's int64 ``[n, ctx]`` tokens.
+    """
+
+    def __init__(self, src, chunks: torch.Tensor):
+        from transformers import __version__ as transformers_version
+
+        self.root = user_cache_dir("eval", EVAL_CACHE_ENV)
+        self.shape = (*chunks.shape, src.config.hidden_size)
+        self.dtype = src.dtype
+        files = {}
+        for name, path in sorted(src.ckpt.shards.items()):
+            st = Path(path).stat()
+            files[name] = [str(Path(path).resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+        key = {"format": _HIDDEN_FORMAT, "files": files,
+               "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+               "chunks": hashlib.sha256(chunks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
+               "shape": list(self.shape), "dtype": str(src.dtype), "device": src.device.type,
+               "threads": torch.get_num_threads() if src.device.type == "cpu" else None,
+               "torch": torch.__version__, "transformers": transformers_version, "code": _code_digest()}
+        self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        self.path = None if self.root is None else self.root / f"{self.key}.safetensors"
+
+    def load(self) -> tuple[torch.Tensor, dict] | None:
+        """The cached hidden states (CPU) and SRC's :func:`source_identity` recorded with them (its
+        weight files' sha256 are not computed again either), or None: no cache, no entry, or one not
+        to be trusted (warned: not this user's own, another key, shape or dtype, unreadable)."""
+        if self.path is None or not self.path.exists():
+            return None
+        if not private_to_user(self.root, directory=True) or not private_to_user(self.path, directory=False):
+            log.warning("%s: not a file only this user can write in a directory only this user can write (%s); "
+                        "computing SRC's side again", self.path, EVAL_CACHE_ENV)
+            return None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                hidden = f.get_tensor(_HIDDEN).clone()  # not the file's mapping (a truncated file would SIGBUS)
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+            log.warning("%s: unreadable (%s); computing SRC's side again", self.path, type(e).__name__)
+            return None
+        try:
+            against = json.loads(meta.get("against", ""))
+        except json.JSONDecodeError:
+            against = None
+        if (meta.get("key") != self.key or tuple(hidden.shape) != self.shape or hidden.dtype != self.dtype
+                or not isinstance(against, dict)):
+            log.warning("%s: not the entry for this SRC, text and settings; computing SRC's side again", self.path)
+            return None
+        log.info("SRC's hidden states from the eval cache (%s): SRC's decoder layers are not read", self.path)
+        return hidden, against
+
+    def save(self, hidden: torch.Tensor, against: dict) -> None:
+        """Keep ``hidden`` (``[n, ctx, H]``) and SRC's ``against`` (:func:`source_identity`) as this
+        key's entry; a cache that cannot be written (or is not this user's own) is warned about,
+        never an error."""
+        from safetensors.torch import save_file
+
+        if self.path is None:
+            return
+        tmp = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not private_to_user(self.root, directory=True):
+                log.warning("%s: not a directory only this user can write (%s); SRC's hidden states not kept",
+                            self.root, EVAL_CACHE_ENV)
+                return
+            fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".safetensors", dir=self.root)
+            os.close(fd)
+            save_file({_HIDDEN: hidden.detach().to("cpu").contiguous()}, tmp,
+                      metadata={"key": self.key, "against": json.dumps(against, sort_keys=True)})
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as e:
+            log.warning("%s: SRC's hidden states not kept (%s)", self.root, e.strerror or e)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- the report
@@ -361,7 +505,8 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     Returns:
         The report (the ``eval.json`` object): :func:`summarize`'s statistics plus
         ``g4_eval``, ``format``, ``act_quant``, ``against`` (:func:`source_identity`), ``text``,
-        ``ctx``, ``chunks``, ``scored``, ``dtype``, ``device``, ``seconds`` (all), ``layer_seconds`` and
+        ``ctx``, ``chunks``, ``scored``, ``dtype``, ``device``, ``src_hidden_from_cache`` (SRC's
+        side from :class:`SourceHiddenCache`: none of SRC's decoder layers read), ``seconds`` (all), ``layer_seconds`` and
         ``head_seconds`` (the two phases), ``files`` (size and
         sha256 of OUT's weight files, so a card can tell a stale evaluation).
 
@@ -390,17 +535,31 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     docs = read_calibration_texts(text, tokenizer, what="evaluation", default=DEFAULT_TEXT_FILE, option="--text")
     chunks, stream_tokens = eval_chunks(tokenizer, docs, ctx=ctx, max_tokens=max_tokens,
                                         text_name=str(text or DEFAULT_TEXT_FILE.name))
-    steps = 2 * src_model.num_layers + 1
+    cache = SourceHiddenCache(src_model, chunks)
+    hit = cache.load()
+    cached = hit is not None
+    steps = (1 if cached else 2) * src_model.num_layers + 1
     with progress_bar(steps, f"eval {out.name}", enabled=progress, unit="step") as bar:
         timings: dict = {}
-        stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings)
+        if hit is None:
+            t1 = time.perf_counter()
+            src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
+            against = source_identity(src)
+            cache.save(src_hidden, against)
+            timings_src = time.perf_counter() - t1
+        else:
+            (src_hidden, against), timings_src = hit, 0.0
+        stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings,
+                                  src_hidden=src_hidden)
+        timings["layer_seconds"] = round(timings["layer_seconds"] + timings_src, 3)
     report = {"g4_eval": EVAL_VERSION, "format": fmt.format, "detail": fmt.detail, "act_quant": act_quant,
               **summarize(stats),
-              "against": source_identity(src), "text": _text_identity(text, docs, stream_tokens),
+              "against": against, "text": _text_identity(text, docs, stream_tokens),
               "ctx": ctx, "chunks": int(chunks.shape[0]),
               "scored": f"the second half of each chunk (positions {ctx // 2}..{ctx - 2} predict tokens "
                         f"{ctx // 2 + 1}..{ctx - 1}), as llama.cpp perplexity",
               "dtype": str(dtype).removeprefix("torch."), "device": on.type,
+              "src_hidden_from_cache": cached,
               "seconds": round(time.perf_counter() - t0, 3), **timings}
     if write:
         report["files"] = weight_fingerprints(out)  # int8-neuron: the rank files and the host table

@@ -55,19 +55,26 @@ KERNEL_CACHE_ENV = "G4_KERNEL_CACHE"
 _PACKAGE_FORMAT = "g4-aoti-1"  # part of every package's digest: bump when the package's form changes
 
 
-def kernel_cache_dir() -> Path | None:
-    """The per-machine kernel cache: ``$G4_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/g4/kernels``
-    (``~/.cache/g4/kernels``); None where ``G4_KERNEL_CACHE`` is ``off`` or ``0``, or there is no
-    home directory."""
-    given = os.environ.get(KERNEL_CACHE_ENV, "")
+def user_cache_dir(name: str, env: str) -> Path | None:
+    """A per-user g4 cache directory: ``$<env>`` where set, else ``$XDG_CACHE_HOME/g4/<name>``
+    (``~/.cache/g4/<name>``); None where ``$<env>`` is ``off`` or ``0``, or there is no home
+    directory. Not created here. The one rule of every g4 cache (kernels, eval's SRC hidden states)."""
+    given = os.environ.get(env, "")
     if given.lower() in ("off", "0"):
         return None
     if given:
         return Path(given).expanduser()
     try:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "g4" / "kernels"
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "g4" / name
     except RuntimeError:  # no home directory to put it in
         return None
+
+
+def kernel_cache_dir() -> Path | None:
+    """The per-machine kernel cache: ``$G4_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/g4/kernels``
+    (``~/.cache/g4/kernels``); None where ``G4_KERNEL_CACHE`` is ``off`` or ``0``, or there is no
+    home directory (:func:`user_cache_dir`)."""
+    return user_cache_dir("kernels", KERNEL_CACHE_ENV)
 
 
 @functools.cache
@@ -85,10 +92,11 @@ def _machine_digest() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _private(path: Path, *, directory: bool) -> bool:
+def private_to_user(path: Path, *, directory: bool) -> bool:
     """Whether ``path`` is a directory (or a regular file, not a link) owned by this user that no
-    one else can write (a package is a shared library the process loads: nobody else may have
-    put it there or changed it)."""
+    one else can write: the rule for anything g4 loads from a cache (a kernel package is a shared
+    library the process loads; eval's cached SRC hidden states decide its statistics), so nobody
+    else may have put it there or changed it."""
     try:
         st = path.lstat() if not directory else path.stat()
     except OSError:
@@ -105,7 +113,7 @@ def _file_sha256(path: Path) -> str:
 def _private_dir(path: Path) -> bool:
     """Whether ``path`` is a directory owned by this user that no one else can write (a package
     is a shared library the process loads: nobody else may have put it there)."""
-    return _private(path, directory=True)
+    return private_to_user(path, directory=True)
 
 
 class PackageCompileError(RuntimeError):
@@ -266,7 +274,7 @@ class CompiledKernel:
         path = self.package_path(signature)
         if path is None or not path.is_file():
             return None
-        if not _private_dir(path.parent) or not _private(path, directory=False):
+        if not _private_dir(path.parent) or not private_to_user(path, directory=False):
             log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
                         "this user can write; not loading it", self.label, path.parent, path.name)
             return None
@@ -274,7 +282,7 @@ class CompiledKernel:
         # process (SIGILL, SIGSEGV) before the probe could refuse it
         recorded = path.with_name(path.name + ".sha256")
         try:
-            intact = _private(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
+            intact = private_to_user(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
         except OSError:
             intact = False
         if not intact:

@@ -11,19 +11,23 @@ import tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _own_kernel_cache(tmp_path_factory):
-    """Every test (and the processes it starts) uses an empty kernel cache of its own session, not
-    the user's ~/.cache/g4/kernels: a package there would stand in for the compiled kernels the
-    tests check (g4.quantizers.compiled)."""
+def _own_caches(tmp_path_factory):
+    """Every test (and the processes it starts) uses empty caches of its own session, not the
+    user's ~/.cache/g4: a kernel package there would stand in for the compiled kernels the tests
+    check (g4.quantizers.compiled), and eval's cached SRC hidden states
+    (g4.convert.evaluate.SourceHiddenCache) are made by this session's code only."""
     import os
 
-    before = os.environ.get("G4_KERNEL_CACHE")
-    os.environ["G4_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel_cache"))
+    names = {"G4_KERNEL_CACHE": "kernel_cache", "G4_EVAL_CACHE": "eval_cache"}
+    before = {env: os.environ.get(env) for env in names}
+    for env, folder in names.items():
+        os.environ[env] = str(tmp_path_factory.mktemp(folder))
     yield
-    if before is None:
-        os.environ.pop("G4_KERNEL_CACHE", None)
-    else:
-        os.environ["G4_KERNEL_CACHE"] = before
+    for env, value in before.items():
+        if value is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = value
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,134 @@
+"""g4convert eval's cache of SRC's final hidden states (g4.convert.evaluate.SourceHiddenCache): a
+later eval against the same SRC on the same text reads none of SRC's decoder layers and gives the
+same statistics, bit for bit; anything the hidden states depend on, or a file not to be trusted,
+makes it compute SRC's side again."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from g4.convert.embedded_model import EMBEDDED_DIR
+from g4.convert.evaluate import EVAL_CACHE_ENV, SourceHiddenCache, evaluate
+from g4.convert.nvfp4 import convert_nvfp4
+from g4.convert.stream import SourceStream
+
+CTX, MAX_TOKENS = 128, 512
+STATS = ("ppl_src", "ppl_out", "ppl_ratio", "top1_agreement", "rms_dp", "tokens", "kld", "uncertainty")
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_cache") / "w4a16"
+    convert_nvfp4(EMBEDDED_DIR, out, weight_only=True, progress=False)
+    return out
+
+
+@pytest.fixture
+def src_layers_read(monkeypatch):
+    """How many decoder layers of a source checkpoint (SourceStream) were read."""
+    reads = []
+    real = SourceStream.layer_tensors
+    monkeypatch.setattr(SourceStream, "layer_tensors", lambda self, layer: (reads.append(layer), real(self, layer))[1])
+    return reads
+
+
+def run(out, src, **kw):
+    return evaluate(out, src, max_tokens=kw.pop("max_tokens", MAX_TOKENS), ctx=kw.pop("ctx", CTX),
+                    dtype=torch.float32, write=False, **kw)
+
+
+def entries(cache):
+    return sorted(p.name for p in cache.glob("*.safetensors"))
+
+
+def test_a_later_eval_reads_no_src_layer_and_gives_the_same_statistics(w4a16, tmp_path, monkeypatch, src_layers_read):
+    monkeypatch.setenv(EVAL_CACHE_ENV, str(tmp_path / "cache"))
+    first = run(w4a16, EMBEDDED_DIR)
+    layers = len(src_layers_read)
+    assert not first["src_hidden_from_cache"] and layers == SourceStream(EMBEDDED_DIR).num_layers
+    assert len(entries(tmp_path / "cache")) == 1
+    second = run(w4a16, EMBEDDED_DIR)
+    assert second["src_hidden_from_cache"] and len(src_layers_read) == layers  # no SRC layer read again
+    assert {k: second[k] for k in STATS} == {k: first[k] for k in STATS}  # bit for bit
+    assert second["against"] == first["against"]  # SRC's sha256 recorded with the entry, not computed again
+    monkeypatch.setenv(EVAL_CACHE_ENV, "off")
+    third = run(w4a16, EMBEDDED_DIR)
+    assert not third["src_hidden_from_cache"] and {k: third[k] for k in STATS} == {k: first[k] for k in STATS}
+
+
+def test_another_text_ctx_or_dtype_is_another_entry(w4a16, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    run(w4a16, EMBEDDED_DIR)
+    assert not run(w4a16, EMBEDDED_DIR, ctx=64)["src_hidden_from_cache"]
+    assert not run(w4a16, EMBEDDED_DIR, max_tokens=384)["src_hidden_from_cache"]
+    text = tmp_path / "t.txt"
+    text.write_text("A held-out document about rivers and the sea, long enough for one chunk. " * 40)
+    assert not run(w4a16, EMBEDDED_DIR, text=text)["src_hidden_from_cache"]
+    assert len(entries(cache)) == 4
+
+
+def test_a_changed_or_copied_source_computes_its_side_again(w4a16, tmp_path, monkeypatch, src_layers_read):
+    """The key holds every SRC weight file's path, size, inode, mtime and ctime: a rewritten file
+    (same bytes, even with its old mtime put back) and a copy of SRC elsewhere are other sources."""
+    monkeypatch.setenv(EVAL_CACHE_ENV, str(tmp_path / "cache"))
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    before = run(w4a16, src)
+    assert run(w4a16, src)["src_hidden_from_cache"]
+    weights = next(src.glob("*.safetensors"))
+    st = weights.stat()
+    weights.write_bytes(weights.read_bytes())
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back: ctime still moves
+    again = run(w4a16, src)
+    assert not again["src_hidden_from_cache"] and again["kld"] == before["kld"]
+    other = shutil.copytree(src, tmp_path / "copy")
+    assert not run(w4a16, other)["src_hidden_from_cache"]
+
+
+def test_an_entry_not_to_be_trusted_is_not_used(w4a16, tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    want = run(w4a16, EMBEDDED_DIR)
+    entry = cache / entries(cache)[0]
+    good = entry.read_bytes()
+    kept = load_file(entry)["hidden"].clone()  # not a mapping of the file truncated below
+    # damaged (truncated): computed again, and written again (the same values)
+    entry.write_bytes(good[: len(good) // 2])
+    got = run(w4a16, EMBEDDED_DIR)
+    assert not got["src_hidden_from_cache"] and got["kld"] == want["kld"]
+    assert torch.equal(load_file(entry)["hidden"], kept)
+    assert "unreadable" in caplog.text
+    # others may write it: not used
+    entry.chmod(0o664)
+    assert not run(w4a16, EMBEDDED_DIR)["src_hidden_from_cache"]
+    entry.chmod(0o600)
+    # another key's entry under this name (a planted file): not used, whatever its values
+    src = SourceStream(EMBEDDED_DIR, torch.float32)
+    planted = SourceHiddenCache(src, torch.zeros(2, 8, dtype=torch.int64))
+    planted.path = entry
+    planted.save(torch.zeros(2, 8, src.config.hidden_size), {"name": "planted"})
+    caplog.clear()
+    got = run(w4a16, EMBEDDED_DIR)
+    assert not got["src_hidden_from_cache"] and got["kld"] == want["kld"]
+    assert "not the entry" in caplog.text
+
+
+def test_the_cached_values_decide_the_statistics(w4a16, tmp_path, monkeypatch):
+    """The entry is what eval uses for SRC's side (a planted change to its values under the right
+    key changes the statistics): the cache is not checked against a recomputation, so its key is
+    all that guards it."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    want = run(w4a16, EMBEDDED_DIR)
+    entry = cache / entries(cache)[0]
+    from safetensors import safe_open
+
+    with safe_open(str(entry), framework="pt") as f:
+        meta = f.metadata()
+    hidden = load_file(entry)["hidden"]
+    save_file({"hidden": hidden * 1.5}, entry, metadata=meta)
+    got = run(w4a16, EMBEDDED_DIR)
+    assert got["src_hidden_from_cache"] and got["ppl_src"] != want["ppl_src"] and got["ppl_out"] == want["ppl_out"]
