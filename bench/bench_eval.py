@@ -12,8 +12,8 @@ measured here (random weights), only its cost. Memory does not grow with depth (
 time; the hidden states of the chunks are the same for every layer count).
 
 eval runs twice, both from the same page-cache state (``--cache``): first with an empty cache of
-SRC's hidden states (``G4_EVAL_CACHE``, a temporary folder: SRC's side computed and kept), then
-again with it (``g4.convert.evaluate.SourceHiddenCache``: SRC's decoder layers not read), as a
+SRC's side (``G4_SOURCE_CACHE``, a temporary folder: SRC's side computed and kept), then
+again with it (``g4.convert.stream.SourceSideCache``: SRC's decoder layers not read), as a
 second result evaluated against the same SRC would run; printed: both runs and the second's
 seconds and bytes read as ratios to the first's. The statistics of both are the same (checked).
 """
@@ -72,7 +72,7 @@ def main() -> None:
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             proc = _run(["/usr/bin/time", "-v", *g4convert, "eval", str(out), "--against", str(src), "--json",
                          "--max-tokens", str(args.max_tokens), "--ctx", str(args.ctx)],
-                        env={**os.environ, "G4_EVAL_CACHE": cache})
+                        env={**os.environ, "G4_SOURCE_CACHE": cache})
             read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
             report = json.loads(proc.stdout)
             rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024

@@ -16,6 +16,12 @@ or the head, besides the per-prompt state; of that state only the KV caches of t
 continuation grow with the layer count, so the 30-layer projection adds their size for the
 missing layers (computed from the config and the prompts' token counts). Seconds are projected
 by bytes read (source plus result), as bench_convert.py projects them.
+
+verify runs twice, both from the same page-cache state (``--cache``): first with an empty cache of
+SRC's side (``G4_SOURCE_CACHE``, a temporary folder: SRC's continuations and hidden states
+computed and kept), then again with it (``g4.convert.stream.SourceSideCache``: none of SRC's
+decoder layers read), as a second result verified against the same SRC would run; printed: both
+runs and the second's seconds and bytes read as ratios to the first's (same report checked).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,8 +55,6 @@ def main() -> None:
     args = ap.parse_args()
     from bench_convert import disk_read_bytes, settle
     from g4.core.checkpoint import Checkpoint
-    from g4.core.gemma4 import read_architecture
-    from g4.convert.synth import synthetic_config, synthetic_specs
 
     g4convert = [sys.executable, "-m", "g4.convert.cli", "-q"]
     src = args.work / f"synth-26b-{args.layers}L"
@@ -62,21 +67,35 @@ def main() -> None:
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
-    settle(src, args.cache)
-    settle(out, args.cache)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    res = subprocess.run(["/usr/bin/time", "-v", *g4convert, "verify", str(out), "--against", str(src),
-                          "--max-new-tokens", str(args.max_new_tokens), "--min-agreement", "0", "--json"],
-                         capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - t
-    read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
-    if res.returncode:
-        sys.exit(f"verify failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1)) * 1024
-    report = json.loads(res.stdout)
-
     ck, out_ck = Checkpoint(src), Checkpoint(out)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="g4-source-cache-") as cache:
+        for _ in range(2):
+            settle(src, args.cache)
+            settle(out, args.cache)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t = time.perf_counter()
+            res = subprocess.run(["/usr/bin/time", "-v", *g4convert, "verify", str(out), "--against", str(src),
+                                  "--max-new-tokens", str(args.max_new_tokens), "--min-agreement", "0", "--json"],
+                                 capture_output=True, text=True, env={**env, "G4_SOURCE_CACHE": cache})
+            seconds = time.perf_counter() - t
+            read = disk_read_bytes(before, resource.getrusage(resource.RUSAGE_CHILDREN))
+            if res.returncode:
+                sys.exit(f"verify failed ({res.returncode}):\n{res.stderr[-3000:]}")
+            rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1)) * 1024
+            results.append((seconds, read, rss, json.loads(res.stdout)))
+            _print(args, ck, out_ck, *results[-1])
+    (s1, r1, _, first), (s2, r2, _, second) = results
+    same = {k: v for k, v in first.items() if k != "src_side_from_cache"} == {
+        k: v for k, v in second.items() if k != "src_side_from_cache"}
+    print(f"second run against the first: {s2 / s1:.2f}x the seconds, {r2 / max(r1, 1):.2f}x the bytes read; "
+          f"SRC's side from the cache: {second.get('src_side_from_cache')}; same report: {same}")
+
+
+def _print(args, ck, out_ck, seconds: float, read: int, rss: int, report: dict) -> None:
+    from g4.core.gemma4 import read_architecture
+    from g4.convert.synth import synthetic_config, synthetic_specs
+
     layer_bytes = max(sum(i.nbytes for n, i in ck.tensors.items() if n.startswith(ck.layer_prefix(L)))
                       for L in range(ck.num_layers))
     bound = 4 * GIB + layer_bytes
@@ -98,6 +117,7 @@ def main() -> None:
         "prompts": report["prompts"], "max_new_tokens": args.max_new_tokens,
         "layer_rel_error": [round(e, 4) for e in report.get("layer_rel_error", [])],
         "seconds": round(seconds, 1),
+        "src_side_from_cache": report.get("src_side_from_cache"),
         "source_cache": args.cache,
         # bytes read from the disk over the bytes of both checkpoints' tensors (cold: how many times
         # verify read them; ru_inblock of the child)

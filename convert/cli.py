@@ -323,8 +323,8 @@ def eval_(click_ctx, out, src, text, max_tokens, ctx_len, act_quant, dtype, devi
     than RAM evaluates in about one layer of memory). OUT: an NVFP4 (W4A4 emulated as vLLM on
     Blackwell computes it, or W4A16), int8-neuron or bf16 checkpoint with SRC's config.
     Writes OUT/eval.json; the model card shows it. SRC's final hidden states are kept in
-    G4_EVAL_CACHE (default ~/.cache/g4/eval; off: none): a later eval against the same SRC and
-    text reads none of SRC's decoder layers.
+    G4_SOURCE_CACHE (default ~/.cache/g4/source; off: none): a later eval against the same SRC
+    and text reads none of SRC's decoder layers.
     """
     import torch
 

@@ -4,8 +4,8 @@ llama.cpp's ``perplexity --kl-divergence`` (ggml-org/llama.cpp ``tools/perplexit
 Both models are teacher-forced over the same tokens, one decoder layer at a time
 (:mod:`g4.convert.stream`: SRC's layers over every chunk, then OUT's; never two layers in RAM,
 never a whole model), and compared position by position. SRC's last hidden states are kept
-between runs (:class:`SourceHiddenCache`): a later eval against the same SRC on the same text
-reads only SRC's embedding and final norm (its head).
+between runs (:class:`g4.convert.stream.SourceSideCache`, with SRC's provenance): a later eval
+against the same SRC on the same text reads only SRC's embedding and final norm (its head).
 
 Tokens and chunks, as llama.cpp's ``perplexity`` cuts them: the text's documents are tokenized
 one after another (each starts with ``<bos>``, as the tokenizer adds it) into one stream, the
@@ -38,7 +38,6 @@ and their covariance, ``sqrt(p (1 - p) / (n - 1))`` for the agreement, and
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -53,12 +52,11 @@ import torch
 from g4.convert.calibrate import calibration_device, read_calibration_texts
 from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, rerender_card
 from g4.convert.resolve import EMBEDDED_DIR
-from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceStream, run_layer
-from g4.core.checkpoint import check_converted_from, weight_fingerprints
+from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
+from g4.core.checkpoint import check_converted_from, known_hashes, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
-from g4.quantizers.compiled import private_to_user, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +66,7 @@ DEFAULT_MAX_TOKENS = 4096  # 8 chunks of 512: 2040 scored tokens
 MAX_TOKENS_PER_FORWARD = 4096  # chunks run through a layer together, at most this many tokens
 HEAD_ROWS = 32  # scored positions per head step: two [32, V] fp32 blocks (64 MiB for V = 262144)
 KLD_PERCENTILES = {"p90": 0.90, "p99": 0.99, "p999": 0.999}
+_HIDDEN = "hidden"  # SRC's final hidden states in its SourceSideCache entry
 
 
 # --------------------------------------------------------------------------- statistics
@@ -284,8 +283,8 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     Args:
         on_step: called after each layer of each side and after the heads (a progress bar).
         timings: filled with ``{"layer_seconds", "head_seconds"}`` (wall seconds of the two phases).
-        src_hidden: SRC's :func:`final_hidden` over ``chunks`` where already known (eval's cache,
-            :class:`SourceHiddenCache`): SRC's decoder layers are then not run (nor read).
+        src_hidden: SRC's :func:`final_hidden` over ``chunks`` where already known (eval's entry in
+            :class:`g4.convert.stream.SourceSideCache`): SRC's decoder layers are then not run (nor read).
 
     Returns:
         :class:`TokenStats` of the ``n * (ctx - 1 - ctx // 2)`` scored tokens, chunk order.
@@ -319,143 +318,19 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
     return TokenStats.cat(parts)
 
 
-# --------------------------------------------------------------------------- SRC's cached side
-
-# Where eval keeps SRC's final hidden states between runs (:class:`SourceHiddenCache`): this
-# variable's directory, or ``off`` (or ``0``) for none; default ``~/.cache/g4/eval``.
-EVAL_CACHE_ENV = "G4_EVAL_CACHE"
-_HIDDEN_FORMAT = "g4-eval-hidden-1"  # part of every entry's key: bump when what is stored changes
-_HIDDEN = "hidden"
-
-
-# The g4 modules that compute SRC's hidden states: an edited one never reuses an entry.
-_HIDDEN_CODE = ("g4.convert.stream", "g4.convert.sources", "g4.core.positions", "g4.core.gemma4", "g4.core.checkpoint")
-
-
-def _code_digest() -> str:
-    """sha256 of the source files of :data:`_HIDDEN_CODE`."""
-    h = hashlib.sha256()
-    for name in _HIDDEN_CODE:
-        h.update(Path(importlib.import_module(name).__file__).read_bytes())
-    return h.hexdigest()
-
-
-class SourceHiddenCache:
-    """SRC's side of an eval, kept between runs: its last decoder layer's output over the chunks
-    (:func:`final_hidden`, ``[n, ctx, H]`` in the compute dtype, 2 bytes a value in bf16: 23 MB for
-    the default 4096 tokens of the 26B-A4B), with SRC's :func:`source_identity` (for a local
-    directory the sha256 of its weight files, which eval.json records). Everything else eval
-    computes from SRC (the head) is read again, so a later eval of another result against the same
-    SRC on the same text reads SRC's embedding and final norm only, not its decoder layers nor the
-    rest of its files: on the real 26B-A4B about 1.5 GB of its 51.6 GB, and the SRC half of the
-    layer compute is not run.
-
-    An entry is one safetensors file in :func:`user_cache_dir` ``("eval", G4_EVAL_CACHE)`` named by
-    the sha256 of everything the hidden states depend on: every SRC weight file's resolved path,
-    size, inode, mtime and ctime (any write to a file changes its ctime; a copied SRC is another
-    SRC), SRC's ``config.json``, the chunks' token ids (so the text, the tokenizer, ``--ctx`` and
-    ``--max-tokens``), the compute dtype and device type (and CPU threads), torch and transformers'
-    versions, and the g4 modules that compute them. It is used only from a directory and a file
-    this user owns that no one else can write (:func:`g4.quantizers.compiled.private_to_user`), and
-    only when its recorded key, shape and dtype are the expected ones; otherwise eval computes
-    SRC's side as without a cache (a warning says why). Written atomically (a temp file, renamed).
-    Safetensors only: loading an entry runs no code.
-
-    Args:
-        src: SRC's layer-streamed model (its checkpoint's weight files and config).
-        chunks: the eval's int64 ``[n, ctx]`` tokens.
-    """
-
-    def __init__(self, src, chunks: torch.Tensor):
-        from transformers import __version__ as transformers_version
-
-        self.root = user_cache_dir("eval", EVAL_CACHE_ENV)
-        self.shape = (*chunks.shape, src.config.hidden_size)
-        self.dtype = src.dtype
-        files = {}
-        for name, path in sorted(src.ckpt.shards.items()):
-            st = Path(path).stat()
-            files[name] = [str(Path(path).resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-        key = {"format": _HIDDEN_FORMAT, "files": files,
-               "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
-               "chunks": hashlib.sha256(chunks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
-               "shape": list(self.shape), "dtype": str(src.dtype), "device": src.device.type,
-               "threads": torch.get_num_threads() if src.device.type == "cpu" else None,
-               "torch": torch.__version__, "transformers": transformers_version, "code": _code_digest()}
-        self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        self.path = None if self.root is None else self.root / f"{self.key}.safetensors"
-
-    def load(self) -> tuple[torch.Tensor, dict] | None:
-        """The cached hidden states (CPU) and SRC's :func:`source_identity` recorded with them (its
-        weight files' sha256 are not computed again either), or None: no cache, no entry, or one not
-        to be trusted (warned: not this user's own, another key, shape or dtype, unreadable)."""
-        if self.path is None or not self.path.exists():
-            return None
-        if not private_to_user(self.root, directory=True) or not private_to_user(self.path, directory=False):
-            log.warning("%s: not a file only this user can write in a directory only this user can write (%s); "
-                        "computing SRC's side again", self.path, EVAL_CACHE_ENV)
-            return None
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(self.path), framework="pt") as f:
-                meta = f.metadata() or {}
-                hidden = f.get_tensor(_HIDDEN).clone()  # not the file's mapping (a truncated file would SIGBUS)
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
-            log.warning("%s: unreadable (%s); computing SRC's side again", self.path, type(e).__name__)
-            return None
-        try:
-            against = json.loads(meta.get("against", ""))
-        except json.JSONDecodeError:
-            against = None
-        if (meta.get("key") != self.key or tuple(hidden.shape) != self.shape or hidden.dtype != self.dtype
-                or not isinstance(against, dict)):
-            log.warning("%s: not the entry for this SRC, text and settings; computing SRC's side again", self.path)
-            return None
-        log.info("SRC's hidden states from the eval cache (%s): SRC's decoder layers are not read", self.path)
-        return hidden, against
-
-    def save(self, hidden: torch.Tensor, against: dict) -> None:
-        """Keep ``hidden`` (``[n, ctx, H]``) and SRC's ``against`` (:func:`source_identity`) as this
-        key's entry; a cache that cannot be written (or is not this user's own) is warned about,
-        never an error."""
-        from safetensors.torch import save_file
-
-        if self.path is None:
-            return
-        tmp = None
-        try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not private_to_user(self.root, directory=True):
-                log.warning("%s: not a directory only this user can write (%s); SRC's hidden states not kept",
-                            self.root, EVAL_CACHE_ENV)
-                return
-            fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".safetensors", dir=self.root)
-            os.close(fd)
-            save_file({_HIDDEN: hidden.detach().to("cpu").contiguous()}, tmp,
-                      metadata={"key": self.key, "against": json.dumps(against, sort_keys=True)})
-            os.replace(tmp, self.path)
-            tmp = None
-        except OSError as e:
-            log.warning("%s: SRC's hidden states not kept (%s)", self.root, e.strerror or e)
-        finally:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-
-
 # --------------------------------------------------------------------------- the report
 
 
-def source_identity(src: Path) -> dict:
+def source_identity(src: Path, known: dict[str, dict] | None = None) -> dict:
     """How eval.json names SRC without a local path: ``embedded``, or the Hub repo id and commit
     of a Hugging Face cache snapshot, or the directory's name with the size and sha256 of every
-    weight file."""
+    weight file (``known``: hashes of files unchanged since, :func:`g4.core.checkpoint.known_hashes`)."""
     if src.resolve() == EMBEDDED_DIR.resolve():
-        return {"name": "embedded", "weight_files": weight_fingerprints(src)}
+        return {"name": "embedded", "weight_files": weight_fingerprints(src, known)}
     repo, revision = hf_cache_repo_id(src), hf_cache_revision(src)
     if repo and revision:
         return {"repo_id": repo, "revision": revision}
-    return {"name": src.resolve().name, "weight_files": weight_fingerprints(src)}
+    return {"name": src.resolve().name, "weight_files": weight_fingerprints(src, known)}
 
 
 def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> dict:
@@ -506,7 +381,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
         The report (the ``eval.json`` object): :func:`summarize`'s statistics plus
         ``g4_eval``, ``format``, ``act_quant``, ``against`` (:func:`source_identity`), ``text``,
         ``ctx``, ``chunks``, ``scored``, ``dtype``, ``device``, ``src_hidden_from_cache`` (SRC's
-        side from :class:`SourceHiddenCache`: none of SRC's decoder layers read), ``seconds`` (all), ``layer_seconds`` and
+        side from :class:`g4.convert.stream.SourceSideCache`: none of SRC's decoder layers read), ``seconds`` (all), ``layer_seconds`` and
         ``head_seconds`` (the two phases), ``files`` (size and
         sha256 of OUT's weight files, so a card can tell a stale evaluation).
 
@@ -535,8 +410,9 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     docs = read_calibration_texts(text, tokenizer, what="evaluation", default=DEFAULT_TEXT_FILE, option="--text")
     chunks, stream_tokens = eval_chunks(tokenizer, docs, ctx=ctx, max_tokens=max_tokens,
                                         text_name=str(text or DEFAULT_TEXT_FILE.name))
-    cache = SourceHiddenCache(src_model, chunks)
-    hit = cache.load()
+    # SRC's side of an earlier eval on the same tokens: its last layer's output and its provenance
+    cache = SourceSideCache("eval", src_model, {"chunks": chunks})
+    hit = cache.load({_HIDDEN: (*chunks.shape, src_model.config.hidden_size)})
     cached = hit is not None
     steps = (1 if cached else 2) * src_model.num_layers + 1
     with progress_bar(steps, f"eval {out.name}", enabled=progress, unit="step") as bar:
@@ -545,10 +421,14 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             t1 = time.perf_counter()
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
             against = source_identity(src)
-            cache.save(src_hidden, against)
+            cache.save({_HIDDEN: src_hidden}, {"sha256": known_hashes(src, against.get("weight_files", {}))})
             timings_src = time.perf_counter() - t1
         else:
-            (src_hidden, against), timings_src = hit, 0.0
+            (tensors, kept), timings_src = hit, 0.0
+            src_hidden = tensors[_HIDDEN]
+            # named afresh (another folder name or Hub revision of the same files is another SRC);
+            # a weight file unchanged since it was hashed is not read again
+            against = source_identity(src, kept.get("sha256") if isinstance(kept.get("sha256"), dict) else None)
         stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings,
                                   src_hidden=src_hidden)
         timings["layer_seconds"] = round(timings["layer_seconds"] + timings_src, 3)

@@ -24,10 +24,22 @@ Memory: the hidden states of every sequence (``[1, S_i, H]`` each, compute dtype
 KV caches of a generation, plus one decoder layer (one side at a time: source and result
 layers are never in RAM together), or, in the head phase, the final norm and the
 ``[V, H]`` head. The embedding is read row by row (only the rows of the tokens used).
+
+What a comparison computes from SRC alone (``verify``'s continuations and hidden states,
+``eval``'s last hidden states) is kept between runs by :class:`SourceSideCache`
+(``G4_SOURCE_CACHE``): a later comparison against the same SRC reads only its head.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import time
+import json
+import logging
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -40,6 +52,7 @@ from g4.core.checkpoint import Checkpoint
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, embed_scale
 from g4.core.positions import LayerPositions, PositionBuilder
+from g4.quantizers.compiled import private_to_user, user_cache_dir
 from g4.exporters.neuron_int8 import (
     check_rank_files,
     dequantized_local,
@@ -51,6 +64,8 @@ from g4.exporters.neuron_int8 import (
     model_entries,
     unshard,
 )
+
+log = logging.getLogger(__name__)
 
 
 class StreamedModel:
@@ -378,16 +393,53 @@ def streamed_greedy(model: StreamedModel, prompts: Sequence[Sequence[int]], *, m
 
 
 @torch.no_grad()
+def source_side(src: StreamedModel, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
+                ) -> dict[str, torch.Tensor]:
+    """SRC teacher-forced over ``sequences`` (each a prompt of ``prompt_lengths[i]`` tokens and its
+    continuation), one decoder layer at a time: what :func:`compare_streamed` needs of SRC.
+
+    Returns:
+        ``"final.{i}"``: sequence i's last decoder layer output ``[S_i, H]``; ``"layer.{L}"``: layer
+        L's output at the continuation positions of every sequence (those whose logits predict a
+        continuation token, ``p_i - 1 .. S_i - 2``), concatenated in sequence order,
+        ``[sum_i (S_i - p_i), H]``; all in SRC's compute dtype, on its device.
+    """
+    seqs = [torch.tensor(list(s)) for s in sequences]
+    hidden = [src.embed(s) for s in seqs]
+    pos = [src.rope.positions(h, 0) for h in hidden]
+    reply = [slice(p - 1, len(s) - 1) for p, s in zip(prompt_lengths, seqs)]
+    side = {}
+    for layer in range(src.num_layers):
+        module = src.layer(layer)
+        hidden = [run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
+        del module
+        side[f"layer.{layer}"] = torch.cat([h[0, r] for h, r in zip(hidden, reply)])
+    side.update({f"final.{i}": h[0] for i, h in enumerate(hidden)})
+    return side
+
+
+def source_side_shapes(src: StreamedModel, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
+                       ) -> dict[str, tuple[int, ...]]:
+    """The shapes of :func:`source_side`'s tensors (what a kept entry must hold)."""
+    hidden = src.config.hidden_size
+    replies = sum(len(s) - p for s, p in zip(sequences, prompt_lengths))
+    return {**{f"layer.{L}": (replies, hidden) for L in range(src.num_layers)},
+            **{f"final.{i}": (len(s), hidden) for i, s in enumerate(sequences)}}
+
+
+@torch.no_grad()
 def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence[Sequence[int]],
-                     prompt_lengths: Sequence[int]) -> dict:
-    """Teacher-force source and result side by side on the same sequences, one decoder layer
-    at a time (layer L of the source over every sequence, then layer L of the result; never
-    both in RAM), and compare them.
+                     prompt_lengths: Sequence[int], src_side: dict[str, torch.Tensor] | None = None) -> dict:
+    """Teacher-force source and result on the same sequences, one decoder layer at a time
+    (SRC's layers over every sequence, then the result's; never two layers in RAM), and compare
+    them.
 
     Args:
         src, res: the source and the converted model (same architecture).
         sequences: each prompt followed by the source's greedy continuation of it.
         prompt_lengths: tokens of each prompt (the continuation starts there).
+        src_side: SRC's :func:`source_side` on these sequences where already known (verify's entry
+            in :class:`SourceSideCache`): SRC's decoder layers are then not run (nor read).
 
     Returns:
         :func:`g4.convert.reference.compare_logprobs`' figures (token agreement and
@@ -397,25 +449,193 @@ def compare_streamed(src: StreamedModel, res: StreamedModel, sequences: Sequence
         positions of every sequence (those whose logits predict a continuation token), the
         result having run on its own hidden states from the embedding on.
     """
-
+    if src_side is None:
+        src_side = source_side(src, sequences, prompt_lengths)
     seqs = [torch.tensor(list(s)) for s in sequences]
-    h_src = [src.embed(s) for s in seqs]
     h_res = [res.embed(s) for s in seqs]
-    pos = [src.rope.positions(h, 0) for h in h_src]
+    pos = [res.rope.positions(h, 0) for h in h_res]
     reply = [slice(p - 1, len(s) - 1) for p, s in zip(prompt_lengths, seqs)]
+    at = [0]  # each sequence's first row in src_side["layer.L"]
+    for r in reply:
+        at.append(at[-1] + r.stop - r.start)
     rel = []
-    for layer in range(src.num_layers):
-        for side, hidden in ((src, h_src), (res, h_res)):
-            module = side.layer(layer)
-            hidden[:] = [run_layer(module, layer, h, p) for h, p in zip(hidden, pos)]
-            del module
-        err = sum(float((q[0, r].float() - s[0, r].float()).square().sum()) for q, s, r in zip(h_res, h_src, reply))
-        ref = sum(float(s[0, r].float().square().sum()) for s, r in zip(h_src, reply))
+    for layer in range(res.num_layers):
+        module = res.layer(layer)
+        h_res = [run_layer(module, layer, h, p) for h, p in zip(h_res, pos)]
+        del module
+        kept = src_side[f"layer.{layer}"].to(res.device)
+        s_rows = [kept[at[i] : at[i + 1]] for i in range(len(seqs))]
+        err = sum(float((q[0, r].float() - s.float()).square().sum()) for q, s, r in zip(h_res, s_rows, reply))
+        ref = sum(float(s.float().square().sum()) for s in s_rows)
         rel.append((err / ref) ** 0.5 if ref > 0 else float("nan"))
     head = src.head()
-    logprobs_src = [torch.log_softmax(head(h)[0, :-1].float(), -1) for h in h_src]
-    del head, h_src
+    logprobs_src = [torch.log_softmax(head(src_side[f"final.{i}"].to(src.device)[None])[0, :-1].float(), -1)
+                    for i in range(len(seqs))]
+    del head
     head = res.head()
     stats = compare_logprobs(
         (lp, torch.log_softmax(head(h)[0, :-1].float(), -1), r.start) for lp, h, r in zip(logprobs_src, h_res, reply))
     return {**stats, "layer_rel_error": rel}
+
+
+# --------------------------------------------------------------------------- SRC's side, kept
+
+# Where eval and verify keep SRC's side of a comparison between runs (SourceSideCache): this
+# variable's directory, or ``off`` (or ``0``) for none; default ``~/.cache/g4/source``.
+SOURCE_CACHE_ENV = "G4_SOURCE_CACHE"
+_SIDE_FORMAT = "g4-source-side-1"  # part of every entry's key: bump when what is stored changes
+# The g4 packages whose code computes SRC's side (stream, eval, verify, the name table, the
+# checkpoint reader, ...): an edit to any of their modules never reuses an entry.
+_SIDE_CODE = ("g4.quantizers", "g4.core", "g4.exporters", "g4.convert")
+# Seconds after which a temporary file left in the cache (a process killed while writing) is removed.
+_STALE_PARTIAL_SECONDS = 3600
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of every ``*.py`` file of the packages :data:`_SIDE_CODE` (names and bytes)."""
+    h = hashlib.sha256()
+    for package in _SIDE_CODE:
+        for folder in importlib.import_module(package).__path__:
+            for f in sorted(Path(folder).glob("*.py")):
+                h.update(f"{package}.{f.name}\n".encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _json_input(value):
+    """An input of the key as JSON: tensors by dtype, shape and the sha256 of their bytes."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        return {"dtype": str(t.dtype), "shape": list(t.shape),
+                "sha256": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()}
+    return value
+
+
+class SourceSideCache:
+    """What a comparison computed from SRC alone, kept between runs: ``g4convert eval``'s SRC last
+    hidden states, ``verify``'s SRC continuations and hidden states (a few MB to tens of MB), with
+    a JSON object of facts about SRC (eval's provenance, the sha256 of a local SRC's weight files).
+    A later comparison of another result against the same SRC on the same inputs then reads SRC's
+    head only (its embedding and final norm), not its decoder layers nor the rest of its files:
+    on the real 26B-A4B about 1.5 GB of its 51.6 GB (``verify`` reads SRC once per new token
+    without it).
+
+    An entry is one safetensors file in :func:`g4.quantizers.compiled.user_cache_dir`
+    ``("source", G4_SOURCE_CACHE)`` named by the sha256 of everything SRC's side depends on:
+    ``kind`` and ``inputs`` (token ids as the sha256 of their bytes), every SRC weight file's
+    resolved path, size, inode, mtime and ctime (any write to a file changes its ctime; a copy of
+    SRC is another SRC), SRC's ``config.json``, the compute dtype, device type and CPU threads,
+    torch's and transformers' versions and g4's code (every module of :data:`_SIDE_CODE`). It is
+    used only from a directory and a file this user owns that no one else can write
+    (:func:`g4.quantizers.compiled.private_to_user`) and only when its recorded key and the shapes
+    the caller expects match; otherwise the caller computes SRC's side as without a cache (a warning
+    says why). Written atomically (a temp file, renamed). Safetensors only: loading runs no code.
+
+    Args:
+        kind: what is kept (``"eval"``, ``"verify"``).
+        src: SRC's layer-streamed model (its checkpoint's weight files, config, dtype, device).
+        inputs: JSON-able values and tensors SRC's side is computed from (token ids, settings).
+    """
+
+    def __init__(self, kind: str, src: StreamedModel, inputs: dict):
+        from transformers import __version__ as transformers_version
+
+        self.kind = kind
+        self.root = user_cache_dir("source", SOURCE_CACHE_ENV)
+        self.dtype = src.dtype
+        files = {}
+        for name, path in sorted(src.ckpt.shards.items()):
+            st = Path(path).stat()
+            files[name] = [str(Path(path).resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+        key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
+               "files": files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+               "dtype": str(src.dtype), "device": src.device.type,
+               "threads": torch.get_num_threads() if src.device.type == "cpu" else None,
+               "torch": torch.__version__, "transformers": transformers_version, "code": _code_digest()}
+        self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        self.path = None if self.root is None else self.root / f"{kind}-{self.key}.safetensors"
+
+    def load(self, shapes: "dict[str, tuple[int, ...]] | Callable[[dict], dict[str, tuple[int, ...]]]"
+             ) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The kept tensors (CPU, copies) and facts, or None: no cache, no entry, or one not to be
+        trusted (warned: not this user's own, unreadable, another key, or not exactly the tensors
+        ``shapes`` names, in those shapes; floating tensors must be in SRC's compute dtype).
+        ``shapes`` may be a function of the kept facts (e.g. the lengths of kept continuations)."""
+        if self.path is None:
+            return None
+        try:
+            self.path.lstat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a cache folder this user cannot enter
+            log.warning("%s: cannot be read (%s, %s); computing SRC's side again", self.path, e.strerror or e,
+                        SOURCE_CACHE_ENV)
+            return None
+        if not private_to_user(self.root, directory=True) or not private_to_user(self.path, directory=False):
+            log.warning("%s: not a file only this user can write in a directory only this user can write (%s); "
+                        "computing SRC's side again", self.path, SOURCE_CACHE_ENV)
+            return None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                # copies, not the file's mapping (a file truncated meanwhile would SIGBUS)
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+            facts = json.loads(meta.get("facts", ""))
+        except Exception as e:  # noqa: BLE001 - safetensors and json raise several types for a damaged file
+            log.warning("%s: unreadable (%s); computing SRC's side again", self.path, type(e).__name__)
+            return None
+        try:
+            shapes = shapes(facts) if callable(shapes) and isinstance(facts, dict) else shapes
+        except (KeyError, TypeError, ValueError):  # facts not of the form the caller keeps
+            shapes = None
+        ok = (meta.get("key") == self.key and isinstance(facts, dict) and isinstance(shapes, dict)
+              and set(tensors) == set(shapes)
+              and all(tuple(t.shape) == tuple(shapes[n]) and (not t.is_floating_point() or t.dtype == self.dtype)
+                      for n, t in tensors.items()))
+        if not ok:
+            log.warning("%s: not the entry for this SRC, its inputs and settings; computing SRC's side again",
+                        self.path)
+            return None
+        log.info("SRC's side from the source cache (%s): SRC's decoder layers are not read", self.path)
+        return tensors, facts
+
+    def save(self, tensors: dict[str, torch.Tensor], facts: dict) -> None:
+        """Keep ``tensors`` and ``facts`` (a JSON object) as this key's entry; a cache that cannot
+        be written (or is not this user's own) is warned about, never an error."""
+        from safetensors.torch import save_file
+
+        if self.path is None:
+            return
+        tmp = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not private_to_user(self.root, directory=True):
+                log.warning("%s: not a directory only this user can write (%s); SRC's side not kept",
+                            self.root, SOURCE_CACHE_ENV)
+                return
+            self._remove_stale_partials()
+            fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".safetensors", dir=self.root)
+            os.close(fd)
+            save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, tmp,
+                      metadata={"key": self.key, "kind": self.kind, "facts": json.dumps(facts, sort_keys=True)})
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as e:
+            log.warning("%s: SRC's side not kept (%s)", self.root, e.strerror or e)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+    def _remove_stale_partials(self) -> None:
+        """Temporary files of writes killed midway (``.partial-*``, safetensors' own ``.tmp*``),
+        older than :data:`_STALE_PARTIAL_SECONDS`: never trusted (not entries), only removed."""
+        now = time.time()
+        for f in [*self.root.glob(".partial-*"), *self.root.glob(".tmp*")]:
+            try:
+                if now - f.lstat().st_mtime > _STALE_PARTIAL_SECONDS:
+                    f.unlink()
+            except OSError:
+                pass

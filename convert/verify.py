@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 
 from g4.convert.reference import chat_prompt_ids
-from g4.convert.stream import Nvfp4Stream, SourceStream, compare_streamed, streamed_greedy
+from g4.convert.stream import (
+    Nvfp4Stream,
+    SourceSideCache,
+    SourceStream,
+    compare_streamed,
+    source_side,
+    source_side_shapes,
+    streamed_greedy,
+)
 from g4.core.checkpoint import check_converted_from
 from g4.core.errors import CheckpointError
 from g4.core.progress import progress_bar
@@ -46,7 +54,9 @@ class VerifyReport:
     did not choose, so these are lower and only reported). ``layer_rel_error``: per
     decoder layer, ``||h_converted - h_source|| / ||h_source||`` of its output hidden
     states over the continuation positions (:func:`g4.convert.stream.compare_streamed`):
-    where along the model the result drifts.
+    where along the model the result drifts. ``src_side_from_cache``: the source's continuations
+    and hidden states came from an earlier verify on the same prompts
+    (:class:`g4.convert.stream.SourceSideCache`): none of its decoder layers were read.
     """
 
     prompts: int
@@ -61,6 +71,7 @@ class VerifyReport:
     facts_correct: int = 0
     answers: list[dict] = field(default_factory=list)
     layer_rel_error: list[float] = field(default_factory=list)
+    src_side_from_cache: bool = False
 
     def failures(self, min_agreement: float) -> list[str]:
         """Why the check fails at ``min_agreement`` (empty when it passes)."""
@@ -159,6 +170,20 @@ def eos_token_ids(root: Path) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def _kept_continuations(kept: dict, prompts: int, max_new_tokens: int) -> list[list[int]]:
+    """The SRC continuations a :class:`SourceSideCache` entry kept.
+
+    Raises:
+        ValueError: not one list of at most ``max_new_tokens`` token ids (ints) per prompt.
+    """
+    continuations = kept["continuations"]
+    if not (isinstance(continuations, list) and len(continuations) == prompts and all(
+            isinstance(c, list) and len(c) <= max_new_tokens and all(type(t) is int and t >= 0 for t in c)
+            for c in continuations)):
+        raise ValueError("not the continuations of these prompts")
+    return continuations
+
+
 def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, act_quant: bool | None = None,
                  dtype: torch.dtype = torch.bfloat16, progress: bool = False) -> VerifyReport:
     """Compare the NVFP4 checkpoint ``out`` with its source ``src`` on held-out prompts.
@@ -172,6 +197,10 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     Prompts come from ``src/facts.json`` (``heldout``, when it has any; the embedded model ships
     one) or :data:`DEFAULT_PROMPTS`; the facts in that file are also asked of the converted model
     (:func:`read_source_facts`).
+
+    SRC's continuations and hidden states are kept (:class:`g4.convert.stream.SourceSideCache`,
+    ``G4_SOURCE_CACHE``): a later verify against the same SRC with the same prompts and
+    ``max_new_tokens`` reads only SRC's head, not its decoder layers once per new token.
 
     Raises:
         CheckpointError: unreadable source/output, tensors that do not fit the model, or a
@@ -194,7 +223,14 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
         facts, prompts = read[0], read[1] or prompts
     prompt_ids = [chat_prompt_ids(tokenizer, p)[0].tolist() for p in prompts]
     layers = src_model.num_layers
-    phases = [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
+    src_eos = eos_token_ids(src)
+    # SRC's side of an earlier verify on the same prompts: its continuations and hidden states
+    cache = SourceSideCache("verify", src_model, {"prompts": prompt_ids, "max_new_tokens": max_new_tokens,
+                                                  "eos": src_eos})
+    hit = cache.load(lambda kept: source_side_shapes(
+        src_model, [p + c for p, c in zip(prompt_ids, _kept_continuations(kept, len(prompt_ids), max_new_tokens))],
+        [len(p) for p in prompt_ids]))
+    phases = [("comparing", layers)] if hit else [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
     phases += [("facts", ANSWER_TOKENS * layers)] if facts else []
     with progress_bar(sum(n for _, n in phases), f"verify {out.name}", enabled=progress, unit="layer") as bar:
         src_model.on_layer = q_model.on_layer = lambda: bar.update(1)
@@ -205,13 +241,21 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
                 bar.update(next(ends) - bar.n)
             bar.set_postfix_str(name)
 
-        phase("SRC greedy")
-        continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
-                                        eos_token_ids=eos_token_ids(src))
-        phase("comparing")
-        stats = compare_streamed(src_model, q_model, [p + c for p, c in zip(prompt_ids, continuations)],
-                                 [len(p) for p in prompt_ids])
-        report = VerifyReport(prompts=len(prompts), act_quant=act_quant, **stats)
+        lengths = [len(p) for p in prompt_ids]
+        if hit is None:
+            phase("SRC greedy")
+            continuations = streamed_greedy(src_model, prompt_ids, max_new_tokens=max_new_tokens,
+                                            eos_token_ids=src_eos)
+            phase("comparing")
+            sequences = [p + c for p, c in zip(prompt_ids, continuations)]
+            side = source_side(src_model, sequences, lengths)
+            cache.save(side, {"continuations": continuations})
+        else:
+            phase("comparing")
+            side, kept = hit
+            sequences = [p + c for p, c in zip(prompt_ids, kept["continuations"])]
+        stats = compare_streamed(src_model, q_model, sequences, lengths, src_side=side)
+        report = VerifyReport(prompts=len(prompts), act_quant=act_quant, src_side_from_cache=hit is not None, **stats)
         questions = [chat_prompt_ids(tokenizer, q)[0].tolist() for q, _ in facts]
         if facts:
             phase("facts")

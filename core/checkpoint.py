@@ -769,13 +769,41 @@ def _has_chat_template(root: Path) -> bool:
         return False
 
 
-def weight_fingerprints(out: str | Path) -> dict[str, dict]:
+def file_identity(path: str | Path) -> list[int]:
+    """``[size, inode, device, mtime_ns, ctime_ns]`` of the file ``path`` resolves to: any write to
+    it changes its ctime, which no user tool sets back (``touch`` and ``cp --preserve`` set the
+    mtime only), so an equal identity means the same bytes as when it was taken."""
+    st = Path(path).resolve().stat()
+    return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
     """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
     (sorted): which weights a verification is about, so that a model card never shows a
-    result for files changed since (streamed)."""
+    result for files changed since (streamed).
+
+    Args:
+        known: ``{resolved path: {"identity": file_identity, "sha256": hex}}`` of files hashed
+            before (:func:`known_hashes`); a file whose identity is unchanged is not read again.
+    """
     out = Path(out)
-    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    known = known or {}
+
+    def sha256(p: Path) -> str:
+        k = known.get(str(p.resolve()))
+        if isinstance(k, dict) and k.get("identity") == file_identity(p) and isinstance(k.get("sha256"), str):
+            return k["sha256"]
+        return file_sha256(p)
+
+    return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}
             for p in sorted(out.rglob("*.safetensors"))}
+
+
+def known_hashes(out: str | Path, fingerprints: dict[str, dict]) -> dict[str, dict]:
+    """:func:`weight_fingerprints`' ``known`` records of ``fingerprints`` (taken from ``out``)."""
+    out = Path(out)
+    return {str((out / rel).resolve()): {"identity": file_identity(out / rel), "sha256": f["sha256"]}
+            for rel, f in fingerprints.items()}
 
 
 def check_converted_from(out: str | Path, src: str | Path) -> None:

@@ -14,11 +14,11 @@ import tiny  # noqa: E402
 def _own_caches(tmp_path_factory):
     """Every test (and the processes it starts) uses empty caches of its own session, not the
     user's ~/.cache/g4: a kernel package there would stand in for the compiled kernels the tests
-    check (g4.quantizers.compiled), and eval's cached SRC hidden states
-    (g4.convert.evaluate.SourceHiddenCache) are made by this session's code only."""
+    check (g4.quantizers.compiled), and eval's and verify's cached SRC sides
+    (g4.convert.stream.SourceSideCache) are made by this session's code only."""
     import os
 
-    names = {"G4_KERNEL_CACHE": "kernel_cache", "G4_EVAL_CACHE": "eval_cache"}
+    names = {"G4_KERNEL_CACHE": "kernel_cache", "G4_SOURCE_CACHE": "source_cache"}
     before = {env: os.environ.get(env) for env in names}
     for env, folder in names.items():
         os.environ[env] = str(tmp_path_factory.mktemp(folder))

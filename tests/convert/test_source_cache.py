@@ -1,7 +1,7 @@
-"""g4convert eval's cache of SRC's final hidden states (g4.convert.evaluate.SourceHiddenCache): a
-later eval against the same SRC on the same text reads none of SRC's decoder layers and gives the
-same statistics, bit for bit; anything the hidden states depend on, or a file not to be trusted,
-makes it compute SRC's side again."""
+"""The cache of SRC's side of a comparison (g4.convert.stream.SourceSideCache): a later
+`g4convert eval` against the same SRC on the same text, or `verify` with the same prompts, reads
+none of SRC's decoder layers and gives the same figures, bit for bit; anything SRC's side depends
+on, or a file not to be trusted, makes it compute SRC's side again."""
 
 import os
 import shutil
@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from g4.convert.embedded_model import EMBEDDED_DIR
-from g4.convert.evaluate import EVAL_CACHE_ENV, SourceHiddenCache, evaluate
+from g4.convert.evaluate import evaluate
 from g4.convert.nvfp4 import convert_nvfp4
-from g4.convert.stream import SourceStream
+from g4.convert.stream import SOURCE_CACHE_ENV, SourceSideCache, SourceStream
+from g4.convert.verify import verify_nvfp4
 
 CTX, MAX_TOKENS = 128, 512
 STATS = ("ppl_src", "ppl_out", "ppl_ratio", "top1_agreement", "rms_dp", "tokens", "kld", "uncertainty")
@@ -45,7 +46,7 @@ def entries(cache):
 
 
 def test_a_later_eval_reads_no_src_layer_and_gives_the_same_statistics(w4a16, tmp_path, monkeypatch, src_layers_read):
-    monkeypatch.setenv(EVAL_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(tmp_path / "cache"))
     first = run(w4a16, EMBEDDED_DIR)
     layers = len(src_layers_read)
     assert not first["src_hidden_from_cache"] and layers == SourceStream(EMBEDDED_DIR).num_layers
@@ -54,14 +55,14 @@ def test_a_later_eval_reads_no_src_layer_and_gives_the_same_statistics(w4a16, tm
     assert second["src_hidden_from_cache"] and len(src_layers_read) == layers  # no SRC layer read again
     assert {k: second[k] for k in STATS} == {k: first[k] for k in STATS}  # bit for bit
     assert second["against"] == first["against"]  # SRC's sha256 recorded with the entry, not computed again
-    monkeypatch.setenv(EVAL_CACHE_ENV, "off")
+    monkeypatch.setenv(SOURCE_CACHE_ENV, "off")
     third = run(w4a16, EMBEDDED_DIR)
     assert not third["src_hidden_from_cache"] and {k: third[k] for k in STATS} == {k: first[k] for k in STATS}
 
 
 def test_another_text_ctx_or_dtype_is_another_entry(w4a16, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
     run(w4a16, EMBEDDED_DIR)
     assert not run(w4a16, EMBEDDED_DIR, ctx=64)["src_hidden_from_cache"]
     assert not run(w4a16, EMBEDDED_DIR, max_tokens=384)["src_hidden_from_cache"]
@@ -74,7 +75,7 @@ def test_another_text_ctx_or_dtype_is_another_entry(w4a16, tmp_path, monkeypatch
 def test_a_changed_or_copied_source_computes_its_side_again(w4a16, tmp_path, monkeypatch, src_layers_read):
     """The key holds every SRC weight file's path, size, inode, mtime and ctime: a rewritten file
     (same bytes, even with its old mtime put back) and a copy of SRC elsewhere are other sources."""
-    monkeypatch.setenv(EVAL_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(tmp_path / "cache"))
     src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
     before = run(w4a16, src)
     assert run(w4a16, src)["src_hidden_from_cache"]
@@ -88,9 +89,37 @@ def test_a_changed_or_copied_source_computes_its_side_again(w4a16, tmp_path, mon
     assert not run(w4a16, other)["src_hidden_from_cache"]
 
 
+def test_against_names_the_src_given_not_the_one_that_made_the_entry(w4a16, tmp_path, monkeypatch):
+    """A folder whose weights are links to a cached SRC's files, or the same SRC with another
+    weight file beside them, reuses SRC's hidden states but is named (and hashed) as itself."""
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(tmp_path / "cache"))
+    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
+    run(w4a16, src)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in src.iterdir():
+        (other / f.name).symlink_to(f)
+    got = run(w4a16, other)
+    assert got["src_hidden_from_cache"] and got["against"]["name"] == "other"
+    extra = src / "extra.safetensors"
+    shutil.copy(next(src.glob("model*.safetensors")), extra)
+    got = run(w4a16, src)
+    assert got["src_hidden_from_cache"] and "extra.safetensors" in got["against"]["weight_files"]
+    monkeypatch.setenv(SOURCE_CACHE_ENV, "off")
+    assert run(w4a16, src)["against"] == got["against"]
+
+
+def test_a_cache_folder_that_cannot_be_read_is_warned_about(w4a16, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(blocker / "cache"))
+    got = run(w4a16, EMBEDDED_DIR)
+    assert not got["src_hidden_from_cache"] and "cannot be read" in caplog.text and "not kept" in caplog.text
+
+
 def test_an_entry_not_to_be_trusted_is_not_used(w4a16, tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
-    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
     want = run(w4a16, EMBEDDED_DIR)
     entry = cache / entries(cache)[0]
     good = entry.read_bytes()
@@ -107,9 +136,9 @@ def test_an_entry_not_to_be_trusted_is_not_used(w4a16, tmp_path, monkeypatch, ca
     entry.chmod(0o600)
     # another key's entry under this name (a planted file): not used, whatever its values
     src = SourceStream(EMBEDDED_DIR, torch.float32)
-    planted = SourceHiddenCache(src, torch.zeros(2, 8, dtype=torch.int64))
+    planted = SourceSideCache("eval", src, {"chunks": torch.zeros(2, 8, dtype=torch.int64)})
     planted.path = entry
-    planted.save(torch.zeros(2, 8, src.config.hidden_size), {"name": "planted"})
+    planted.save({"hidden": torch.zeros(2, 8, src.config.hidden_size)}, {"name": "planted"})
     caplog.clear()
     got = run(w4a16, EMBEDDED_DIR)
     assert not got["src_hidden_from_cache"] and got["kld"] == want["kld"]
@@ -121,7 +150,7 @@ def test_the_cached_values_decide_the_statistics(w4a16, tmp_path, monkeypatch):
     key changes the statistics): the cache is not checked against a recomputation, so its key is
     all that guards it."""
     cache = tmp_path / "cache"
-    monkeypatch.setenv(EVAL_CACHE_ENV, str(cache))
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
     want = run(w4a16, EMBEDDED_DIR)
     entry = cache / entries(cache)[0]
     from safetensors import safe_open
@@ -132,3 +161,45 @@ def test_the_cached_values_decide_the_statistics(w4a16, tmp_path, monkeypatch):
     save_file({"hidden": hidden * 1.5}, entry, metadata=meta)
     got = run(w4a16, EMBEDDED_DIR)
     assert got["src_hidden_from_cache"] and got["ppl_src"] != want["ppl_src"] and got["ppl_out"] == want["ppl_out"]
+
+
+# --------------------------------------------------------------------------- verify
+
+def test_a_later_verify_reads_no_src_layer_and_gives_the_same_report(w4a16, tmp_path, monkeypatch, src_layers_read):
+    """Without the cache verify reads SRC's layers once per new token and once more to compare;
+    with it, not at all; the report is the same either way."""
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(tmp_path / "cache"))
+    layers = SourceStream(EMBEDDED_DIR).num_layers
+    first = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=3)
+    passes = len(src_layers_read) / layers  # a pass per new token until every prompt ended, and the comparison
+    assert not first.src_side_from_cache and passes == int(passes) and 2 <= passes <= 3 + 1
+    second = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=3)
+    assert second.src_side_from_cache and len(src_layers_read) == passes * layers
+    same = {**vars(first), "src_side_from_cache": True}
+    assert vars(second) == same and first.layer_rel_error and first.positions > 0
+    monkeypatch.setenv(SOURCE_CACHE_ENV, "off")
+    assert vars(verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=3)) == vars(first)
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(tmp_path / "cache"))
+    assert not verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=2).src_side_from_cache  # other inputs
+    assert len(list((tmp_path / "cache").glob("verify-*.safetensors"))) == 2
+
+
+def test_kept_continuations_of_another_form_are_not_used(w4a16, tmp_path, monkeypatch, caplog):
+    """An entry under the right key whose kept continuations are not one list of token ids per
+    prompt (or whose tensors do not fit them) is refused, not trusted."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
+    want = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=2)
+    entry = next(cache.glob("verify-*.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(entry), framework="pt") as f:
+        meta, tensors = f.metadata(), {n: f.get_tensor(n).clone() for n in f.keys()}
+    import json
+
+    for planted in ([[1.5, 2]] * want.prompts, [[1, 2, 3]] * want.prompts):  # not ids; longer than asked
+        save_file(tensors, entry, metadata={**meta, "facts": json.dumps({"continuations": planted})})
+        caplog.clear()
+        got = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=2)
+        assert not got.src_side_from_cache and "not the entry" in caplog.text, planted
+        assert vars(got) == vars(want)
