@@ -35,11 +35,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import time
 import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,7 +48,7 @@ from torch import nn
 
 from g4.convert.reference import compare_logprobs, install_activation_quant, load_nvfp4_as_hf
 from g4.convert.sources import checked_sources
-from g4.core.checkpoint import Checkpoint
+from g4.core.checkpoint import Checkpoint, file_identity
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, embed_scale
 from g4.core.positions import LayerPositions, PositionBuilder
@@ -524,8 +524,8 @@ class SourceSideCache:
     An entry is one safetensors file in :func:`g4.quantizers.compiled.user_cache_dir`
     ``("source", G4_SOURCE_CACHE)`` named by the sha256 of everything SRC's side depends on:
     ``kind`` and ``inputs`` (token ids as the sha256 of their bytes), every SRC weight file's
-    resolved path, size, inode, mtime and ctime (any write to a file changes its ctime; a copy of
-    SRC is another SRC), SRC's ``config.json``, the compute dtype, device type and CPU threads,
+    resolved path and :func:`g4.core.checkpoint.file_identity` (size, inode, device, mtime and
+    ctime: any write to a file changes its ctime; a copy of SRC is another SRC), SRC's ``config.json``, the compute dtype, device type and CPU threads,
     torch's and transformers' versions and g4's code (every module of :data:`_SIDE_CODE`). It is
     used only from a directory and a file this user owns that no one else can write
     (:func:`g4.quantizers.compiled.private_to_user`) and only when its recorded key and the shapes
@@ -544,10 +544,7 @@ class SourceSideCache:
         self.kind = kind
         self.root = user_cache_dir("source", SOURCE_CACHE_ENV)
         self.dtype = src.dtype
-        files = {}
-        for name, path in sorted(src.ckpt.shards.items()):
-            st = Path(path).stat()
-            files[name] = [str(Path(path).resolve()), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+        files = {name: [str(Path(path).resolve()), *file_identity(path)] for name, path in sorted(src.ckpt.shards.items())}
         key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
                "files": files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                "dtype": str(src.dtype), "device": src.device.type,
@@ -623,8 +620,8 @@ class SourceSideCache:
                       metadata={"key": self.key, "kind": self.kind, "facts": json.dumps(facts, sort_keys=True)})
             os.replace(tmp, self.path)
             tmp = None
-        except OSError as e:
-            log.warning("%s: SRC's side not kept (%s)", self.root, e.strerror or e)
+        except Exception as e:  # noqa: BLE001 - OSError, and safetensors' own error for a failed write
+            log.warning("%s: SRC's side not kept (%s)", self.root, getattr(e, "strerror", None) or e)
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
