@@ -170,15 +170,16 @@ def eos_token_ids(root: Path) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def _kept_continuations(kept: dict, prompts: int, max_new_tokens: int) -> list[list[int]]:
+def _kept_continuations(kept: dict, prompts: int, max_new_tokens: int, vocab: int) -> list[list[int]]:
     """The SRC continuations a :class:`SourceSideCache` entry kept.
 
     Raises:
-        ValueError: not one list of at most ``max_new_tokens`` token ids (ints) per prompt.
+        ValueError: not one list of at most ``max_new_tokens`` token ids (ints in ``[0, vocab)``)
+            per prompt.
     """
     continuations = kept["continuations"]
     if not (isinstance(continuations, list) and len(continuations) == prompts and all(
-            isinstance(c, list) and len(c) <= max_new_tokens and all(type(t) is int and t >= 0 for t in c)
+            isinstance(c, list) and len(c) <= max_new_tokens and all(type(t) is int and 0 <= t < vocab for t in c)
             for c in continuations)):
         raise ValueError("not the continuations of these prompts")
     return continuations
@@ -227,9 +228,12 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     # SRC's side of an earlier verify on the same prompts: its continuations and hidden states
     cache = SourceSideCache("verify", src_model, {"prompts": prompt_ids, "max_new_tokens": max_new_tokens,
                                                   "eos": src_eos})
-    hit = cache.load(lambda kept: source_side_shapes(
-        src_model, [p + c for p, c in zip(prompt_ids, _kept_continuations(kept, len(prompt_ids), max_new_tokens))],
-        [len(p) for p in prompt_ids]))
+    def kept_shapes(kept: dict) -> dict:
+        continuations = _kept_continuations(kept, len(prompt_ids), max_new_tokens, src_model.config.vocab_size)
+        return source_side_shapes(src_model, [p + c for p, c in zip(prompt_ids, continuations)],
+                                  [len(p) for p in prompt_ids])
+
+    hit = cache.load(kept_shapes)
     phases = [("comparing", layers)] if hit else [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
     phases += [("facts", ANSWER_TOKENS * layers)] if facts else []
     with progress_bar(sum(n for _, n in phases), f"verify {out.name}", enabled=progress, unit="layer") as bar:

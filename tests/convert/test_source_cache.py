@@ -197,7 +197,8 @@ def test_kept_continuations_of_another_form_are_not_used(w4a16, tmp_path, monkey
         meta, tensors = f.metadata(), {n: f.get_tensor(n).clone() for n in f.keys()}
     import json
 
-    for planted in ([[1.5, 2]] * want.prompts, [[1, 2, 3]] * want.prompts):  # not ids; longer than asked
+    # not ids; past the vocabulary; longer than asked
+    for planted in ([[1.5, 2]] * want.prompts, [[10**9, 2]] * want.prompts, [[1, 2, 3]] * want.prompts):
         save_file(tensors, entry, metadata={**meta, "facts": json.dumps({"continuations": planted})})
         caplog.clear()
         got = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=2)
