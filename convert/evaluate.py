@@ -53,7 +53,7 @@ from g4.convert.calibrate import calibration_device, read_calibration_texts
 from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, rerender_card
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
-from g4.core.checkpoint import check_converted_from, known_hashes, weight_fingerprints
+from g4.core.checkpoint import check_converted_from, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
@@ -321,16 +321,17 @@ def compare_on_chunks(src, res, chunks: torch.Tensor, *, on_step=None, timings: 
 # --------------------------------------------------------------------------- the report
 
 
-def source_identity(src: Path, known: dict[str, dict] | None = None) -> dict:
+def source_identity(src: Path, known: dict[str, dict] | None = None, hashed: dict[str, dict] | None = None) -> dict:
     """How eval.json names SRC without a local path: ``embedded``, or the Hub repo id and commit
     of a Hugging Face cache snapshot, or the directory's name with the size and sha256 of every
-    weight file (``known``: hashes of files unchanged since, :func:`g4.core.checkpoint.known_hashes`)."""
+    weight file (``known``, ``hashed``: records of files hashed before and now,
+    :func:`g4.core.checkpoint.weight_fingerprints`)."""
     if src.resolve() == EMBEDDED_DIR.resolve():
-        return {"name": "embedded", "weight_files": weight_fingerprints(src, known)}
+        return {"name": "embedded", "weight_files": weight_fingerprints(src, known, hashed)}
     repo, revision = hf_cache_repo_id(src), hf_cache_revision(src)
     if repo and revision:
         return {"repo_id": repo, "revision": revision}
-    return {"name": src.resolve().name, "weight_files": weight_fingerprints(src, known)}
+    return {"name": src.resolve().name, "weight_files": weight_fingerprints(src, known, hashed)}
 
 
 def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> dict:
@@ -420,8 +421,9 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
         if hit is None:
             t1 = time.perf_counter()
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
-            against = source_identity(src)
-            cache.save({_HIDDEN: src_hidden}, {"sha256": known_hashes(src, against.get("weight_files", {}))})
+            hashed: dict = {}
+            against = source_identity(src, hashed=hashed)
+            cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})
             timings_src = time.perf_counter() - t1
         else:
             (tensors, kept), timings_src = hit, 0.0

@@ -777,33 +777,34 @@ def file_identity(path: str | Path) -> list[int]:
     return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None,
+                        hashed: dict[str, dict] | None = None) -> dict[str, dict]:
     """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``
     (sorted): which weights a verification is about, so that a model card never shows a
     result for files changed since (streamed).
 
     Args:
         known: ``{resolved path: {"identity": file_identity, "sha256": hex}}`` of files hashed
-            before (:func:`known_hashes`); a file whose identity is unchanged is not read again.
+            before; a file whose identity is unchanged is not read again.
+        hashed: filled with the same records for every file here, each identity taken before its
+            file was read (a file written while it was hashed then never matches its record).
     """
     out = Path(out)
     known = known or {}
 
     def sha256(p: Path) -> str:
+        identity = file_identity(p)
         k = known.get(str(p.resolve()))
-        if isinstance(k, dict) and k.get("identity") == file_identity(p) and isinstance(k.get("sha256"), str):
-            return k["sha256"]
-        return file_sha256(p)
+        if isinstance(k, dict) and k.get("identity") == identity and isinstance(k.get("sha256"), str):
+            digest = k["sha256"]
+        else:
+            digest = file_sha256(p)
+        if hashed is not None:
+            hashed[str(p.resolve())] = {"identity": identity, "sha256": digest}
+        return digest
 
     return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}
             for p in sorted(out.rglob("*.safetensors"))}
-
-
-def known_hashes(out: str | Path, fingerprints: dict[str, dict]) -> dict[str, dict]:
-    """:func:`weight_fingerprints`' ``known`` records of ``fingerprints`` (taken from ``out``)."""
-    out = Path(out)
-    return {str((out / rel).resolve()): {"identity": file_identity(out / rel), "sha256": f["sha256"]}
-            for rel, f in fingerprints.items()}
 
 
 def check_converted_from(out: str | Path, src: str | Path) -> None:

@@ -217,3 +217,22 @@ def test_finite_amax_is_per_expert_and_refuses_nan_and_inf_naming_the_tensor():
         x[2, 3, 4] = bad
         with pytest.raises(CheckpointError, match=r"^f\.safetensors: tensor e: 1 NaN/Inf value\(s\) in the source weights"):
             finite_amax("e", x, where="f.safetensors")
+
+
+def test_weight_fingerprints_reuse_a_hash_only_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """``hashed`` records each file's identity as it was before it was read; a record given back
+    as ``known`` spares the read while the file is unchanged, and a rewritten file is read again."""
+    import g4.core.checkpoint as checkpoint
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(6.0)}, f)
+    hashed: dict = {}
+    first = checkpoint.weight_fingerprints(tmp_path, hashed=hashed)
+    assert hashed[str(f.resolve())]["identity"] == checkpoint.file_identity(f)
+    reads = []
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: reads.append(p) or real(p))
+    assert checkpoint.weight_fingerprints(tmp_path, hashed) == first and reads == []
+    save_file({"w": torch.arange(6.0) + 1}, f)
+    second = checkpoint.weight_fingerprints(tmp_path, hashed)
+    assert reads == [f] and second["model.safetensors"]["sha256"] != first["model.safetensors"]["sha256"]
