@@ -7,6 +7,7 @@ user error.
 """
 
 import functools
+import inspect
 import os
 import signal
 import sys
@@ -144,14 +145,16 @@ def note_output_placed(out) -> None:
     _placed.append(str(out))
 
 
-def _signal_exit(sig: int) -> None:
+def _signal_exit(sig: int, has_out: bool = True) -> None:
     import click
 
     what = "terminated" if sig == signal.SIGTERM else "interrupted"
     if _placed:
         click.echo(f"{what} after {', '.join(_placed)} was complete; it is kept", err=True)
-    else:
+    elif has_out:
         click.echo(f"{what}; nothing was written to OUT", err=True)
+    else:  # e.g. g4convert kernels: a cache entry is renamed into place only when complete
+        click.echo(f"{what}; nothing partial was left", err=True)
     sys.exit(128 + sig)
 
 
@@ -161,7 +164,9 @@ def exit_on_user_error(fn):
     :func:`install_signal_handlers`) with 143, 128 + the signal number as shells report
     it (outputs are only ever renamed into place when complete, so nothing partial is left),
     also when something on the way swallowed the signal's exception, and also when the signal
-    came after OUT was placed (the message then says OUT is complete and kept)."""
+    came after OUT was placed (the message then says OUT is complete and kept). A command
+    without an ``out`` parameter is not said to have left OUT untouched."""
+    has_out = "out" in inspect.signature(fn).parameters
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -177,9 +182,9 @@ def exit_on_user_error(fn):
             click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt as e:
-            _signal_exit(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+            _signal_exit(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT, has_out)
         if (sig := signal_received()) is not None:  # its exception was swallowed on the way
-            _signal_exit(sig)
+            _signal_exit(sig, has_out)
         return result
 
     return wrapper

@@ -139,8 +139,32 @@ def test_g4convert_kernels_says_what_it_did_and_refuses_bad_options(monkeypatch)
     assert r.exit_code == 0 and "no kernel to compile" in r.output, r.output
     one_error_line(g4convert("kernels", "--format", "int8-neuron", "--algorithm", "mse"),
                    "--algorithm 'mse' is not one of int8-neuron's: max, gptq")
+    # another format's options name no kernel of this one (they were silently ignored)
+    one_error_line(g4convert("kernels", "--tp", "4"), "--tp is not an option of nvfp4's conversion")
+    one_error_line(g4convert("kernels", "--quantize-attention"),
+                   "--quantize-attention is not an option of nvfp4's conversion")
+    one_error_line(g4convert("kernels", "--format", "int8-neuron", "--preset", "mlp-only"),
+                   "--preset is not an option of int8-neuron's conversion")
     monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, "off")
     one_error_line(g4convert("kernels"), "the kernel cache is off (G4_KERNEL_CACHE=off)")
+
+
+def test_ctrl_c_in_g4convert_kernels_does_not_speak_of_an_out(monkeypatch):
+    """``g4convert kernels`` has no OUT: its interrupt message does not say OUT was left untouched."""
+    import signal
+
+    from helpers import g4convert
+
+    from g4.convert import nvfp4
+
+    monkeypatch.setattr(nvfp4, "save_kernels", lambda *a, **k: os.kill(os.getpid(), signal.SIGINT))
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        r = g4convert("kernels")
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert r.exit_code == 130 and "interrupted; nothing partial was left" in r.output and "OUT" not in r.output
 
 
 def test_an_int8_layout_kernel_package_gives_every_ranks_bytes(tmp_path, monkeypatch):
