@@ -48,6 +48,15 @@ first time, then found there), as a user does once per machine: the conversion t
 milliseconds instead of compiling them in its own process (5-8 s before its first layer on this
 machine). ``--no-kernel-cache`` measures the conversion without it (``G4_KERNEL_CACHE=off``:
 torch.compile in the process, with inductor's own on-disk cache as warm as earlier runs left it).
+
+Also printed: the conversion's CPU seconds in user and in kernel (sys) mode. The kernel's share
+depends on the machine's memory, not only on g4: on this CI's VM, freshly booted (its memory
+returned to the host while free: virtio-balloon free page reporting), the first touch of each
+page costs the host a fault (20 GiB touched once: 62 s), and the page cache's and the process's
+new pages pay it. Measured there on 2026-12-06, cold 2-layer ``int8-neuron --tp 2``: 12.0-16.5
+user and 3.5-13.1 sys CPU seconds, 9.9-16.9 s; a buffered read of a cold 4.4 GB file 0.48-0.62
+GB/s before 20 GiB had been touched and 1.8 GB/s after, an ``O_DIRECT`` one (no new pages) 1.4-1.6
+GB/s throughout. The direct floor pays none of it; the buffered floor and the conversion do.
 """
 
 from __future__ import annotations
@@ -294,6 +303,10 @@ def main() -> None:
                       # CPU seconds of the conversion process (user + sys) per wall second, of
                       # os.cpu_count(): near the core count, the conversion is bound by the CPU, not the disk
                       "cores_busy (cpu s / wall s)": f"{cpu / wall:.2f} of {os.cpu_count()}",
+                      # of which in the kernel: page faults, page-cache reads and allocation (see
+                      # the module's docstring on a freshly booted VM), direct writes
+                      "cpu_seconds (user, sys)": [round(after.ru_utime - before.ru_utime, 1),
+                                                  round(after.ru_stime - before.ru_stime, 1)],
                       "read_from_disk_GB": round(disk_read_bytes(before, after) / 1e9, 3),
                       "source_GB": round(bytes_in / 1e9, 3),
                       "source_reads_from_disk": round(disk_read_bytes(before, after) / bytes_in, 2),
