@@ -345,6 +345,7 @@ class CompiledKernel:
             from torch.export import Dim, export
 
             partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # must end in .pt2
+            digest = path.with_name(f".partial-{os.getpid()}-{path.name}.sha256")
             try:
                 import torch._inductor
 
@@ -358,12 +359,12 @@ class CompiledKernel:
                 raise PackageCompileError(f"{self.label}: AOTInductor could not compile the kernel for "
                                           f"{list(tail)} {dtype} ({type(e).__name__}: {first})") from e
             else:
-                digest = path.with_name(f".partial-{os.getpid()}-{path.name}.sha256")
                 digest.write_text(_file_sha256(partial) + "\n")
                 os.replace(digest, path.with_name(path.name + ".sha256"))
                 os.replace(partial, path)
-            finally:
+            finally:  # an interrupt anywhere above leaves neither temporary file
                 partial.unlink(missing_ok=True)
+                digest.unlink(missing_ok=True)
             if self._reload(x, extra) is None:
                 raise RuntimeError(f"{self.label}: the package just compiled ({path}) does not load or does not "
                                    "give the eager bytes")

@@ -156,6 +156,7 @@ def test_ctrl_c_in_g4convert_kernels_does_not_speak_of_an_out(monkeypatch):
     from helpers import g4convert
 
     from g4.convert import nvfp4
+    from g4.core.errors import signal_received
 
     monkeypatch.setattr(nvfp4, "save_kernels", lambda *a, **k: os.kill(os.getpid(), signal.SIGINT))
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -165,6 +166,8 @@ def test_ctrl_c_in_g4convert_kernels_does_not_speak_of_an_out(monkeypatch):
         for s, handler in before.items():
             signal.signal(s, handler)
     assert r.exit_code == 130 and "interrupted; nothing partial was left" in r.output and "OUT" not in r.output
+    # handled: this process's next conversion is not stopped by the old signal (it stopped CI's run)
+    assert signal_received() is None
 
 
 def test_an_int8_layout_kernel_package_gives_every_ranks_bytes(tmp_path, monkeypatch):
@@ -231,3 +234,26 @@ def test_a_damaged_package_is_never_loaded(cache, monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert q.KERNEL._package(x, g) is None
     assert "is not a file only this user can write" in caplog.text
+
+
+def test_an_interrupted_package_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """Ctrl-C between the package's compile and its rename into place (here: at the first
+    rename) leaves neither the partial package nor its partial digest in the cache (a fresh
+    user's trial found the digest left behind)."""
+    import torch._inductor
+    import torch.export
+
+    os.chmod(tmp_path, 0o700)
+    monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(q.KERNEL, "_packages", {})
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: None)  # no compile: the files are what counts
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda exported, package_path: open(package_path, "wb").write(b"package"))
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiled.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        q.save_kernels([(2048, 1024, torch.bfloat16)], "max")
+    assert list(tmp_path.iterdir()) == []
