@@ -334,6 +334,19 @@ def source_identity(src: Path, known: dict[str, dict] | None = None, hashed: dic
     return {"name": src.resolve().name, "weight_files": weight_fingerprints(src, known, hashed)}
 
 
+def _check_src_unchanged(src: Path, cache: SourceSideCache) -> None:
+    """Refuse a report whose ``against`` would name other bytes than the statistics came from:
+    SRC's weight files must be the ones (same resolved path and identity) they were when eval
+    opened SRC, after they were read and hashed.
+
+    Raises:
+        CheckpointError: ``<SRC>/<shard>: changed while eval read it (...)``; nothing is written.
+    """
+    if (name := cache.changed()) is not None:
+        raise CheckpointError(f"{src / name}: changed while eval read it (rewritten, replaced or relinked); "
+                              f"nothing was written, run eval again once SRC is complete")
+
+
 def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> dict:
     path = Path(text) if text is not None else DEFAULT_TEXT_FILE
     return {"file": path.name, "packaged": text is None, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
@@ -423,6 +436,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
             hashed: dict = {}
             against = source_identity(src, hashed=hashed)
+            _check_src_unchanged(src, cache)
             cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})
             timings_src = time.perf_counter() - t1
         else:
@@ -431,6 +445,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             # named afresh (another folder name or Hub revision of the same files is another SRC);
             # a weight file unchanged since it was hashed is not read again
             against = source_identity(src, kept.get("sha256") if isinstance(kept.get("sha256"), dict) else None)
+            _check_src_unchanged(src, cache)
         stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings,
                                   src_hidden=src_hidden)
         timings["layer_seconds"] = round(timings["layer_seconds"] + timings_src, 3)

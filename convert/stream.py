@@ -544,7 +544,10 @@ class SourceSideCache:
         self.kind = kind
         self.root = user_cache_dir("source", SOURCE_CACHE_ENV)
         self.dtype = src.dtype
-        files = {name: [str(Path(path).resolve()), *file_identity(path)] for name, path in sorted(src.ckpt.shards.items())}
+        # each shard by the path SRC names it with (a link retargeted later is then seen by changed())
+        self._shards = {name: src.root / name for name in src.ckpt.shards}
+        files = {name: self._file_record(path) for name, path in sorted(self._shards.items())}
+        self.files = files
         key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
                "files": files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                "dtype": str(src.dtype), "device": src.device.type,
@@ -599,12 +602,34 @@ class SourceSideCache:
         log.info("SRC's side from the source cache (%s): SRC's decoder layers are not read", self.path)
         return tensors, facts
 
+    @staticmethod
+    def _file_record(path: "str | os.PathLike[str]") -> list:
+        """``[resolved path, *file_identity]`` of one SRC weight file."""
+        return [str(Path(path).resolve()), *file_identity(path)]
+
+    def changed(self) -> str | None:
+        """The shard name (e.g. ``model-00001-of-00002.safetensors``) of the first SRC weight file
+        whose resolved path or :func:`g4.core.checkpoint.file_identity` is no longer what it was
+        when the key was taken (rewritten, replaced, a link retargeted, removed), or None: what
+        was computed from SRC since may hold bytes of another file."""
+        for name, path in sorted(self._shards.items()):
+            try:
+                if self._file_record(path) != self.files[name]:
+                    return name
+            except OSError:
+                return name
+        return None
+
     def save(self, tensors: dict[str, torch.Tensor], facts: dict) -> None:
         """Keep ``tensors`` and ``facts`` (a JSON object) as this key's entry; a cache that cannot
-        be written (or is not this user's own) is warned about, never an error."""
+        be written (or is not this user's own) is warned about, never an error. Nothing is kept
+        when SRC changed since the key was taken (:meth:`changed`)."""
         from safetensors.torch import save_file
 
         if self.path is None:
+            return
+        if (name := self.changed()) is not None:
+            log.warning("%s: changed while SRC's side was computed; SRC's side not kept", name)
             return
         tmp = None
         try:

@@ -204,3 +204,40 @@ def test_kept_continuations_of_another_form_are_not_used(w4a16, tmp_path, monkey
         got = verify_nvfp4(w4a16, EMBEDDED_DIR, max_new_tokens=2)
         assert not got.src_side_from_cache and "not the entry" in caplog.text, planted
         assert vars(got) == vars(want)
+
+
+@pytest.mark.parametrize("how", ["rewritten", "relinked"])
+def test_a_source_changed_while_eval_reads_it_gives_no_report_and_no_entry(w4a16, tmp_path, monkeypatch, how):
+    """SRC's weight file rewritten in place, or its link pointed at another file, after eval read
+    SRC's layers: eval refuses to name files its statistics did not come from (a fresh user's
+    trial: eval.json named the new file's sha256 beside the old file's statistics), and keeps nothing."""
+    import g4.convert.evaluate as ev
+    from g4.core.errors import CheckpointError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
+    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in store.iterdir():
+        (src / f.name).symlink_to(f)
+    weights = next(store.glob("model*.safetensors"))
+    other = tmp_path / "other.safetensors"
+    shutil.copy(weights, other)
+    real = ev.final_hidden
+
+    def meanwhile(*args, **kwargs):
+        hidden = real(*args, **kwargs)
+        if how == "rewritten":
+            weights.write_bytes(weights.read_bytes())
+        else:
+            (src / weights.name).unlink()
+            (src / weights.name).symlink_to(other)
+        return hidden
+
+    monkeypatch.setattr(ev, "final_hidden", meanwhile)
+    with pytest.raises(CheckpointError, match=f"{weights.name}: changed while eval read it"):
+        run(w4a16, src)
+    assert entries(cache) == []
+    monkeypatch.setattr(ev, "final_hidden", real)
+    assert not run(w4a16, src)["src_hidden_from_cache"]  # SRC as it is now, computed afresh
