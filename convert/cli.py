@@ -362,11 +362,14 @@ def kernels(ctx, src, fmt, algorithm, preset, tp, quantize_attention):
     if kernel_cache_dir() is None:
         raise OptionError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ[KERNEL_CACHE_ENV]}); "
                           f"set {KERNEL_CACHE_ENV} to a directory")
-    other = {"nvfp4": ("tp", "quantize_attention"), "int8-neuron": ("preset",)}[fmt]
-    given = [p for p in other if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
-    if given:  # a kernel set is per conversion: an option of another format names no kernel here
-        raise OptionError(f"--{given[0].replace('_', '-')} is not an option of {fmt}'s conversion; "
-                          f"its kernels take {'--preset, --algorithm' if fmt == 'nvfp4' else '--tp, --quantize-attention, --algorithm'}")
+    # a kernel set is per conversion: an option of another format's conversion names no kernel here
+    own = {"nvfp4": ("preset",), "int8-neuron": ("tp", "quantize_attention")}
+    other_fmt = "int8-neuron" if fmt == "nvfp4" else "nvfp4"
+    given = [p for p in own[other_fmt] if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise OptionError(f"{flag} is not an option of {fmt}'s conversion (it is --format {other_fmt}'s); "
+                          f"{fmt}'s kernels take {', '.join('--' + p.replace('_', '-') for p in own[fmt])}, --algorithm")
     choices = ALGORITHMS if fmt == "nvfp4" else INT8_ALGORITHMS
     if algorithm is not None and algorithm not in choices:
         raise OptionError(f"--algorithm {algorithm!r} is not one of {fmt}'s: {', '.join(choices)}")
