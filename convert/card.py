@@ -796,9 +796,13 @@ def rerender_card(out: str | Path) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C or a full disk: no temporary file left in OUT
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:

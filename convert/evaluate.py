@@ -54,7 +54,7 @@ from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, r
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
 from g4.core.checkpoint import check_converted_from, weight_fingerprints
-from g4.core.errors import CheckpointError, G4Error, OptionError
+from g4.core.errors import CheckpointError, G4Error, OptionError, note_output_placed
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
 
@@ -362,6 +362,7 @@ def write_eval(out: Path, report: dict) -> Path:
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, out / EVAL_FILE)
+        note_output_placed(out / EVAL_FILE)  # a Ctrl-C from here on says the report is kept
     except BaseException:
         try:
             os.unlink(tmp)

@@ -59,7 +59,7 @@ from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
 from g4.core.checkpoint import CONFIG_NAME, Checkpoint, check_converted_from, read_json_object, weight_fingerprints
-from g4.core.errors import CheckpointError, G4Error, a_or_an
+from g4.core.errors import CheckpointError, G4Error, a_or_an, note_output_placed
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.serve.backends import choose_backend
 from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, openai_tools, render_prompt
@@ -498,6 +498,7 @@ def write_report(out: Path, report: dict) -> Path:
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        note_output_placed(path)  # a Ctrl-C from here on says the report is kept
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -194,3 +194,32 @@ def test_cli_json_eval_file_card_and_bad_text(results, tmp_path):
     assert r.exit_code == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {bad}:2: invalid JSON"), r.stderr
     assert (out / "eval.json").read_bytes() == before  # the earlier report is untouched
+
+
+def test_ctrl_c_after_the_report_is_written_says_it_is_kept(results, monkeypatch):
+    """A Ctrl-C while the model card is re-rendered, after eval.json is in place: exit 130 and a
+    message that eval.json is complete and kept (it said nothing was written to OUT), and no
+    temporary file of the card left in OUT."""
+    import os
+    import signal
+
+    import g4.convert.card as card
+
+    out = results / "w4a16"
+    real = card.card_text
+
+    def interrupted(*args, **kwargs):
+        text = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return text
+
+    monkeypatch.setattr(card, "card_text", interrupted)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        r = CliRunner().invoke(main, ["-q", "eval", str(out), "--max-tokens", str(MAX_TOKENS), "--ctx", str(CTX)])
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert r.exit_code == 130, r.output
+    assert f"interrupted after {out / 'eval.json'} was complete; it is kept" in r.output, r.output
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or p.name.startswith(".eval")]
