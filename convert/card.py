@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
 import struct
@@ -52,7 +51,7 @@ from g4.exporters.formats import CARD_FILE, EVAL_FILE, FACTS_FILE, INT8_NEURON, 
 from g4.exporters.modelopt_nvfp4 import CONVERTER, declares_input_activations, declares_kv_cache, output_layout
 from g4.exporters.neuron_int8 import COMPILED_STAMP, Manifest, parse_rank_name
 from g4.exporters.nvfp4_names import Role
-from g4.exporters.output_dir import SYNTH_MARKER
+from g4.exporters.output_dir import SYNTH_MARKER, write_text_atomic
 from g4.exporters.vllm_command import vllm_command
 
 EVAL_VERSION = 1
@@ -698,7 +697,7 @@ def write_model_card(tmp: str | Path, fmt: str, *, src: Checkpoint, out_name: st
         "options": opts,
     }
     _write_json_atomic(tmp / FACTS_FILE, facts)
-    _write_text_atomic(tmp / CARD_FILE, card_text(tmp, name=out_name, facts=facts, layout=layout))
+    write_text_atomic(tmp / CARD_FILE, card_text(tmp, name=out_name, facts=facts, layout=layout))
 
 
 # The last line of every card g4 writes: the sha256 of the text above it. A README.md whose
@@ -783,7 +782,7 @@ def write_card(out: str | Path, *, repo_id: str | None = None, facts: dict | Non
     if mine is not None:
         return mine
     text = card_text(out, repo_id=repo_id, facts=facts)
-    _write_text_atomic(Path(out) / CARD_FILE, text)
+    write_text_atomic(Path(out) / CARD_FILE, text)
     return text
 
 
@@ -794,19 +793,8 @@ def rerender_card(out: str | Path) -> None:
         write_card(out)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:  # Ctrl-C or a full disk: no temporary file left in OUT
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_json_atomic(path: Path, data: dict) -> None:
-    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- reading OUT

@@ -42,7 +42,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +53,10 @@ from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, r
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
 from g4.core.checkpoint import check_converted_from, weight_fingerprints
-from g4.core.errors import CheckpointError, G4Error, OptionError, note_output_placed
+from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
+from g4.exporters.output_dir import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -354,22 +354,8 @@ def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> di
 
 
 def write_eval(out: Path, report: dict) -> Path:
-    """``OUT/eval.json``, atomically (a temp file in OUT, then renamed)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{EVAL_FILE}.", dir=out)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / EVAL_FILE)
-        note_output_placed(out / EVAL_FILE)  # a Ctrl-C from here on says the report is kept
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return out / EVAL_FILE
+    """``OUT/eval.json``, atomically (:func:`g4.exporters.output_dir.write_text_atomic`)."""
+    return write_text_atomic(out / EVAL_FILE, json.dumps(report, indent=2) + "\n", placed=True)
 
 
 def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None,
@@ -437,8 +423,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
             hashed: dict = {}
             against = source_identity(src, hashed=hashed)
-            _check_src_unchanged(src, cache)
-            cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})
+            cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})  # not if SRC changed meanwhile
             timings_src = time.perf_counter() - t1
         else:
             (tensors, kept), timings_src = hit, 0.0
@@ -446,9 +431,9 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             # named afresh (another folder name or Hub revision of the same files is another SRC);
             # a weight file unchanged since it was hashed is not read again
             against = source_identity(src, kept.get("sha256") if isinstance(kept.get("sha256"), dict) else None)
-            _check_src_unchanged(src, cache)
         stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings,
                                   src_hidden=src_hidden)
+        _check_src_unchanged(src, cache)  # after every read of SRC (its head's too) and its hashes
         timings["layer_seconds"] = round(timings["layer_seconds"] + timings_src, 3)
     report = {"g4_eval": EVAL_VERSION, "format": fmt.format, "detail": fmt.detail, "act_quant": act_quant,
               **summarize(stats),

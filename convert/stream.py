@@ -546,10 +546,9 @@ class SourceSideCache:
         self.dtype = src.dtype
         # each shard by the path SRC names it with (a link retargeted later is then seen by changed())
         self._shards = {name: src.root / name for name in src.ckpt.shards}
-        files = {name: self._file_record(path) for name, path in sorted(self._shards.items())}
-        self.files = files
+        self.files = {name: self._file_record(path) for name, path in sorted(self._shards.items())}
         key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
-               "files": files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+               "files": self.files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                "dtype": str(src.dtype), "device": src.device.type,
                "threads": torch.get_num_threads() if src.device.type == "cpu" else None,
                "torch": torch.__version__, "transformers": transformers_version, "code": _code_digest()}

@@ -793,14 +793,14 @@ def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None,
     known = known or {}
 
     def sha256(p: Path) -> str:
-        identity = file_identity(p)
-        k = known.get(str(p.resolve()))
+        identity, where = file_identity(p), str(p.resolve())
+        k = known.get(where)
         if isinstance(k, dict) and k.get("identity") == identity and isinstance(k.get("sha256"), str):
             digest = k["sha256"]
         else:
             digest = file_sha256(p)
         if hashed is not None:
-            hashed[str(p.resolve())] = {"identity": identity, "sha256": digest}
+            hashed[where] = {"identity": identity, "sha256": digest}
         return digest
 
     return {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}

@@ -395,6 +395,33 @@ def refuse_existing(out: str | Path, overwrite: bool) -> None:
         raise ExportError(f"{out}: already exists; choose another OUT or pass --overwrite")
 
 
+def write_text_atomic(path: Path, text: str, *, placed: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path``, a file in OUT (a report, a model card, facts),
+    atomically: a temporary ``.<name>.<random>`` beside it, mode 0644, renamed over ``path``; on
+    any error or signal the temporary file is removed and ``path`` is as it was. ``placed``:
+    recorded as complete (:func:`g4.core.errors.note_output_placed`), so a later Ctrl-C says it is
+    kept. Returns ``path``.
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if placed:
+        note_output_placed(path)
+    return path
+
+
 @contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool = False, sources: Sequence[Path] = (),
                       need_bytes: int = 0) -> Iterator[Path]:

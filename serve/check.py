@@ -49,7 +49,6 @@ import contextlib
 import json
 import os
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -59,8 +58,9 @@ from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
 from g4.core.checkpoint import CONFIG_NAME, Checkpoint, check_converted_from, read_json_object, weight_fingerprints
-from g4.core.errors import CheckpointError, G4Error, a_or_an, note_output_placed
+from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
+from g4.exporters.output_dir import write_text_atomic
 from g4.serve.backends import choose_backend
 from g4.serve.chat import ChatError, ControlIds, ReplyParser, control_text_in, openai_tools, render_prompt
 from g4.serve.engine import Engine, load_cpu_engine, load_tokenizer, max_context, served_file_stats
@@ -489,21 +489,9 @@ def chat_checks(client, model: str, max_tokens: int, base: str = "the server") -
 
 
 def write_report(out: Path, report: dict) -> Path:
-    """Write ``out/verification.json`` atomically (temp file in ``out``, then rename)."""
-    path = Path(out) / VERIFICATION_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{VERIFICATION_FILE}.", dir=out)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        note_output_placed(path)  # a Ctrl-C from here on says the report is kept
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``out/verification.json`` atomically (:func:`g4.exporters.output_dir.write_text_atomic`)."""
+    return write_text_atomic(Path(out) / VERIFICATION_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n",
+                             placed=True)
 
 
 def run_check(out: str | Path, src: str | Path, *, source_label: str | None = None, prompts_file: Path | None = None,

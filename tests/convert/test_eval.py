@@ -222,4 +222,4 @@ def test_ctrl_c_after_the_report_is_written_says_it_is_kept(results, monkeypatch
             signal.signal(s, handler)
     assert r.exit_code == 130, r.output
     assert f"interrupted after {out / 'eval.json'} was complete; it is kept" in r.output, r.output
-    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or p.name.startswith(".eval")]
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".README.md.", ".eval.json."))]
