@@ -204,8 +204,9 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     ``max_new_tokens`` reads only SRC's head, not its decoder layers once per new token.
 
     Raises:
-        CheckpointError: unreadable source/output, tensors that do not fit the model, or a
-            malformed ``src/facts.json``.
+        CheckpointError: unreadable source/output, tensors that do not fit the model, a
+            malformed ``src/facts.json``, or a SRC weight file that changed (rewritten, replaced,
+            relinked) while verify read it (:meth:`g4.convert.stream.SourceSideCache.changed`).
     """
     from transformers import AutoTokenizer
 
@@ -259,6 +260,10 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
             side, kept = hit
             sequences = [p + c for p, c in zip(prompt_ids, kept["continuations"])]
         stats = compare_streamed(src_model, q_model, sequences, lengths, src_side=side)
+        # after every read of SRC (its head's too): the figures are of one SRC, not of two files
+        if (name := cache.changed()) is not None:
+            raise CheckpointError(f"{src / name}: changed while verify read it (rewritten, replaced or relinked); "
+                                  f"no report was made, run verify again once SRC is complete")
         report = VerifyReport(prompts=len(prompts), act_quant=act_quant, src_side_from_cache=hit is not None, **stats)
         questions = [chat_prompt_ids(tokenizer, q)[0].tolist() for q, _ in facts]
         if facts:

@@ -184,6 +184,44 @@ def test_a_later_verify_reads_no_src_layer_and_gives_the_same_report(w4a16, tmp_
     assert len(list((tmp_path / "cache").glob("verify-*.safetensors"))) == 2
 
 
+@pytest.mark.parametrize("how", ["rewritten", "relinked"])
+def test_a_source_changed_while_verify_reads_it_gives_no_report_and_no_entry(w4a16, tmp_path, monkeypatch, how):
+    """SRC's weight file rewritten in place, or its link pointed at another file, while verify
+    compares: verify refuses, as eval does, rather than report figures of two different SRCs,
+    and keeps nothing; the next verify computes SRC's side afresh."""
+    import g4.convert.verify as vf
+    from g4.core.errors import CheckpointError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
+    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in store.iterdir():
+        (src / f.name).symlink_to(f)
+    weights = next(store.glob("model*.safetensors"))
+    other = tmp_path / "other.safetensors"
+    shutil.copy(weights, other)
+    real = vf.compare_streamed
+
+    def meanwhile(*args, **kwargs):
+        stats = real(*args, **kwargs)
+        if how == "rewritten":
+            weights.write_bytes(weights.read_bytes())
+        else:
+            (src / weights.name).unlink()
+            (src / weights.name).symlink_to(other)
+        return stats
+
+    # SRC's side was kept before the comparison, under the old file's identity: never the new file's
+    monkeypatch.setattr(vf, "compare_streamed", meanwhile)
+    with pytest.raises(CheckpointError, match=f"{weights.name}: changed while verify read it"):
+        verify_nvfp4(w4a16, src, max_new_tokens=2)
+    monkeypatch.setattr(vf, "compare_streamed", real)
+    again = verify_nvfp4(w4a16, src, max_new_tokens=2)
+    assert not again.src_side_from_cache  # the entry kept before the change names the old file's identity
+
+
 def test_kept_continuations_of_another_form_are_not_used(w4a16, tmp_path, monkeypatch, caplog):
     """An entry under the right key whose kept continuations are not one list of token ids per
     prompt (or whose tensors do not fit them) is refused, not trusted."""
