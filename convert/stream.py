@@ -48,7 +48,7 @@ from torch import nn
 
 from g4.convert.reference import compare_logprobs, install_activation_quant, load_nvfp4_as_hf
 from g4.convert.sources import checked_sources
-from g4.core.checkpoint import Checkpoint, file_identity
+from g4.core.checkpoint import Checkpoint, FileRecords
 from g4.core.errors import CheckpointError
 from g4.core.gemma4 import LM_HEAD, embed_scale
 from g4.core.positions import LayerPositions, PositionBuilder
@@ -545,8 +545,8 @@ class SourceSideCache:
         self.root = user_cache_dir("source", SOURCE_CACHE_ENV)
         self.dtype = src.dtype
         # each shard by the path SRC names it with (a link retargeted later is then seen by changed())
-        self._shards = {name: src.root / name for name in src.ckpt.shards}
-        self.files = {name: self._file_record(path) for name, path in sorted(self._shards.items())}
+        self._records = FileRecords(src.root, list(src.ckpt.shards))
+        self.files = self._records.files
         key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
                "files": self.files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                "dtype": str(src.dtype), "device": src.device.type,
@@ -601,23 +601,12 @@ class SourceSideCache:
         log.info("SRC's side from the source cache (%s): SRC's decoder layers are not read", self.path)
         return tensors, facts
 
-    @staticmethod
-    def _file_record(path: "str | os.PathLike[str]") -> list:
-        """``[resolved path, *file_identity]`` of one SRC weight file."""
-        return [str(Path(path).resolve()), *file_identity(path)]
-
     def changed(self) -> str | None:
         """The shard name (e.g. ``model-00001-of-00002.safetensors``) of the first SRC weight file
         whose resolved path or :func:`g4.core.checkpoint.file_identity` is no longer what it was
         when the key was taken (rewritten, replaced, a link retargeted, removed), or None: what
-        was computed from SRC since may hold bytes of another file."""
-        for name, path in sorted(self._shards.items()):
-            try:
-                if self._file_record(path) != self.files[name]:
-                    return name
-            except OSError:
-                return name
-        return None
+        was computed from SRC since may hold bytes of another file (:class:`FileRecords`)."""
+        return self._records.changed()
 
     def save(self, tensors: dict[str, torch.Tensor], facts: dict) -> None:
         """Keep ``tensors`` and ``facts`` (a JSON object) as this key's entry; a cache that cannot

@@ -777,6 +777,37 @@ def file_identity(path: str | Path) -> list[int]:
     return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
 
 
+class FileRecords:
+    """What a set of files were when this was made: ``{name: [resolved path, *file_identity]}``
+    (:attr:`files`), each file by the path ``root / name`` (a link pointed elsewhere later, or a
+    file rewritten or replaced, is then seen by :meth:`changed`). For a reader of SRC's weight
+    files that must not report figures computed from two different versions of them.
+
+    Raises (constructor):
+        OSError: a file cannot be stat'ed.
+    """
+
+    def __init__(self, root: str | Path, names: Sequence[str]):
+        self._paths = {name: Path(root) / name for name in sorted(names)}
+        self.files = {name: self.record(path) for name, path in self._paths.items()}
+
+    @staticmethod
+    def record(path: str | Path) -> list:
+        """``[resolved path, *file_identity]`` of the file ``path``."""
+        return [str(Path(path).resolve()), *file_identity(path)]
+
+    def changed(self) -> str | None:
+        """The name of the first file whose resolved path or :func:`file_identity` is not what it
+        was (rewritten, replaced, a link retargeted, removed), or None."""
+        for name, path in self._paths.items():
+            try:
+                if self.record(path) != self.files[name]:
+                    return name
+            except OSError:
+                return name
+        return None
+
+
 def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None,
                         hashed: dict[str, dict] | None = None) -> dict[str, dict]:
     """``{relative path: {"bytes", "sha256"}}`` of every ``*.safetensors`` file under ``out``

@@ -548,6 +548,43 @@ def test_streamed_reference_replies_equal_whole_model_generate():
         assert got == out[:next((i + 1 for i, t in enumerate(out) if t in stop_ids), len(out))]
     assert ref.replies[0].startswith("Paris")
 
+@pytest.mark.parametrize("how", ["rewritten", "relinked"])
+def test_a_source_changed_while_the_reference_is_generated_is_refused(tmp_path, monkeypatch, how):
+    """SRC's weight file rewritten in place, or its link pointed at another file, while check
+    generates the reference replies: refused with a G4Error naming the file, as verify and eval
+    refuse, instead of comparing the server with replies of two different SRCs."""
+    import shutil
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.core.errors import G4Error
+    from g4.serve import check
+
+    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in store.iterdir():
+        (src / f.name).symlink_to(f)
+    weights = next(store.glob("model*.safetensors"))
+    other = tmp_path / "other.safetensors"
+    shutil.copy(weights, other)
+    real = check.streamed_greedy
+
+    def meanwhile(*args, **kwargs):
+        ids = real(*args, **kwargs)
+        if how == "rewritten":
+            weights.write_bytes(weights.read_bytes())
+        else:
+            (src / weights.name).unlink()
+            (src / weights.name).symlink_to(other)
+        return ids
+
+    monkeypatch.setattr(check, "streamed_greedy", meanwhile)
+    with pytest.raises(G4Error, match=f"{weights.name}: changed while g4serve check read it"):
+        check.reference_replies(src, ["What is the capital of France?"], 2)
+    monkeypatch.setattr(check, "streamed_greedy", real)
+    assert check.reference_replies(src, ["What is the capital of France?"], 2)[0].ids  # SRC as it is now
+
+
 @pytest.mark.parametrize("kind", sorted(NVFP4_TAMPERS))
 def test_check_and_serve_refuse_a_result_that_differs_from_its_table(kind, tmp_path):
     """A tampered NVFP4 result (metadata intact) is refused by `g4serve check` and by the server
