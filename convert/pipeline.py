@@ -50,7 +50,10 @@ READ_AHEAD_BYTES = 64 << 20
 # and the writer's copies of kept tensors read the same way: 5.02 / 4.34 s per layer against
 # 4.07 / 4.30 through the page cache (sys 4.2 / 3.0 against 4.0 / 4.6 s), peak RSS 2.75 GiB
 # against 2.1-2.4; only the copies so: 4.89 / 4.86 against 4.60 / 4.39. The conversion is bound
-# by its quantization on 2 cores, not by the reads.
+# by its quantization on 2 cores, not by the reads. Nor kept: an expert tensor handed out before
+# its amax pass, expert e quantized as soon as its amax was known (4.90 / 4.86 / 5.07 s against
+# 4.42 / 5.06 / 4.43; with one torch thread 5.8-6.5); the same CPU-seconds of identical runs
+# varied by 45% over the hour, more than any of these differences.
 DISK_AHEAD_BYTES = 512 << 20
 WRITE_BEHIND_BYTES = 256 << 20
 # Seconds the Prefetcher's thread waits for room before it releases (SourceRelease.sweep) what

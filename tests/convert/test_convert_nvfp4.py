@@ -296,11 +296,31 @@ def test_checker_compares_the_header_with_the_output_table(tiny_mm_nvfp4, tmp_pa
         check_export(broken(lambda sd: sd.__setitem__(scale, sd[scale][:, :1].contiguous())))
 
 
+@pytest.mark.parametrize("where", [(0, "gate_up_proj", 0), (1, "down_proj", -1)], ids=["first", "last"])
+def test_a_nan_expert_fails_a_weight_only_conversion_with_file_and_tensor(tiny_mm, tmp_path, where):
+    """Without calibration the experts' NaN/Inf check is the reading thread's amax pass: a NaN in
+    the first expert read, or in the last expert of the last expert tensor read, fails the
+    conversion with the file and tensor named, and leaves no OUT."""
+    layer, tensor, expert = where
+    name = f"model.language_model.layers.{layer}.experts.{tensor}"
+    src = shutil.copytree(tiny_mm, tmp_path / "src")
+    sd = load_file(src / "model.safetensors")
+    sd[name][expert, -1, 0] = float("nan")
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"model.safetensors: tensor {name}: 1 NaN/Inf"):
+        convert_nvfp4(src, tmp_path / "out", weight_only=True, algorithm="max", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_sources_fail_cleanly_without_output(tiny_mm, tmp_path):
     """NaN weight, unmapped tensor, v_proj on a k_eq_v layer: one clear error, nothing left behind."""
     cases = {
         "nan": (lambda sd: sd["model.language_model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
                 CheckpointError, "layers.1.mlp.up_proj.weight: 1 NaN/Inf"),
+        # the last expert of the last expert tensor read: its check ends after the quantization took it
+        "last expert": (lambda sd: sd["model.language_model.layers.1.experts.down_proj"].__setitem__((-1, -1, -1),
+                                                                                                    float("nan")),
+                        CheckpointError, "layers.1.experts.down_proj: 1 NaN/Inf"),
         "embed": (lambda sd: sd["model.language_model.embed_tokens.weight"].__setitem__((3, 3), float("inf")),
                   CheckpointError, "model.safetensors: tensor model.language_model.embed_tokens.weight: 1 NaN/Inf"),
         "extra": (lambda sd: sd.__setitem__("model.language_model.layers.0.mystery.weight", torch.zeros(2)),

@@ -279,12 +279,22 @@ def test_bad_tp_and_existing_out(outputs, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_nan_weight_is_refused_with_file_and_tensor(tmp_path):
+@pytest.mark.parametrize("where", ["layer 2, expert 1", "last layer, last expert"])
+def test_nan_weight_is_refused_with_file_and_tensor(tmp_path, where):
+    """A NaN in an expert tensor, also in the very last value of the last expert tensor read,
+    fails the conversion with the file and tensor named (the reading thread's check, not the
+    quantizer's ValueError), and leaves no OUT."""
     src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
     sd = load_file(src / "model.safetensors")
-    sd["model.language_model.layers.2.experts.gate_up_proj"][1, 2, 3] = float("nan")
+    if where == "layer 2, expert 1":
+        name = "model.language_model.layers.2.experts.gate_up_proj"
+        sd[name][1, 2, 3] = float("nan")
+    else:
+        last = max(int(k.split(".layers.")[1].split(".")[0]) for k in sd if ".layers." in k)
+        name = f"model.language_model.layers.{last}.experts.down_proj"
+        sd[name][-1, -1, -1] = float("nan")
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(G4Error, match="model.safetensors: tensor model.language_model.layers.2.experts.gate_up_proj: 1 NaN"):
+    with pytest.raises(G4Error, match=f"model.safetensors: tensor {name}: 1 NaN"):
         convert_int8_neuron(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
