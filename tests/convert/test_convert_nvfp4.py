@@ -317,7 +317,7 @@ def test_bad_sources_fail_cleanly_without_output(tiny_mm, tmp_path):
     cases = {
         "nan": (lambda sd: sd["model.language_model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
                 CheckpointError, "layers.1.mlp.up_proj.weight: 1 NaN/Inf"),
-        # the last expert of the last expert tensor read: its check ends after the quantization took it
+        # the last value of the last expert tensor read
         "last expert": (lambda sd: sd["model.language_model.layers.1.experts.down_proj"].__setitem__((-1, -1, -1),
                                                                                                     float("nan")),
                         CheckpointError, "layers.1.experts.down_proj: 1 NaN/Inf"),
