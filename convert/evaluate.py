@@ -52,7 +52,7 @@ from g4.convert.calibrate import calibration_device, read_calibration_texts
 from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, rerender_card
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
-from g4.core.checkpoint import check_converted_from, weight_fingerprints
+from g4.core.checkpoint import check_converted_from, source_changed_message, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
@@ -343,8 +343,7 @@ def _check_src_unchanged(src: Path, cache: SourceSideCache) -> None:
         CheckpointError: ``<SRC>/<shard>: changed while eval read it (...)``; nothing is written.
     """
     if (name := cache.changed()) is not None:
-        raise CheckpointError(f"{src / name}: changed while eval read it (rewritten, replaced or relinked); "
-                              f"nothing was written, run eval again once SRC is complete")
+        raise CheckpointError(source_changed_message(src / name, "eval"))
 
 
 def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> dict:
@@ -423,7 +422,8 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
             hashed: dict = {}
             against = source_identity(src, hashed=hashed)
-            cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})  # not if SRC changed meanwhile
+            _check_src_unchanged(src, cache)  # SRC's side is whole and of one SRC: kept
+            cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})
             timings_src = time.perf_counter() - t1
         else:
             (tensors, kept), timings_src = hit, 0.0

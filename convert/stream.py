@@ -544,8 +544,9 @@ class SourceSideCache:
         self.kind = kind
         self.root = user_cache_dir("source", SOURCE_CACHE_ENV)
         self.dtype = src.dtype
-        # each shard by the path SRC names it with (a link retargeted later is then seen by changed())
-        self._records = FileRecords(src.root, list(src.ckpt.shards))
+        # each shard as it was when SRC was opened, by the path SRC names it with (a file rewritten
+        # or a link retargeted since, even before this key was taken, is seen by changed())
+        self._records = FileRecords.of_checkpoint(src.ckpt)
         self.files = self._records.files
         key = {"format": _SIDE_FORMAT, "kind": kind, "inputs": {k: _json_input(v) for k, v in inputs.items()},
                "files": self.files, "config": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),

@@ -274,6 +274,8 @@ class Checkpoint:
         tensors: ``{name: TensorInfo}`` for every stored tensor.
         shards: ``{shard name as written: resolved file}`` (:func:`read_index`); every
             read, hash and size of a shard goes through these paths.
+        shard_records: ``{shard name: [resolved file, *file_identity]}`` taken before its header
+            was read (:meth:`FileRecords.of_checkpoint`).
 
     Args (constructor):
         root: the checkpoint directory.
@@ -332,8 +334,13 @@ class Checkpoint:
         index_path = self.root / INDEX_NAME
         weight_map, self.shards = read_index(self.root)
         tensors: dict[str, TensorInfo] = {}
+        self.shard_records: dict[str, list] = {}  # FileRecords.of_checkpoint: taken before any byte is read
         for file, path in self.shards.items():
             shown = self.root / file
+            try:
+                self.shard_records[file] = FileRecords.record(path)
+            except OSError as e:
+                raise CheckpointError(f"{shown}: cannot be read ({e.strerror or e})") from e
             for name, info in read_safetensors_header(path, file=file, shown=shown).items():
                 if name in tensors:
                     raise CheckpointError(f"{shown}: tensor {name} also stored in {tensors[name].file}")
@@ -787,9 +794,17 @@ class FileRecords:
         OSError: a file cannot be stat'ed.
     """
 
-    def __init__(self, root: str | Path, names: Sequence[str]):
+    def __init__(self, root: str | Path, names: Sequence[str], files: dict[str, list] | None = None):
         self._paths = {name: Path(root) / name for name in sorted(names)}
-        self.files = {name: self.record(path) for name, path in self._paths.items()}
+        self.files = {name: self.record(path) for name, path in self._paths.items()} if files is None else {
+            name: list(files[name]) for name in self._paths}
+
+    @classmethod
+    def of_checkpoint(cls, ckpt: "Checkpoint") -> "FileRecords":
+        """The records of ``ckpt``'s shards as they were when it was opened, before any byte of
+        them was read (:attr:`Checkpoint.shard_records`): a file changed, or a link pointed
+        elsewhere, after that (even before this call) is seen by :meth:`changed`."""
+        return cls(ckpt.root, list(ckpt.shards), ckpt.shard_records)
 
     @staticmethod
     def record(path: str | Path) -> list:
@@ -806,6 +821,13 @@ class FileRecords:
             except OSError:
                 return name
         return None
+
+
+def source_changed_message(path: str | Path, command: str) -> str:
+    """The one wording of a refusal by ``command`` (eval, verify, g4serve check) whose SRC weight
+    file ``path`` changed while it read SRC (:meth:`FileRecords.changed`)."""
+    return (f"{path}: changed while {command} read it (rewritten, replaced or relinked), so its figures would "
+            f"mix two versions of SRC; nothing was written or reported: run {command} again")
 
 
 def weight_fingerprints(out: str | Path, known: dict[str, dict] | None = None,

@@ -58,7 +58,7 @@ from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
 from g4.core.checkpoint import (CONFIG_NAME, Checkpoint, FileRecords, check_converted_from, read_json_object,
-                                weight_fingerprints)
+                                source_changed_message, weight_fingerprints)
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.exporters.output_dir import write_text_atomic
@@ -346,11 +346,10 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     control = ControlIds.from_tokenizer(tokenizer)
     prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     model = SourceStream(src)
-    files = FileRecords(src, list(model.ckpt.shards))
+    files = FileRecords.of_checkpoint(model.ckpt)
     generated = streamed_greedy(model, prompt_ids, max_new_tokens=max_tokens, eos_token_ids=sorted(stop_ids))
     if (name := files.changed()) is not None:
-        raise G4Error(f"{src / name}: changed while g4serve check read it (rewritten, replaced or relinked); "
-                      f"no report was written, run the check again once SRC is complete")
+        raise G4Error(source_changed_message(src / name, "g4serve check"))
     ids, replies = [], []
     for p_ids, gen in zip(prompt_ids, generated):  # each ends at its first stop id, if it reached one
         parser = ReplyParser(tokenizer, control, p_ids)

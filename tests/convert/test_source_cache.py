@@ -184,6 +184,44 @@ def test_a_later_verify_reads_no_src_layer_and_gives_the_same_report(w4a16, tmp_
     assert len(list((tmp_path / "cache").glob("verify-*.safetensors"))) == 2
 
 
+def test_a_link_pointed_elsewhere_as_verify_opens_src_keeps_no_entry_under_the_new_file(w4a16, tmp_path, monkeypatch):
+    """SRC's weight-file link pointed at another file after verify opened SRC (its reads go to
+    the old file) but before the cache's key was taken (a fresh user's trial): refused, and no
+    entry is kept under the new file's identity, so a verify of the new file computes its own
+    figures instead of the old file's."""
+    import g4.convert.verify as vf
+    from g4.core.errors import CheckpointError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
+    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in store.iterdir():
+        (src / f.name).symlink_to(f)
+    weights = next(store.glob("model*.safetensors"))
+    other = tmp_path / "other.safetensors"
+    sd = load_file(weights)
+    name = next(n for n in sd if n.endswith("layers.1.mlp.down_proj.weight"))
+    sd[name] = (sd[name].float() * 1.5).to(sd[name].dtype)
+    save_file(sd, other, metadata={"format": "pt"})
+    real = vf.SourceSideCache
+
+    def relinked_first(*args, **kwargs):
+        (src / weights.name).unlink()
+        (src / weights.name).symlink_to(other)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vf, "SourceSideCache", relinked_first)
+    with pytest.raises(CheckpointError, match=f"{weights.name}: changed while verify read it"):
+        verify_nvfp4(w4a16, src, max_new_tokens=2)
+    assert entries(cache) == []
+    monkeypatch.setattr(vf, "SourceSideCache", real)
+    got = verify_nvfp4(w4a16, src, max_new_tokens=2)
+    monkeypatch.setenv(SOURCE_CACHE_ENV, "off")
+    assert not got.src_side_from_cache and vars(got) == vars(verify_nvfp4(w4a16, src, max_new_tokens=2))
+
+
 @pytest.mark.parametrize("how", ["rewritten", "relinked"])
 def test_a_source_changed_while_verify_reads_it_gives_no_report_and_no_entry(w4a16, tmp_path, monkeypatch, how):
     """SRC's weight file rewritten in place, or its link pointed at another file, while verify
