@@ -415,7 +415,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
     hit = cache.load({_HIDDEN: (*chunks.shape, src_model.config.hidden_size)})
     cached = hit is not None
     steps = (1 if cached else 2) * src_model.num_layers + 1
-    with progress_bar(steps, f"eval {out.name}", enabled=progress, unit="step") as bar:
+    with cache.reading(src, "eval"), progress_bar(steps, f"eval {out.name}", enabled=progress, unit="step") as bar:
         timings: dict = {}
         if hit is None:
             t1 = time.perf_counter()

@@ -158,11 +158,11 @@ class StreamedModel:
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(final norm weight [H], head weight [V, H])`` as the checkpoint stores them (the
         embedding when tied), for :meth:`_head`."""
-        return self.final_norm_weight(), self.ckpt.get(self.head_name)
+        return self.final_norm_weight(), self.ckpt.read(self.head_name, sequential=True)
 
     def final_norm_weight(self) -> torch.Tensor:
         """The final norm's weight ``[H]`` as stored."""
-        return self.ckpt.get(self.ckpt.prefix + "norm.weight")
+        return self.ckpt.read(self.ckpt.prefix + "norm.weight")
 
     def head_equals(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`head_weights` would return ``weight`` (``[V, H]``) as its head: same
@@ -198,7 +198,11 @@ class SourceStream(StreamedModel):
         self._layers = [ls.tensors for ls in checked_sources(ckpt).layers]
 
     def layer_tensors(self, layer: int):
-        return {suffix: self.ckpt.get(name) for suffix, name in self._layers[layer].items()}, {}
+        # copies by positioned reads, not mapped views: a SRC shard cut short meanwhile (a copy
+        # over it) is then a CheckpointError, not a SIGBUS that kills the process without a word
+        names = self._layers[layer]
+        read = self.ckpt.read_many(list(names.values()), sequential=True)
+        return {suffix: read[name] for suffix, name in names.items()}, {}
 
 
 class Nvfp4Stream(StreamedModel):
@@ -601,6 +605,10 @@ class SourceSideCache:
             return None
         log.info("SRC's side from the source cache (%s): SRC's decoder layers are not read", self.path)
         return tensors, facts
+
+    def reading(self, root: "str | os.PathLike[str]", command: str):
+        """:meth:`g4.core.checkpoint.FileRecords.reading` of SRC's weight files."""
+        return self._records.reading(root, command)
 
     def changed(self) -> str | None:
         """The shard name (e.g. ``model-00001-of-00002.safetensors``) of the first SRC weight file

@@ -237,7 +237,8 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
     hit = cache.load(kept_shapes)
     phases = [("comparing", layers)] if hit else [("SRC greedy", max_new_tokens * layers), ("comparing", 2 * layers)]
     phases += [("facts", ANSWER_TOKENS * layers)] if facts else []
-    with progress_bar(sum(n for _, n in phases), f"verify {out.name}", enabled=progress, unit="layer") as bar:
+    with cache.reading(src, "verify"), progress_bar(sum(n for _, n in phases), f"verify {out.name}",
+                                                    enabled=progress, unit="layer") as bar:
         src_model.on_layer = q_model.on_layer = lambda: bar.update(1)
         ends = iter(itertools.accumulate(n for _, n in phases))
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -394,7 +395,7 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, *, sequential: bool = False) -> torch.Tensor:
         """One tensor copied out of its file by positioned reads of exactly its bytes, with the
         kernel's readahead off for that read (``POSIX_FADV_RANDOM``): for the small tensors read
         back from a file whose pages are not in the page cache (g4's results are written with
@@ -404,13 +405,16 @@ class Checkpoint:
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
         """
-        return self.read_many([name])[name]
+        return self.read_many([name], sequential=sequential)[name]
 
-    def read_many(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    def read_many(self, names: Sequence[str], *, sequential: bool = False) -> dict[str, torch.Tensor]:
         """:meth:`read` of several tensors, ``{name: tensor}``: each shard opened once, its
         readahead off, and its tensors read in file order (an NVFP4 result's export check reads
         three scales per linear, 11,700 small tensors for a 10-layer 26B-A4B: with an open,
-        advice and close each, its conversion took 44.2 s against 42.7 s, A/B).
+        advice and close each, its conversion took 44.2 s against 42.7 s, A/B). ``sequential``:
+        the kernel's readahead kept (large tensors read whole, e.g. a decoder layer of the CPU
+        reference, ``g4.convert.stream``): copies, not :meth:`get`'s mapped views, so a shard
+        cut short meanwhile gives a CheckpointError instead of killing the process with SIGBUS.
 
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
@@ -430,7 +434,7 @@ class Checkpoint:
                 name, info = items[0][1], items[0][2]
                 raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
             try:
-                if hasattr(os, "posix_fadvise"):
+                if hasattr(os, "posix_fadvise") and not sequential:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 for _, name, info in items:
                     out[name] = self._pread(fd, name, info)
@@ -520,11 +524,29 @@ class Checkpoint:
         Returns:
             ``[..., H]`` tensor of the stored dtype.
         """
-        info = self.tensors[name]
-        sl = self._handle(info).get_slice(name)
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.root}: tensor {name} is not in the checkpoint")
         unique, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
-        table = torch.stack([sl[int(r) : int(r) + 1][0] for r in unique])
-        return table[inverse].reshape(*rows.shape, info.shape[-1])
+        row_bytes = info.nbytes // info.shape[0]
+        table = bytearray(len(unique) * row_bytes)
+        view = memoryview(table)
+        try:  # positioned reads (copies): a shard cut short meanwhile is an error, not a SIGBUS
+            fd = os.open(info.path, os.O_RDONLY)
+            try:
+                for i, r in enumerate(unique.tolist()):
+                    part, at = view[i * row_bytes : (i + 1) * row_bytes], info.offset + r * row_bytes
+                    while len(part):
+                        n = os.preadv(fd, [part], at)
+                        if n == 0:
+                            raise OSError(f"ends before row {r}")
+                        part, at = part[n:], at + n
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
+        rows_t = torch.frombuffer(table, dtype=torch.uint8).view(info.dtype).reshape(len(unique), *info.shape[1:])
+        return rows_t[inverse].reshape(*rows.shape, *info.shape[1:])
 
     def equals(self, name: str, tensor: torch.Tensor, *, block_bytes: int = 64 << 20) -> bool:
         """Whether the stored tensor ``name`` has ``tensor``'s dtype, shape and values (bit for
@@ -542,17 +564,28 @@ class Checkpoint:
             return False
         if not info.shape or info.nbytes == 0:  # a scalar or empty: no blocks
             return torch.equal(self.get(name).reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
-        rows = max(1, block_bytes // (info.nbytes // info.shape[0]))
-        sl = None
-        for r in range(0, info.shape[0], rows):
+        row_bytes = info.nbytes // info.shape[0]
+        rows = max(1, block_bytes // row_bytes)
+        buf = bytearray(min(rows, info.shape[0]) * row_bytes)
+        try:  # positioned reads (copies): a shard cut short meanwhile is an error, not a SIGBUS
+            fd = os.open(info.path, os.O_RDONLY)
             try:
-                if sl is None:
-                    sl = self._handle(info).get_slice(name)
-                block = sl[r : r + rows]
-            except Exception as e:  # safetensors raises its own SafetensorError
-                raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
-            if not torch.equal(block.view(torch.uint8), tensor[r : r + rows].contiguous().view(torch.uint8)):
-                return False
+                for r in range(0, info.shape[0], rows):
+                    n_rows = min(rows, info.shape[0] - r)
+                    part, at = memoryview(buf)[: n_rows * row_bytes], info.offset + r * row_bytes
+                    done = 0
+                    while done < len(part):
+                        n = os.preadv(fd, [part[done:]], at + done)
+                        if n == 0:
+                            raise OSError(f"ends {len(part) - done} bytes before the tensor's end")
+                        done += n
+                    block = torch.frombuffer(part, dtype=torch.uint8)
+                    if not torch.equal(block, tensor[r : r + n_rows].contiguous().reshape(-1).view(torch.uint8)):
+                        return False
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
         return True
 
     def _handle(self, info: TensorInfo):
@@ -810,6 +843,22 @@ class FileRecords:
     def record(path: str | Path) -> list:
         """``[resolved path, *file_identity]`` of the file ``path``."""
         return [str(Path(path).resolve()), *file_identity(path)]
+
+    @contextmanager
+    def reading(self, root: str | Path, command: str):
+        """A block that reads these files: a CheckpointError it raises while one of them has
+        changed (a shard cut short by a rewrite ends a read early) becomes the refusal of
+        :func:`source_changed_message` naming ``root / <file>`` and ``command``.
+
+        Raises:
+            CheckpointError: that refusal, or the block's own error.
+        """
+        try:
+            yield
+        except CheckpointError as e:
+            if (name := self.changed()) is not None:
+                raise CheckpointError(source_changed_message(Path(root) / name, command)) from e
+            raise
 
     def changed(self) -> str | None:
         """The name of the first file whose resolved path or :func:`file_identity` is not what it

@@ -347,7 +347,8 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     model = SourceStream(src)
     files = FileRecords.of_checkpoint(model.ckpt)
-    generated = streamed_greedy(model, prompt_ids, max_new_tokens=max_tokens, eos_token_ids=sorted(stop_ids))
+    with files.reading(src, "g4serve check"):
+        generated = streamed_greedy(model, prompt_ids, max_new_tokens=max_tokens, eos_token_ids=sorted(stop_ids))
     if (name := files.changed()) is not None:
         raise G4Error(source_changed_message(src / name, "g4serve check"))
     ids, replies = [], []
