@@ -395,7 +395,7 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e}") from e
 
-    def read(self, name: str, *, sequential: bool = False) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         """One tensor copied out of its file by positioned reads of exactly its bytes, with the
         kernel's readahead off for that read (``POSIX_FADV_RANDOM``): for the small tensors read
         back from a file whose pages are not in the page cache (g4's results are written with
@@ -405,16 +405,13 @@ class Checkpoint:
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
         """
-        return self.read_many([name], sequential=sequential)[name]
+        return self.read_many([name])[name]
 
-    def read_many(self, names: Sequence[str], *, sequential: bool = False) -> dict[str, torch.Tensor]:
+    def read_many(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """:meth:`read` of several tensors, ``{name: tensor}``: each shard opened once, its
         readahead off, and its tensors read in file order (an NVFP4 result's export check reads
         three scales per linear, 11,700 small tensors for a 10-layer 26B-A4B: with an open,
-        advice and close each, its conversion took 44.2 s against 42.7 s, A/B). ``sequential``:
-        the kernel's readahead kept (large tensors read whole, e.g. a decoder layer of the CPU
-        reference, ``g4.convert.stream``): copies, not :meth:`get`'s mapped views, so a shard
-        cut short meanwhile gives a CheckpointError instead of killing the process with SIGBUS.
+        advice and close each, its conversion took 44.2 s against 42.7 s, A/B).
 
         Raises:
             CheckpointError: unknown name, or a shard that cannot be read or ends early.
@@ -434,7 +431,7 @@ class Checkpoint:
                 name, info = items[0][1], items[0][2]
                 raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
             try:
-                if hasattr(os, "posix_fadvise") and not sequential:
+                if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 for _, name, info in items:
                     out[name] = self._pread(fd, name, info)

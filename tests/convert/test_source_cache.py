@@ -184,52 +184,6 @@ def test_a_later_verify_reads_no_src_layer_and_gives_the_same_report(w4a16, tmp_
     assert len(list((tmp_path / "cache").glob("verify-*.safetensors"))) == 2
 
 
-@pytest.mark.parametrize("command", ["verify", "eval", "check"])
-def test_a_source_cut_short_mid_run_is_refused_with_one_line_not_a_sigbus(w4a16, tmp_path, command):
-    """SRC's weight file truncated (as `cp` over it does first) while the reference reads SRC:
-    the read of a later tensor ends early and the run is refused naming the file (before: the
-    decoder layer's tensors were views of the file's mapping and touching them killed the
-    process with SIGBUS, no message, exit 135: a fresh user's trial). Run in a child process,
-    so a SIGBUS fails this test instead of ending the test run."""
-    import subprocess
-    import sys
-
-    src = shutil.copytree(EMBEDDED_DIR, tmp_path / "src")
-    weights = next(src.glob("model*.safetensors"))
-    script = f"""
-import os, sys
-from pathlib import Path
-from g4.convert.stream import SourceStream
-real = SourceStream.layer_tensors
-def cut(self, layer):
-    got = real(self, layer)
-    if layer == 1:  # the layer's tensors are in hand; the file is cut short before they are used
-        os.truncate({str(weights)!r}, 4096)
-    return got
-SourceStream.layer_tensors = cut
-from g4.core.errors import G4Error
-try:
-    if {command!r} == "verify":
-        from g4.convert.verify import verify_nvfp4
-        verify_nvfp4({str(w4a16)!r}, {str(src)!r}, max_new_tokens=2)
-    elif {command!r} == "eval":
-        from g4.convert.evaluate import evaluate
-        evaluate({str(w4a16)!r}, {str(src)!r}, max_tokens=256, ctx=128, write=False)
-    else:
-        from g4.serve.check import reference_replies
-        reference_replies(Path({str(src)!r}), ["What is the capital of France?"], 2)
-except G4Error as e:
-    print("REFUSED", e)
-    sys.exit(0)
-print("NOT REFUSED")
-"""
-    env = {**os.environ, SOURCE_CACHE_ENV: "off"}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    name = {"check": "g4serve check"}.get(command, command)
-    assert f"REFUSED {weights}: changed while {name} read it" in r.stdout, r.stdout + r.stderr[-2000:]
-
-
 def test_a_link_pointed_elsewhere_as_verify_opens_src_keeps_no_entry_under_the_new_file(w4a16, tmp_path, monkeypatch):
     """SRC's weight-file link pointed at another file after verify opened SRC (its reads go to
     the old file) but before the cache's key was taken (a fresh user's trial): refused, and no

@@ -1,6 +1,7 @@
 """Reading and validating source checkpoints: layouts, shards, index, corrupt input."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -236,3 +237,31 @@ def test_weight_fingerprints_reuse_a_hash_only_while_the_file_is_unchanged(tmp_p
     save_file({"w": torch.arange(6.0) + 1}, f)
     second = checkpoint.weight_fingerprints(tmp_path, hashed)
     assert reads == [f] and second["model.safetensors"]["sha256"] != first["model.safetensors"]["sha256"]
+
+
+def test_a_shard_cut_short_fails_row_reads_and_comparisons_with_an_error_that_names_the_change(tmp_path):
+    """Checkpoint.get_rows and .equals read by positioned reads: a shard cut short after it was
+    opened gives a CheckpointError (not a SIGBUS), which FileRecords.reading turns into the one
+    refusal naming the file; an error while nothing changed passes through as it was."""
+    from safetensors.torch import save_file
+
+    from g4.convert.embedded_model import EMBEDDED_DIR
+    from g4.core.checkpoint import FileRecords
+
+    t = torch.randn(512, 64).to(torch.bfloat16)
+    save_file({"model.embed_tokens.weight": t, "model.layers.0.input_layernorm.weight": torch.ones(64)},
+              tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((EMBEDDED_DIR / "config.json").read_text())
+    ckpt = Checkpoint(tmp_path)
+    records = FileRecords.of_checkpoint(ckpt)
+    ids = torch.tensor([[3, 500], [3, 0]])
+    assert torch.equal(ckpt.get_rows("model.embed_tokens.weight", ids), t[ids])
+    assert ckpt.equals("model.embed_tokens.weight", t, block_bytes=4096)
+    with pytest.raises(CheckpointError, match="not in the checkpoint"), records.reading(tmp_path, "verify"):
+        ckpt.get_rows("nope", torch.tensor([0]))  # nothing changed: the error as it was
+    os.truncate(tmp_path / "model.safetensors", ckpt.tensors["model.embed_tokens.weight"].offset + 1000)
+    for read in (lambda: ckpt.get_rows("model.embed_tokens.weight", torch.tensor([500])),
+                 lambda: ckpt.equals("model.embed_tokens.weight", t, block_bytes=4096)):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: changed while verify read it"):
+            with records.reading(tmp_path, "verify"):
+                read()
