@@ -442,14 +442,8 @@ class Checkpoint:
     def _pread(self, fd: int, name: str, info: TensorInfo) -> torch.Tensor:
         """Tensor ``name`` read from the open shard ``fd`` (exactly its bytes)."""
         data = bytearray(info.nbytes)
-        view = memoryview(data)
-        done = 0
         try:
-            while done < info.nbytes:
-                n = os.preadv(fd, [view[done:]], info.offset + done)
-                if n == 0:
-                    raise OSError(f"ends {info.nbytes - done} bytes before the tensor's end")
-                done += n
+            _pread_exact(fd, memoryview(data), info.offset)
         except OSError as e:
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
         if not info.nbytes:
@@ -532,12 +526,7 @@ class Checkpoint:
             fd = os.open(info.path, os.O_RDONLY)
             try:
                 for i, r in enumerate(unique.tolist()):
-                    part, at = view[i * row_bytes : (i + 1) * row_bytes], info.offset + r * row_bytes
-                    while len(part):
-                        n = os.preadv(fd, [part], at)
-                        if n == 0:
-                            raise OSError(f"ends before row {r}")
-                        part, at = part[n:], at + n
+                    _pread_exact(fd, view[i * row_bytes : (i + 1) * row_bytes], info.offset + r * row_bytes)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -569,13 +558,8 @@ class Checkpoint:
             try:
                 for r in range(0, info.shape[0], rows):
                     n_rows = min(rows, info.shape[0] - r)
-                    part, at = memoryview(buf)[: n_rows * row_bytes], info.offset + r * row_bytes
-                    done = 0
-                    while done < len(part):
-                        n = os.preadv(fd, [part[done:]], at + done)
-                        if n == 0:
-                            raise OSError(f"ends {len(part) - done} bytes before the tensor's end")
-                        done += n
+                    part = memoryview(buf)[: n_rows * row_bytes]
+                    _pread_exact(fd, part, info.offset + r * row_bytes)
                     block = torch.frombuffer(part, dtype=torch.uint8)
                     if not torch.equal(block, tensor[r : r + n_rows].contiguous().reshape(-1).view(torch.uint8)):
                         return False
@@ -595,6 +579,17 @@ class Checkpoint:
     def close(self) -> None:
         """Drop the open mmaps."""
         self._handles.clear()
+
+
+def _pread_exact(fd: int, view: memoryview, at: int) -> None:
+    """Fill ``view`` with the bytes of ``fd`` from offset ``at`` (positioned reads; a short read
+    continues). Raises OSError, also when the file ends first (a shard cut short)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], at + done)
+        if n == 0:
+            raise OSError(f"ends {len(view) - done} bytes before the tensor's end")
+        done += n
 
 
 def check_finite(name: str, t: torch.Tensor, *, where: Path | str | None = None) -> torch.Tensor:

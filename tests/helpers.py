@@ -47,3 +47,32 @@ def one_error_line(result, *needles: str) -> str:
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+class LinkedSource:
+    """A copy of the embedded source whose files are links into a store (as the Hub cache links
+    a snapshot to its blobs), for tests that change SRC while a command reads it: ``src`` (the
+    folder of links), ``weights`` (the stored weight file) and :meth:`change`."""
+
+    def __init__(self, tmp_path):
+        import shutil
+
+        from g4.convert.embedded_model import EMBEDDED_DIR
+
+        store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
+        self.src = tmp_path / "src"
+        self.src.mkdir()
+        for f in store.iterdir():
+            (self.src / f.name).symlink_to(f)
+        self.weights = next(store.glob("model*.safetensors"))
+        self.other = tmp_path / "other.safetensors"
+        shutil.copy(self.weights, self.other)
+
+    def change(self, how: str) -> None:
+        """``rewritten``: the weight file written again in place (the same bytes); ``relinked``:
+        SRC's link to it pointed at ``other`` (a copy of it)."""
+        if how == "rewritten":
+            self.weights.write_bytes(self.weights.read_bytes())
+        else:
+            (self.src / self.weights.name).unlink()
+            (self.src / self.weights.name).symlink_to(self.other)

@@ -15,6 +15,7 @@ from g4.convert.evaluate import evaluate
 from g4.convert.nvfp4 import convert_nvfp4
 from g4.convert.stream import SOURCE_CACHE_ENV, SourceSideCache, SourceStream
 from g4.convert.verify import verify_nvfp4
+from helpers import LinkedSource
 
 CTX, MAX_TOKENS = 128, 512
 STATS = ("ppl_src", "ppl_out", "ppl_ratio", "top1_agreement", "rms_dp", "tokens", "kld", "uncertainty")
@@ -194,22 +195,16 @@ def test_a_link_pointed_elsewhere_as_verify_opens_src_keeps_no_entry_under_the_n
 
     cache = tmp_path / "cache"
     monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
-    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in store.iterdir():
-        (src / f.name).symlink_to(f)
-    weights = next(store.glob("model*.safetensors"))
-    other = tmp_path / "other.safetensors"
+    linked = LinkedSource(tmp_path)
+    src, weights = linked.src, linked.weights
     sd = load_file(weights)
     name = next(n for n in sd if n.endswith("layers.1.mlp.down_proj.weight"))
     sd[name] = (sd[name].float() * 1.5).to(sd[name].dtype)
-    save_file(sd, other, metadata={"format": "pt"})
+    save_file(sd, linked.other, metadata={"format": "pt"})  # other figures than the first file's
     real = vf.SourceSideCache
 
     def relinked_first(*args, **kwargs):
-        (src / weights.name).unlink()
-        (src / weights.name).symlink_to(other)
+        linked.change("relinked")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(vf, "SourceSideCache", relinked_first)
@@ -232,23 +227,13 @@ def test_a_source_changed_while_verify_reads_it_gives_no_report_and_no_entry(w4a
 
     cache = tmp_path / "cache"
     monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
-    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in store.iterdir():
-        (src / f.name).symlink_to(f)
-    weights = next(store.glob("model*.safetensors"))
-    other = tmp_path / "other.safetensors"
-    shutil.copy(weights, other)
+    linked = LinkedSource(tmp_path)
+    src, weights = linked.src, linked.weights
     real = vf.compare_streamed
 
     def meanwhile(*args, **kwargs):
         stats = real(*args, **kwargs)
-        if how == "rewritten":
-            weights.write_bytes(weights.read_bytes())
-        else:
-            (src / weights.name).unlink()
-            (src / weights.name).symlink_to(other)
+        linked.change(how)
         return stats
 
     # SRC's side was kept before the comparison, under the old file's identity: never the new file's
@@ -292,23 +277,13 @@ def test_a_source_changed_while_eval_reads_it_gives_no_report_and_no_entry(w4a16
 
     cache = tmp_path / "cache"
     monkeypatch.setenv(SOURCE_CACHE_ENV, str(cache))
-    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in store.iterdir():
-        (src / f.name).symlink_to(f)
-    weights = next(store.glob("model*.safetensors"))
-    other = tmp_path / "other.safetensors"
-    shutil.copy(weights, other)
+    linked = LinkedSource(tmp_path)
+    src, weights = linked.src, linked.weights
     real = ev.final_hidden
 
     def meanwhile(*args, **kwargs):
         hidden = real(*args, **kwargs)
-        if how == "rewritten":
-            weights.write_bytes(weights.read_bytes())
-        else:
-            (src / weights.name).unlink()
-            (src / weights.name).symlink_to(other)
+        linked.change(how)
         return hidden
 
     monkeypatch.setattr(ev, "final_hidden", meanwhile)

@@ -553,29 +553,17 @@ def test_a_source_changed_while_the_reference_is_generated_is_refused(tmp_path, 
     """SRC's weight file rewritten in place, or its link pointed at another file, while check
     generates the reference replies: refused with a G4Error naming the file, as verify and eval
     refuse, instead of comparing the server with replies of two different SRCs."""
-    import shutil
-
-    from g4.convert.embedded_model import EMBEDDED_DIR
     from g4.core.errors import G4Error
     from g4.serve import check
+    from helpers import LinkedSource
 
-    store = shutil.copytree(EMBEDDED_DIR, tmp_path / "store")
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in store.iterdir():
-        (src / f.name).symlink_to(f)
-    weights = next(store.glob("model*.safetensors"))
-    other = tmp_path / "other.safetensors"
-    shutil.copy(weights, other)
+    linked = LinkedSource(tmp_path)
+    src, weights = linked.src, linked.weights
     real = check.streamed_greedy
 
     def meanwhile(*args, **kwargs):
         ids = real(*args, **kwargs)
-        if how == "rewritten":
-            weights.write_bytes(weights.read_bytes())
-        else:
-            (src / weights.name).unlink()
-            (src / weights.name).symlink_to(other)
+        linked.change(how)
         return ids
 
     monkeypatch.setattr(check, "streamed_greedy", meanwhile)
