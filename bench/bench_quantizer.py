@@ -3,11 +3,12 @@ modelopt's NVFP4QTensor.quantize in the same run, with a bit-identity check.
 
     python bench/bench_quantizer.py [--repeats 5] [--threads 2]
 
-Prints, per shape: our (compiled, one pass) and modelopt's best-of-N seconds (the least
-disturbed run on a shared machine), our Melem/s,
+Prints, per shape: our (the native AVX-512 kernel where it builds, else the compiled one) and
+modelopt's best-of-N seconds (the least disturbed run on a shared machine), our Melem/s,
 the speed ratio (modelopt time / ours, both timed in this run; the issue's target is
->= 10 on 2 cores), the same ratio for our eager fallback (G4_NVFP4_EAGER=1), and whether
-every byte (packed codes, fp8 block scales, global scale) of both is identical to modelopt's.
+>= 10 on 2 cores), the same ratio for our torch.compile kernel (the native one off) and our
+eager fallback (G4_NVFP4_EAGER=1), and whether every byte (packed codes, fp8 block scales,
+global scale) of each is identical to modelopt's.
 Then the same for ``quantize_experts`` on 8 experts of each expert shape (what a conversion
 calls: one global scale per expert, a per-row scale inside the kernel) against modelopt
 quantizing the experts one by one.
@@ -50,9 +51,11 @@ def main() -> None:
 
     from g4.quantizers import nvfp4
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}")
+    native = nvfp4.NATIVE.load()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}; ours: "
+          f"{'the native kernel' if native is not None else 'the compiled kernel (the native one does not build here)'}")
     print(f"{'shape':30s} {'ours s':>8s} {'modelopt s':>10s} {'ours Melem/s':>12s} {'ratio':>6s} "
-          f"{'eager ratio':>11s}  bit-identical")
+          f"{'compiled ratio':>14s} {'eager ratio':>11s}  bit-identical")
     for label, shape in SHAPES.items():
         w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
         ref_q, ref_s, ref_g = NVFP4QTensor.quantize(w.clone(), 16)
@@ -63,15 +66,18 @@ def main() -> None:
                     and torch.equal(ours.weight_scale_2, ref_g.reshape(())))
 
         identical = same(nvfp4.quantize(w))
+        t_ours = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
+        nvfp4.NATIVE.function = None  # the compiled kernel
+        identical = identical and same(nvfp4.quantize(w))
+        t_compiled = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
         fused = nvfp4.KERNEL.compiled
         nvfp4.KERNEL.compiled = None  # the eager fallback
         identical = identical and same(nvfp4.quantize(w))
         t_eager = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
-        nvfp4.KERNEL.compiled = fused
-        t_ours = best_seconds(lambda: nvfp4.quantize(w), args.repeats)
+        nvfp4.KERNEL.compiled, nvfp4.NATIVE.function = fused, native
         t_ref = best_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
         print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
-              f"{t_ref / t_eager:11.2f}  {identical}")
+              f"{t_ref / t_compiled:14.2f} {t_ref / t_eager:11.2f}  {identical}")
     # what a conversion calls for a layer's experts: quantize_experts, one global scale per expert
     # (a per-row scale inside the kernel), against modelopt quantizing expert by expert
     for label, shape in EXPERT_SHAPES.items():
@@ -82,10 +88,13 @@ def main() -> None:
                         and torch.equal(ours.weight_scale[e].view(torch.uint8), s.view(torch.uint8))
                         and torch.equal(ours.weight_scale_2[e], g.reshape(())) for e, (q, s, g) in enumerate(refs))
         t_ours = best_seconds(lambda: nvfp4.quantize_experts(w), args.repeats)
+        nvfp4.NATIVE.function = None
+        t_compiled = best_seconds(lambda: nvfp4.quantize_experts(w), args.repeats)
+        nvfp4.NATIVE.function = native
         t_ref = best_seconds(lambda: [NVFP4QTensor.quantize(w[e].clone(), 16) for e in range(len(w))],
                              max(1, args.repeats // 3))
         print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
-              f"{'':>11s}  {identical}")
+              f"{t_ref / t_compiled:14.2f} {'':>11s}  {identical}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from g4.quantizers.compiled import CompiledKernel
+from g4.quantizers.native import NativeBuildError, NativeKernel
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -180,6 +182,46 @@ KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVF
                         packaged_by="g4convert kernels SRC --algorithm max")
 
 
+
+def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(w, g)`` pairs the native kernel must give :func:`_quantize_blocks`' bytes on before it is
+    used: seeded bf16 Gaussian weights ``[63, 2832]`` (0.02 scale, as a model's; split over 2
+    threads, each range with its groups of 16 blocks and one with a tail of 15) with all-zero
+    blocks, exact zeros, ``-0``, large and tiny values, under the global scale of their amax and
+    under one 300x that (block scales in E4M3's subnormal range)."""
+    w = torch.randn(63, 2832, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[:, ::7] = 0
+    w[::5, 3] = 3.0
+    w[1, :64] = 0
+    w[2, :16] = -0.0
+    w[3, 16:32] = 1e-30
+    w = w.bfloat16()
+    g = global_scale_from_amax(weight_amax(w))
+    return [(w, g), (w, g * 300)]
+
+
+def _native_gives_eager_bytes(fn) -> bool:
+    """Whether the native function ``fn`` gives the eager kernel's bytes on :func:`native_probe`."""
+    for w, g in native_probe():
+        packed, scales = _empty_result(*w.shape)
+        fn(w.data_ptr(), w.numel() // BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(), 2)
+        ref_packed, ref_scales = _quantize_blocks(w.reshape(w.shape[0], -1, BLOCK_SIZE), g)
+        if not (torch.equal(packed, ref_packed.view(packed.shape))
+                and torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8).view(scales.shape))):
+            return False
+    return True
+
+
+# The max kernel on contiguous bf16 weights, hand-vectorized for AVX-512 in nvfp4_max.c (the
+# arithmetic of _quantize_blocks in the same order; g4.quantizers.native builds, caches and checks
+# it): 1.9-2.4 Gelem/s against the compiled kernel's 590-690 on 2 threads, the same bytes, for a
+# 26B-A4B gate_up layer [128, 1408, 2816] (bench/bench_quantizer.py, 2026-12-06). Where it cannot
+# be built (no C compiler, no AVX-512) the compiled kernel runs; G4_NVFP4_EAGER=1: the eager chunks.
+NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
+                      [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+                      ctypes.c_int, label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=_native_gives_eager_bytes,
+                      min_elements=KERNEL.min_elements)
+
 # ----------------------------------------------------------------------------- mse block scales
 # modelopt's ``mse`` algorithm with ``fp8_scale_sweep`` for static NVFP4 weights
 # (NVIDIA/Model-Optimizer ``modelopt/torch/quantization/calib/mse.py``, ``NVFP4MSECalibrator``, and
@@ -319,24 +361,47 @@ def _kernel_blocks(blocks: torch.Tensor, method: str) -> torch.Tensor:
     return blocks
 
 
-def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and block scales of ``w`` ``[rows, in]`` under ``g`` (``[]``, > 0)."""
+def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8 ``[rows, in/2]``) and block scales (float8_e4m3fn ``[rows, in/16]``) of ``w``
+    ``[rows, in]`` under ``g`` (``[]``, > 0), written into ``out`` where given (contiguous tensors
+    of those shapes and dtypes). Kernels in order: the native one (``max`` on contiguous bf16,
+    :data:`NATIVE`), the compiled one, the eager chunks: the same bytes."""
     kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
+    if method == "max" and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
+        native = NATIVE.for_size(w.numel())
+        if native is not None:
+            packed, scales = out if out is not None else _empty_result(out_features, in_features)
+            try:
+                native(w.data_ptr(), w.numel() // BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(),
+                       torch.get_num_threads())
+                return packed, scales
+            except (ctypes.ArgumentError, TypeError) as e:
+                NATIVE.disable(e)
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
     fused = kernel.for_size(w.numel())
     if fused is not None:
         try:
             packed, scales = fused(_kernel_blocks(blocks, method), g)
-            return packed.view(out_features, in_features // 2), scales.view(out_features, in_features // BLOCK_SIZE)
+            packed = packed.view(out_features, in_features // 2)
+            scales = scales.view(out_features, in_features // BLOCK_SIZE)
+            if out is None:
+                return packed, scales
+            out[0].copy_(packed), out[1].copy_(scales)
+            return out
         except Exception as e:  # noqa: BLE001 - inductor raises many types (no compiler, codegen)
             kernel.disable(e)
-    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
-    scales = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
+    packed, scales = out if out is not None else _empty_result(out_features, in_features)
     rows = max(1, _ROW_CHUNK_ELEMENTS // in_features)
     for r0 in range(0, out_features, rows):
         packed[r0 : r0 + rows], scales[r0 : r0 + rows] = eager(blocks[r0 : r0 + rows], g)
     return packed, scales
+
+
+def _empty_result(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(out_features, in_features // 2, dtype=torch.uint8),
+            torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn))
 
 
 def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") -> threading.Thread | None:
@@ -347,24 +412,51 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") ->
     shapes the kernel is used for (:class:`g4.quantizers.compiled.CompiledKernel`, ``min_elements``),
     on a few rows of zeros marked dynamic as the real call marks them. Returns the thread, or None
     (:meth:`~g4.quantizers.compiled.CompiledKernel.warm`). The bytes are the same with or without it.
+    The shapes the native kernel takes (:data:`NATIVE`: ``max`` on bf16) are not compiled where it
+    loads (here, before the thread starts: built once per machine in about 0.3 s, then loaded in
+    milliseconds).
 
     Raises:
         ValueError: an unknown ``method``.
     """
-    return _KERNELS[method][0].warm_rows(_kernel_inputs(shapes, method), torch.ones((), dtype=torch.float32))
+    return _KERNELS[method][0].warm_rows(_kernel_inputs(_compiled_shapes(shapes, method), method),
+                                         torch.ones((), dtype=torch.float32))
 
 
 def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") -> list[tuple[Path, float | None]]:
-    """Package into the kernel cache the kernels :func:`warm` would compile for ``shapes``
-    (:meth:`g4.quantizers.compiled.CompiledKernel.save_packages`): later processes load them in
-    milliseconds. Returns ``(path, compile seconds or None where cached)`` per package.
+    """Put into the kernel cache the kernels a conversion with ``method`` runs on ``shapes``:
+    for ``max``, the native library (:data:`NATIVE`, where it builds here and gives the eager
+    bytes, unless this process has turned it off), and a package
+    (:meth:`g4.quantizers.compiled.CompiledKernel.save_packages`) for each shape :func:`warm`
+    would compile; later processes load them in milliseconds. Returns ``(path, compile seconds
+    or None where cached)`` per library or package.
 
     Raises:
         ValueError: an unknown ``method``, or the kernel cache is off.
         PackageCompileError, PermissionError, RuntimeError: as
             :meth:`~g4.quantizers.compiled.CompiledKernel.save_packages` raises them.
     """
-    return _KERNELS[method][0].save_packages(_kernel_inputs(shapes, method), torch.ones((), dtype=torch.float32))
+    shapes = list(shapes)
+    done = []
+    if (method == "max" and NATIVE.function is not None
+            and any(dtype == torch.bfloat16 and out * k >= NATIVE.min_elements for out, k, dtype in shapes)):
+        try:
+            saved = NATIVE.save()
+        except NativeBuildError:  # no compiler or no AVX-512 here: the compiled kernel serves
+            pass
+        else:
+            if NATIVE.load() is not None:
+                done.append(saved)
+    return done + _KERNELS[method][0].save_packages(_kernel_inputs(_compiled_shapes(shapes, method), method),
+                                                    torch.ones((), dtype=torch.float32))
+
+
+def _compiled_shapes(shapes: Iterable[tuple[int, int, torch.dtype]], method: str) -> list[tuple[int, int, torch.dtype]]:
+    """``shapes`` less those the native kernel takes where it loads (``max`` on bf16)."""
+    shapes = list(shapes)
+    if method == "max" and any(d == torch.bfloat16 for _, _, d in shapes) and NATIVE.for_size(NATIVE.min_elements):
+        shapes = [s for s in shapes if s[2] != torch.bfloat16]
+    return shapes
 
 
 def _kernel_inputs(shapes: Iterable[tuple[int, int, torch.dtype]], method: str
@@ -413,7 +505,7 @@ def quantize_experts(w: torch.Tensor, *, method: str = "max", amax: torch.Tensor
     packed = torch.empty(n_exp, out_features, in_features // 2, dtype=torch.uint8)
     scales = torch.empty(n_exp, out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn)
     for e in range(n_exp):
-        packed[e], scales[e] = _quantize_2d(w[e], g[e], method)
+        _quantize_2d(w[e], g[e], method, out=(packed[e], scales[e]))
     return NVFP4Weight(packed, scales, g)
 
 

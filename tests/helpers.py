@@ -76,3 +76,22 @@ class LinkedSource:
         else:
             (self.src / self.weights.name).unlink()
             (self.src / self.weights.name).symlink_to(self.other)
+
+
+def native_nvfp4_or_skip() -> None:
+    """Skip where the native NVFP4 kernel (g4.quantizers.nvfp4.NATIVE) does not build here (no C
+    compiler, no AVX-512); fail where it builds but does not give the eager bytes (a wrong kernel
+    must not turn its tests into skips)."""
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
+    from g4.quantizers import native, nvfp4
+
+    with tempfile.TemporaryDirectory(prefix="g4-native-test-") as tmp:
+        try:
+            nvfp4.NATIVE._build(Path(tmp) / "nvfp4_max.so")
+        except native.NativeBuildError as e:
+            pytest.skip(f"the native NVFP4 kernel does not build here ({e})")
+    assert nvfp4.NATIVE.load() is not None, "the native NVFP4 kernel builds here but does not give the eager bytes"

@@ -30,8 +30,9 @@ def cache(tmp_path_factory):
     os.chmod(root, 0o700)
     before = os.environ.get(compiled.KERNEL_CACHE_ENV)
     os.environ[compiled.KERNEL_CACHE_ENV] = str(root)
-    loaded = q.KERNEL._packages
+    loaded, native = q.KERNEL._packages, q.NATIVE.function
     q.KERNEL._packages = {}  # the packages this module loads stay out of the other tests' kernel
+    q.NATIVE.function = None  # bf16 max runs the packaged kernel, not the native one (test_nvfp4_native.py)
     try:
         _need_a_compiler()
         done = q.save_kernels([(2048, 1024, torch.bfloat16)], "max")
@@ -39,7 +40,7 @@ def cache(tmp_path_factory):
         assert q.save_kernels([(256, 4096, torch.bfloat16)], "max") == [(done[0][0], None)]  # found, not rebuilt
         yield root, done[0][0]
     finally:
-        q.KERNEL._packages = loaded
+        q.KERNEL._packages, q.NATIVE.function = loaded, native
         if before is None:
             os.environ.pop(compiled.KERNEL_CACHE_ENV)
         else:
@@ -49,6 +50,7 @@ def cache(tmp_path_factory):
 LATER_PROCESS = textwrap.dedent("""
     import sys, torch
     from g4.quantizers import nvfp4 as q
+    q.NATIVE.function = None  # the packaged kernel, not the native one
     q.warm([(512, 2048, torch.bfloat16)], "max").join()
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(2, 512, 2048, generator=gen) * 0.02).bfloat16()
@@ -246,6 +248,7 @@ def test_an_interrupted_package_write_leaves_no_temporary_file(tmp_path, monkeyp
     os.chmod(tmp_path, 0o700)
     monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(q.KERNEL, "_packages", {})
+    monkeypatch.setattr(q.NATIVE, "function", None)  # the package's files, not the native library's
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: None)  # no compile: the files are what counts
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
                         lambda exported, package_path: open(package_path, "wb").write(b"package"))

@@ -4,6 +4,8 @@ import pytest
 import torch
 from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
+from helpers import native_nvfp4_or_skip
+
 from g4.quantizers import nvfp4 as q
 
 
@@ -12,9 +14,15 @@ def modelopt_quantize(w, g=None):
     return packed._quantized_data, scale, g2
 
 
-@pytest.fixture(params=["fused", "eager"])
+@pytest.fixture(params=["native", "fused", "eager"])
 def mode(request, monkeypatch):
-    """Run a test with the compiled one-pass quantizer and with the eager row chunks."""
+    """Run a test with the native AVX-512 kernel (bf16 weights; others take the compiled one),
+    the compiled one-pass quantizer and the eager row chunks."""
+    if request.param == "native":
+        native_nvfp4_or_skip()
+        monkeypatch.setattr(q.NATIVE, "min_elements", 0)
+        return request.param
+    monkeypatch.setattr(q.NATIVE, "function", None)
     if request.param == "eager":
         monkeypatch.setattr(q.KERNEL, "compiled", None)
     elif q.KERNEL.for_size(q.KERNEL.min_elements) is None:

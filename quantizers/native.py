@@ -1,0 +1,215 @@
+"""Hand-vectorized C kernels: built with the machine's C compiler on first use, kept in the kernel
+cache, loaded with :mod:`ctypes`, and used only once they have given the eager kernel's bytes on a
+probe.
+
+Where inductor's code for a quantizer stays far from what the CPU can do (NVFP4's ``max`` kernel:
+590-690 Melem/s against 2.4 Gelem/s by hand with AVX-512, 2 threads, the same bytes), the C
+source beside the quantizer holds it (``quantizers/nvfp4_max.c``). It is compiled with
+``$CC`` (else ``cc``) ``-O3 -march=native -pthread -shared -fPIC`` in about 0.3 s; a machine it
+does not build on (no compiler, no AVX-512: the source refuses to compile) or a library that does
+not give the eager bytes leaves the quantizer on its torch.compile kernel (:mod:`g4.quantizers.compiled`),
+logged once. The library is kept in the kernel cache (:func:`~g4.quantizers.compiled.kernel_cache_dir`)
+under a digest of the machine (torch build, CPU flags), the source and the compiler, with its
+sha256 beside it, by the rules of the cache's packages (a directory and file only this user can
+write; a damaged file is not loaded); with the cache off it is built in a temporary directory for
+the process. The C function releases the GIL (ctypes) and splits its work over
+``torch.get_num_threads()`` threads of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from g4.quantizers.compiled import (
+    KERNEL_CACHE_ENV,
+    _file_sha256,
+    _machine_digest,
+    _private_dir,
+    kernel_cache_dir,
+    private_to_user,
+)
+
+log = logging.getLogger(__name__)
+
+_UNSET = object()
+# The flags every native kernel is built with (part of the library's digest).
+CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
+_COMPILE_TIMEOUT_S = 120
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or refused the source (e.g. no AVX-512 on this machine)."""
+
+
+def compiler() -> list[str]:
+    """The C compiler's command: ``$CC`` split as a shell would (``cc`` where unset)."""
+    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    error = next((line for line in lines if "error" in line), lines[0] if lines else "")
+    return error.strip()
+
+
+class NativeKernel:
+    """A C function built from ``source`` (a file beside this module) on first use, or None where
+    it cannot be (logged once) or must not be (``eager_env`` set).
+
+    Args:
+        source: the C file's name in ``g4/quantizers``.
+        symbol: the exported function; ``argtypes``/``restype``: its ctypes signature.
+        label: the kernel's name in log lines and the cache file's name.
+        eager_env: environment variable that forces the eager path (the quantizer's own).
+        check: given the loaded function, whether it gives the eager kernel's bytes on a probe
+            (a library that does not is never used).
+        min_elements: smallest tensor (elements) it is used for (the compiled kernel's rule).
+
+    Attributes:
+        function: the loaded ctypes function, None (not used), or unset until first needed;
+            tests set it to None to run the other kernels.
+    """
+
+    def __init__(self, source: str, symbol: str, argtypes: list, restype, *, label: str, eager_env: str,
+                 check: Callable[[Callable], bool], min_elements: int = 1 << 20):
+        self.source = Path(__file__).with_name(source)
+        self.symbol, self.argtypes, self.restype = symbol, argtypes, restype
+        self.label, self.eager_env, self.check, self.min_elements = label, eager_env, check, min_elements
+        self.function = _UNSET
+        self._lock = threading.Lock()
+
+    def for_size(self, numel: int) -> Callable | None:
+        """The function to call for a tensor of ``numel`` elements, or None (too small, the eager
+        path forced, or no usable library: see :meth:`load`)."""
+        if numel < self.min_elements or os.environ.get(self.eager_env, "") not in ("", "0"):
+            return None
+        return self.load()
+
+    def load(self) -> Callable | None:
+        """The function, built or taken from the kernel cache and checked once per process; None
+        where the build fails or the check does (logged once)."""
+        with self._lock:
+            if self.function is _UNSET:
+                try:
+                    self.function = self._load()
+                except (NativeBuildError, OSError) as e:
+                    log.info("%s: native kernel unavailable (%s); using the torch.compile kernel", self.label, e)
+                    self.function = None
+            return self.function
+
+    def disable(self, e: Exception) -> None:
+        """After a failed run: log it and use the other kernels from now on."""
+        if self.function is not None:
+            log.warning("%s: native kernel failed (%s: %s); using the torch.compile kernel", self.label,
+                        type(e).__name__, e)
+        self.function = None
+
+    # ------------------------------------------------------------------------- build and cache
+    def _digest(self) -> str:
+        """What the library's machine code depends on: the machine, the source, the compiler
+        (its command and ``--version``) and :data:`CFLAGS`."""
+        cc = compiler()
+        try:
+            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
+        parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc), version,
+                 " ".join(CFLAGS), self.symbol)
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+    def library_path(self) -> Path | None:
+        """The kernel cache's file for this machine, source and compiler, or None (cache off).
+
+        Raises:
+            NativeBuildError: no C compiler.
+        """
+        root = kernel_cache_dir()
+        return None if root is None else root / f"{self.label.lower().replace(' ', '-')}-{self._digest()}.so"
+
+    def _build(self, out: Path) -> None:
+        """Compile :attr:`source` into ``out`` (a shared library)."""
+        cmd = [*compiler(), *CFLAGS, "-o", str(out), str(self.source)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeBuildError(f"{shlex.join(cmd[:1])}: {e}") from e
+        if done.returncode != 0:
+            why = _first_line(done.stderr or done.stdout)
+            raise NativeBuildError(f"{self.source.name} does not compile here: {why}")
+
+    def _open(self, path: Path) -> Callable | None:
+        """The checked function from the library at ``path``; None where it does not give the eager
+        bytes (logged)."""
+        fn = getattr(ctypes.CDLL(str(path)), self.symbol)
+        fn.argtypes, fn.restype = self.argtypes, self.restype
+        if not self.check(fn):
+            log.warning("%s: native kernel %s does not give the eager bytes; not used", self.label, path)
+            return None
+        return fn
+
+    def _load(self) -> Callable | None:
+        path = self.library_path()
+        if path is None:  # no cache: built for this process alone
+            with tempfile.TemporaryDirectory(prefix="g4-native-") as tmp:
+                lib = Path(tmp) / self.source.with_suffix(".so").name
+                self._build(lib)
+                return self._open(lib)  # the mapping outlives the file
+        if not path.is_file():
+            self.save()
+        if not _private_dir(path.parent) or not private_to_user(path, directory=False):
+            log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
+                        "this user can write; not loading it", self.label, path.parent, path.name)
+            return None
+        recorded = path.with_name(path.name + ".sha256")
+        try:
+            intact = private_to_user(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
+        except OSError:
+            intact = False
+        if not intact:
+            log.warning("%s: kernel cache library %s is damaged or incomplete (its sha256 is not the one recorded "
+                        "when it was built); building it again", self.label, path)
+            path.unlink(missing_ok=True)
+            self.save()
+        return self._open(path)
+
+    def save(self) -> tuple[Path, float | None]:
+        """Build the library into the kernel cache unless it is there: ``(path, seconds or None
+        where it was there)``.
+
+        Raises:
+            ValueError: the kernel cache is off.
+            NativeBuildError: no compiler, or the source does not compile here.
+            PermissionError: the cache directory is not the user's own or others can write it.
+            OSError: the cache directory cannot be made or written.
+        """
+        path = self.library_path()
+        if path is None:
+            raise ValueError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ.get(KERNEL_CACHE_ENV)})")
+        if path.is_file() and path.with_name(path.name + ".sha256").is_file():
+            return path, None
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not _private_dir(path.parent):
+            raise PermissionError(f"{path.parent}: the kernel cache ({KERNEL_CACHE_ENV}) must be a directory this "
+                                  "user owns that no one else can write (its libraries are loaded into g4)")
+        t0 = time.perf_counter()
+        partial = path.with_name(f".partial-{os.getpid()}-{threading.get_ident()}-{path.name}")
+        digest = partial.with_name(partial.name + ".sha256")
+        try:
+            self._build(partial)
+            digest.write_text(_file_sha256(partial) + "\n")
+            os.replace(digest, path.with_name(path.name + ".sha256"))
+            os.replace(partial, path)
+        finally:  # an interrupt anywhere above leaves neither temporary file
+            partial.unlink(missing_ok=True)
+            digest.unlink(missing_ok=True)
+        return path, time.perf_counter() - t0

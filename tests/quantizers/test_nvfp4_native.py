@@ -1,0 +1,214 @@
+"""The native NVFP4 max kernel (quantizers/nvfp4_max.c, built by g4.quantizers.native): the eager
+kernel's bytes on every bf16 block amax under global scales across the whole fp32 range (the
+modelopt comparison runs it too: test_nvfp4_quantizer.py's "native" mode), and what happens where
+it cannot be built, fails its check, is damaged in the cache or the cache is off."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import native_nvfp4_or_skip
+
+from g4.quantizers import compiled, native, nvfp4 as q
+
+
+def unchecked():
+    """The native function built in a temporary directory, without its probe check (so a wrong
+    byte shows in the test that finds it); skips where the source does not build (no C compiler,
+    no AVX-512)."""
+    kernel = fresh(check=lambda fn: True)
+    with tempfile.TemporaryDirectory(prefix="g4-native-test-") as tmp:
+        lib = Path(tmp) / "nvfp4_max.so"
+        try:
+            kernel._build(lib)
+        except native.NativeBuildError as e:
+            pytest.skip(f"the native NVFP4 kernel does not build here ({e})")
+        return kernel._open(lib)  # the mapping outlives the file
+
+
+def fresh(check=q._native_gives_eager_bytes) -> native.NativeKernel:
+    """A kernel of the same source, not yet built or loaded in this process."""
+    return native.NativeKernel("nvfp4_max.c", q.NATIVE.symbol, q.NATIVE.argtypes, q.NATIVE.restype,
+                               label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=check)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "kernels"
+    monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, str(root))
+    return root
+
+
+def eager(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    packed, scales = q._quantize_blocks(w.reshape(w.shape[0], -1, q.BLOCK_SIZE), g)
+    return packed.view(w.shape[0], -1), scales.view(torch.uint8).view(w.shape[0], -1)
+
+
+def run(fn, w: torch.Tensor, g: torch.Tensor, threads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    packed, scales = q._empty_result(*w.shape)
+    assert fn(w.data_ptr(), w.numel() // q.BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(), threads) == 0
+    return packed, scales.view(torch.uint8)
+
+
+def every_bf16_amax() -> torch.Tensor:
+    """One 16-element block per positive finite bf16 value (0x0001..0x7F7F), that value its amax
+    (as the first element, negated in every other block), the other 15 elements within it."""
+    amax = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    frac = torch.rand(amax.numel(), 15, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    w = torch.cat([amax[:, None], amax[:, None] * frac], 1).bfloat16()
+    w[1::2, 0] *= -1
+    assert torch.equal(w.float().abs().amax(1), amax)
+    return w
+
+
+def test_every_bf16_block_amax_under_global_scales_across_fp32_gives_the_eager_bytes():
+    """Block scales from E4M3's subnormals (code 1, 2**-9) to 448 and clamped at both ends,
+    ties of the E4M3 rounding and of the E2M1 codes: every positive finite bf16 value is a block
+    amax, under global scales from 2**-140 to 2**120 (powers of 2 and not)."""
+    fn = unchecked()
+    w = every_bf16_amax()
+    for k in range(-140, 121, 10):
+        for m in (1.0, 1.37, 1.9921875):
+            g = torch.tensor(m * 2.0**k, dtype=torch.float32)
+            got, want = run(fn, w, g), eager(w, g)
+            assert torch.equal(got[1], want[1]), f"block scales differ under g = {g.item()!r}"
+            assert torch.equal(got[0], want[0]), f"codes differ under g = {g.item()!r}"
+
+
+def test_e2m1_ties_and_the_thread_split_give_the_same_bytes():
+    """Values at every E2M1 midpoint (ties to the even code), their bf16 neighbours, -0, and a
+    tensor split over 1, 2 and 3 threads (ranges of 16 blocks and a tail)."""
+    fn = unchecked()
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    vals = torch.cat([mids, -mids, torch.tensor([6.0, -6.0, 0.0, -0.0])]).bfloat16()
+    near = torch.cat([vals, torch.nextafter(vals.float(), torch.tensor(10.0)).bfloat16(),
+                      torch.nextafter(vals.float(), torch.tensor(-10.0)).bfloat16()])
+    row = torch.cat([torch.tensor([6.0]).bfloat16(), near])  # amax 6 in each block row
+    w = row[torch.randint(0, row.numel(), (777, 48), generator=torch.Generator().manual_seed(1))]
+    w[:, ::16] = 6.0  # every block's amax is 6: block scale 448 under g = 6 / 2688, x / (448 g) = x
+    g = q.global_scale_from_amax(6.0)
+    want = eager(w, g)
+    for threads in (1, 2, 3):
+        got = run(fn, w, g, threads)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{threads} threads"
+
+
+def test_quantize_and_experts_use_it_for_contiguous_bf16_only(monkeypatch):
+    """quantize / quantize_experts take the native kernel for contiguous bf16 weights (a kernel
+    that is not called proves it), and the other kernels otherwise: the same bytes."""
+    native_nvfp4_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, 512, 1024, generator=gen) * 0.02).bfloat16()
+    calls = []
+    real = q.NATIVE.load()
+    monkeypatch.setattr(q.NATIVE, "function", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(q.NATIVE, "min_elements", 0)
+    got = q.quantize_experts(w)
+    assert calls == [512 * 1024 // 16] * 3
+    wide = (torch.randn(64, 2832, generator=gen) * 0.02).bfloat16()
+    strided = q.quantize(wide[:, :2816])  # not contiguous: not the native kernel
+    assert len(calls) == 3
+    monkeypatch.setattr(q.NATIVE, "function", None)
+    monkeypatch.setattr(q.KERNEL, "compiled", None)
+    want = q.quantize_experts(w)
+    assert torch.equal(got.weight, want.weight) and torch.equal(got.weight_scale_2, want.weight_scale_2)
+    assert torch.equal(got.weight_scale.view(torch.uint8), want.weight_scale.view(torch.uint8))
+    assert torch.equal(strided.weight, q.quantize(wide[:, :2816].contiguous()).weight)
+
+
+def test_g4_nvfp4_eager_turns_it_off(monkeypatch):
+    monkeypatch.setenv("G4_NVFP4_EAGER", "1")
+    assert q.NATIVE.for_size(1 << 30) is None
+
+
+def test_no_compiler_leaves_the_compiled_kernel_with_one_log_line(cache, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    kernel = fresh()
+    with caplog.at_level("INFO", logger="g4.quantizers.native"):
+        assert kernel.for_size(1 << 30) is None
+        assert kernel.for_size(1 << 30) is None  # once per process
+    assert caplog.text.count("NVFP4 max: native kernel unavailable (no C compiler") == 1
+    assert not cache.exists()
+    monkeypatch.setenv("CC", "false")  # a compiler that refuses the source (as one without AVX-512 does)
+    with pytest.raises(native.NativeBuildError, match="nvfp4_max.c does not compile here"):
+        fresh().save()
+    assert not any(cache.iterdir())  # no partial library left
+
+
+def test_a_library_that_fails_its_check_is_not_used(cache, caplog):
+    native_nvfp4_or_skip()
+    kernel = fresh(check=lambda fn: False)
+    with caplog.at_level("WARNING"):
+        assert kernel.load() is None
+    assert "does not give the eager bytes; not used" in caplog.text
+
+
+def test_the_cache_keeps_it_checks_its_digest_and_its_owner(cache, caplog):
+    """Built once into the cache with its sha256 beside it, found there by the next process; a
+    damaged library is built again, not loaded; a cache others can write is not loaded."""
+    native_nvfp4_or_skip()
+    path, seconds = fresh().save()
+    assert path.parent == cache and seconds is not None and path.suffix == ".so"
+    assert fresh().save() == (path, None)
+    assert (cache / (path.name + ".sha256")).read_text().strip() == compiled._file_sha256(path)
+    assert fresh().load() is not None
+    good = path.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0xFF
+    damaged = cache / "damaged.so"
+    damaged.write_bytes(bytes(data))
+    os.replace(damaged, path)  # a new file: the one loaded above stays mapped as it was
+    with caplog.at_level("WARNING"):
+        assert fresh().load() is not None  # built again, then loaded
+    assert "is damaged or incomplete" in caplog.text and path.read_bytes() == good
+    caplog.clear()
+    os.chmod(cache, 0o777)
+    try:
+        with caplog.at_level("WARNING"):
+            assert fresh().load() is None
+    finally:
+        os.chmod(cache, 0o700)
+    assert "is not a directory only this user can write" in caplog.text
+
+
+def test_with_the_cache_off_it_is_built_for_the_process(cache, monkeypatch):
+    native_nvfp4_or_skip()
+    monkeypatch.setenv(compiled.KERNEL_CACHE_ENV, "off")
+    kernel = fresh()
+    assert kernel.library_path() is None and kernel.load() is not None
+    assert not cache.exists()
+    with pytest.raises(ValueError, match="the kernel cache is off"):
+        kernel.save()
+
+
+def test_a_weight_only_conversion_with_it_writes_the_eager_bytes(tiny_text, tmp_path, monkeypatch):
+    """`nvfp4 --weight-only --algorithm max` of the tiny model with every bf16 linear and expert
+    through the native kernel (its size floor lowered, a counter proves it ran) writes the same
+    weight files as with the eager kernel alone."""
+    from safetensors.torch import load_file
+
+    from g4.convert.nvfp4 import convert_nvfp4
+
+    native_nvfp4_or_skip()
+    calls = []
+    real = q.NATIVE.load()
+    monkeypatch.setattr(q.NATIVE, "function", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(q.NATIVE, "min_elements", 0)
+    convert_nvfp4(tiny_text, tmp_path / "native", weight_only=True, algorithm="max", progress=False)
+    assert len(calls) > 8
+    monkeypatch.setattr(q.NATIVE, "function", None)
+    monkeypatch.setattr(q.KERNEL, "compiled", None)
+    convert_nvfp4(tiny_text, tmp_path / "eager", weight_only=True, algorithm="max", progress=False)
+    files = sorted(p.name for p in (tmp_path / "eager").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "native").glob("*.safetensors"))
+    for name in files:
+        a, b = load_file(tmp_path / "native" / name), load_file(tmp_path / "eager" / name)
+        assert a.keys() == b.keys()
+        for k in a:
+            x, y = a[k].reshape(-1), b[k].reshape(-1)
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
