@@ -3,10 +3,11 @@ cache, loaded with :mod:`ctypes`, and used only once they have given the eager k
 probe.
 
 Where inductor's code for a quantizer stays far from what the CPU can do (NVFP4's ``max`` kernel:
-590-690 Melem/s against 2.4 Gelem/s by hand with AVX-512, 2 threads, the same bytes), the C
+590-690 Melem/s against 2.2-2.4 Gelem/s by hand with AVX-512, 0.8 with AVX2, 2 threads, the same bytes), the C
 source beside the quantizer holds it (``quantizers/nvfp4_max.c``). It is compiled with
 ``$CC`` (else ``cc``) ``-O3 -march=native -pthread -shared -fPIC`` in about 0.3 s; a machine it
-does not build on (no compiler, no AVX-512: the source refuses to compile) or a library that does
+does not build on (no compiler, a CPU without the source's vector instructions: it refuses to
+compile) or a library that does
 not give the eager bytes leaves the quantizer on its torch.compile kernel (:mod:`g4.quantizers.compiled`),
 logged once. The library is kept in the kernel cache (:func:`~g4.quantizers.compiled.kernel_cache_dir`)
 under a digest of the machine (torch build, CPU flags), the source and the compiler, with its
@@ -48,7 +49,7 @@ _COMPILE_TIMEOUT_S = 120
 
 
 class NativeBuildError(RuntimeError):
-    """The C compiler is missing or refused the source (e.g. no AVX-512 on this machine)."""
+    """The C compiler is missing or refused the source (e.g. neither AVX-512 nor AVX2 here)."""
 
 
 def compiler() -> list[str]:
@@ -74,6 +75,8 @@ class NativeKernel:
         check: given the loaded function, whether it gives the eager kernel's bytes on a probe
             (a library that does not is never used).
         min_elements: smallest tensor (elements) it is used for (the compiled kernel's rule).
+        cflags: the compiler's flags (:data:`CFLAGS`; tests add e.g. ``-mno-avx512f`` to build a
+            source's AVX2 path on an AVX-512 machine).
 
     Attributes:
         function: the loaded ctypes function, None (not used), or unset until first needed;
@@ -81,8 +84,8 @@ class NativeKernel:
     """
 
     def __init__(self, source: str, symbol: str, argtypes: list, restype, *, label: str, eager_env: str,
-                 check: Callable[[Callable], bool], min_elements: int = 1 << 20):
-        self.source = Path(__file__).with_name(source)
+                 check: Callable[[Callable], bool], min_elements: int = 1 << 20, cflags: tuple[str, ...] = CFLAGS):
+        self.source, self.cflags = Path(__file__).with_name(source), tuple(cflags)
         self.symbol, self.argtypes, self.restype = symbol, argtypes, restype
         self.label, self.eager_env, self.check, self.min_elements = label, eager_env, check, min_elements
         self.function = _UNSET
@@ -117,14 +120,14 @@ class NativeKernel:
     # ------------------------------------------------------------------------- build and cache
     def _digest(self) -> str:
         """What the library's machine code depends on: the machine, the source, the compiler
-        (its command and ``--version``) and :data:`CFLAGS`."""
+        (its command and ``--version``) and the flags."""
         cc = compiler()
         try:
             version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
         parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc), version,
-                 " ".join(CFLAGS), self.symbol)
+                 " ".join(self.cflags), self.symbol)
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
     def library_path(self) -> Path | None:
@@ -138,7 +141,7 @@ class NativeKernel:
 
     def _build(self, out: Path) -> None:
         """Compile :attr:`source` into ``out`` (a shared library)."""
-        cmd = [*compiler(), *CFLAGS, "-o", str(out), str(self.source)]
+        cmd = [*compiler(), *self.cflags, "-o", str(out), str(self.source)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:

@@ -212,11 +212,11 @@ def _native_gives_eager_bytes(fn) -> bool:
     return True
 
 
-# The max kernel on contiguous bf16 weights, hand-vectorized for AVX-512 in nvfp4_max.c (the
+# The max kernel on contiguous bf16 weights, hand-vectorized for AVX-512 (AVX2 without it) in nvfp4_max.c (the
 # arithmetic of _quantize_blocks in the same order; g4.quantizers.native builds, caches and checks
 # it): 1.9-2.4 Gelem/s against the compiled kernel's 590-690 on 2 threads, the same bytes, for a
 # 26B-A4B gate_up layer [128, 1408, 2816] (bench/bench_quantizer.py, 2026-12-06). Where it cannot
-# be built (no C compiler, no AVX-512) the compiled kernel runs; G4_NVFP4_EAGER=1: the eager chunks.
+# be built (no C compiler, neither AVX-512 nor AVX2) the compiled kernel runs; G4_NVFP4_EAGER=1: the eager chunks.
 NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
                       [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
                       ctypes.c_int, label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=_native_gives_eager_bytes,
@@ -442,7 +442,7 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "
             and any(dtype == torch.bfloat16 and out * k >= NATIVE.min_elements for out, k, dtype in shapes)):
         try:
             saved = NATIVE.save()
-        except NativeBuildError:  # no compiler or no AVX-512 here: the compiled kernel serves
+        except NativeBuildError:  # no compiler, or neither AVX-512 nor AVX2 here: the compiled kernel serves
             pass
         else:
             if NATIVE.load() is not None:

@@ -1,5 +1,5 @@
-/* NVFP4 "max" quantization of bf16 weights, hand-vectorized for AVX-512 (g4.quantizers.nvfp4,
- * NATIVE). The arithmetic is _quantize_blocks' in quantizers/nvfp4.py, in the same order and
+/* NVFP4 "max" quantization of bf16 weights, hand-vectorized for AVX-512, or AVX2 where the CPU
+ * has no AVX-512 (g4.quantizers.nvfp4, NATIVE). The arithmetic is _quantize_blocks' in quantizers/nvfp4.py, in the same order and
  * with the same IEEE operations, so the bytes are the same (the Python side checks them against
  * the eager kernel on a probe before use; tests/quantizers/test_nvfp4_native.py on every bf16
  * block amax):
@@ -10,8 +10,8 @@
  * The format is NVIDIA modelopt's (NVIDIA/Model-Optimizer modelopt/torch/quantization/qtensor/
  * nvfp4_tensor.py). Built by g4 with the machine's C compiler: cc -O3 -march=native -pthread
  * -shared -fPIC. */
-#ifndef __AVX512F__
-#error "the native NVFP4 kernel needs AVX-512 (AVX512F); g4 uses its torch.compile kernel instead"
+#if !defined(__AVX512F__) && !defined(__AVX2__)
+#error "the native NVFP4 kernel needs AVX-512 (AVX512F) or AVX2; g4 uses its torch.compile kernel instead"
 #endif
 #include <immintrin.h>
 #include <pthread.h>
@@ -45,6 +45,7 @@ static inline float block_divisor(float amax, float g, uint8_t *code) {
     return s8 * g;
 }
 
+#if defined(__AVX512F__)
 static inline __m512 load_bf16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -106,6 +107,55 @@ static void quantize_range(const uint16_t *x, int64_t b0, int64_t b1, float g, u
         pack_block(v, block_divisor(amax, g, scales + b), packed + 8 * b);
     }
 }
+
+#else /* AVX2: a block is two 8-lane halves */
+static inline void load_bf16x16(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+}
+
+static inline __m256 e2m1_index(__m256 v, __m256 divisor) {
+    const __m256 two = _mm256_set1_ps(2.f), four = _mm256_set1_ps(4.f), five = _mm256_set1_ps(5.f);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 y = _mm256_div_ps(v, divisor);
+    __m256 a = _mm256_and_ps(y, magnitude);
+    __m256 low = _mm256_round_ps(_mm256_mul_ps(a, two), ROUND_EVEN);
+    __m256 mid = _mm256_add_ps(_mm256_round_ps(a, ROUND_EVEN), two);
+    __m256 high = _mm256_blendv_ps(_mm256_set1_ps(6.f), _mm256_set1_ps(7.f), _mm256_cmp_ps(a, five, _CMP_GT_OQ));
+    __m256 idx = _mm256_blendv_ps(high, mid, _mm256_cmp_ps(a, four, _CMP_LT_OQ));
+    idx = _mm256_blendv_ps(idx, low, _mm256_cmp_ps(a, two, _CMP_LT_OQ));
+    __m256 negative = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_add_ps(idx, _mm256_and_ps(negative, _mm256_set1_ps(8.f)));
+}
+
+static inline void pack_block(__m256 lo, __m256 hi, float divisor, uint8_t *out) {
+    __m256 d = _mm256_set1_ps(divisor);
+    __m256i clo = _mm256_cvttps_epi32(e2m1_index(lo, d)), chi = _mm256_cvttps_epi32(e2m1_index(hi, d));
+    /* the 16 codes as 16-bit lanes in order, then each 32-bit lane's pair into its low byte */
+    __m256i c16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(clo, chi), 0xD8);
+    __m256i pairs = _mm256_or_si256(_mm256_and_si256(c16, _mm256_set1_epi32(0xF)),
+                                    _mm256_and_si256(_mm256_srli_epi32(c16, 12), _mm256_set1_epi32(0xF0)));
+    __m256i bytes = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64((__m128i *)out, _mm256_castsi256_si128(bytes));
+}
+
+static void quantize_range(const uint16_t *x, int64_t b0, int64_t b1, float g, uint8_t *packed, uint8_t *scales) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t b = b0; b < b1; b++) {
+        __m256 lo, hi;
+        load_bf16x16(x + 16 * b, &lo, &hi);
+        __m256 m = _mm256_max_ps(_mm256_and_ps(lo, magnitude), _mm256_and_ps(hi, magnitude));
+        __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));
+        pack_block(lo, hi, block_divisor(_mm_cvtss_f32(q), g, scales + b), packed + 8 * b);
+    }
+}
+#endif
 
 typedef struct {
     const uint16_t *x;

@@ -80,7 +80,7 @@ class LinkedSource:
 
 def native_nvfp4_or_skip() -> None:
     """Skip where the native NVFP4 kernel (g4.quantizers.nvfp4.NATIVE) does not build here (no C
-    compiler, no AVX-512); fail where it builds but does not give the eager bytes (a wrong kernel
+    compiler, neither AVX-512 nor AVX2); fail where it builds but does not give the eager bytes (a wrong kernel
     must not turn its tests into skips)."""
     import tempfile
     from pathlib import Path

@@ -17,24 +17,28 @@ from helpers import native_nvfp4_or_skip
 from g4.quantizers import compiled, native, nvfp4 as q
 
 
-def unchecked():
-    """The native function built in a temporary directory, without its probe check (so a wrong
-    byte shows in the test that finds it); skips where the source does not build (no C compiler,
-    no AVX-512)."""
-    kernel = fresh(check=lambda fn: True)
+# the builds whose bytes are checked: the machine's own (AVX-512 here) and the AVX2 path
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
+
+
+def unchecked(build: str = "native"):
+    """The native function built in a temporary directory (with ``build``'s extra flags), without
+    its probe check (so a wrong byte shows in the test that finds it); skips where the source
+    does not build that way (no C compiler, neither AVX-512 nor AVX2)."""
+    kernel = fresh(check=lambda fn: True, cflags=native.CFLAGS + BUILDS[build])
     with tempfile.TemporaryDirectory(prefix="g4-native-test-") as tmp:
         lib = Path(tmp) / "nvfp4_max.so"
         try:
             kernel._build(lib)
         except native.NativeBuildError as e:
-            pytest.skip(f"the native NVFP4 kernel does not build here ({e})")
+            pytest.skip(f"the native NVFP4 kernel does not build here as {build} ({e})")
         return kernel._open(lib)  # the mapping outlives the file
 
 
-def fresh(check=q._native_gives_eager_bytes) -> native.NativeKernel:
+def fresh(check=q._native_gives_eager_bytes, cflags=native.CFLAGS) -> native.NativeKernel:
     """A kernel of the same source, not yet built or loaded in this process."""
     return native.NativeKernel("nvfp4_max.c", q.NATIVE.symbol, q.NATIVE.argtypes, q.NATIVE.restype,
-                               label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=check)
+                               label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=check, cflags=cflags)
 
 
 @pytest.fixture
@@ -66,11 +70,13 @@ def every_bf16_amax() -> torch.Tensor:
     return w
 
 
-def test_every_bf16_block_amax_under_global_scales_across_fp32_gives_the_eager_bytes():
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_bf16_block_amax_under_global_scales_across_fp32_gives_the_eager_bytes(build):
     """Block scales from E4M3's subnormals (code 1, 2**-9) to 448 and clamped at both ends,
     ties of the E4M3 rounding and of the E2M1 codes: every positive finite bf16 value is a block
-    amax, under global scales from 2**-140 to 2**120 (powers of 2 and not)."""
-    fn = unchecked()
+    amax, under global scales from 2**-140 to 2**120 (powers of 2 and not); the AVX-512 and the
+    AVX2 paths."""
+    fn = unchecked(build)
     w = every_bf16_amax()
     for k in range(-140, 121, 10):
         for m in (1.0, 1.37, 1.9921875):
@@ -80,10 +86,11 @@ def test_every_bf16_block_amax_under_global_scales_across_fp32_gives_the_eager_b
             assert torch.equal(got[0], want[0]), f"codes differ under g = {g.item()!r}"
 
 
-def test_e2m1_ties_and_the_thread_split_give_the_same_bytes():
+@pytest.mark.parametrize("build", BUILDS)
+def test_e2m1_ties_and_the_thread_split_give_the_same_bytes(build):
     """Values at every E2M1 midpoint (ties to the even code), their bf16 neighbours, -0, and a
     tensor split over 1, 2 and 3 threads (ranges of 16 blocks and a tail)."""
-    fn = unchecked()
+    fn = unchecked(build)
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     vals = torch.cat([mids, -mids, torch.tensor([6.0, -6.0, 0.0, -0.0])]).bfloat16()
     near = torch.cat([vals, torch.nextafter(vals.float(), torch.tensor(10.0)).bfloat16(),
@@ -134,7 +141,7 @@ def test_no_compiler_leaves_the_compiled_kernel_with_one_log_line(cache, monkeyp
         assert kernel.for_size(1 << 30) is None  # once per process
     assert caplog.text.count("NVFP4 max: native kernel unavailable (no C compiler") == 1
     assert not cache.exists()
-    monkeypatch.setenv("CC", "false")  # a compiler that refuses the source (as one without AVX-512 does)
+    monkeypatch.setenv("CC", "false")  # a compiler that refuses the source (as on a CPU without AVX-512 or AVX2)
     with pytest.raises(native.NativeBuildError, match="nvfp4_max.c does not compile here"):
         fresh().save()
     assert not any(cache.iterdir())  # no partial library left

@@ -16,7 +16,7 @@ def modelopt_quantize(w, g=None):
 
 @pytest.fixture(params=["native", "fused", "eager"])
 def mode(request, monkeypatch):
-    """Run a test with the native AVX-512 kernel (bf16 weights; others take the compiled one),
+    """Run a test with the native kernel (bf16 weights; others take the compiled one),
     the compiled one-pass quantizer and the eager row chunks."""
     if request.param == "native":
         native_nvfp4_or_skip()
