@@ -27,6 +27,7 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -369,16 +370,20 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
     :data:`NATIVE`), the compiled one, the eager chunks: the same bytes."""
     kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
+    native = None
     if method == "max" and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
         native = NATIVE.for_size(w.numel())
-        if native is not None:
-            packed, scales = out if out is not None else _empty_result(out_features, in_features)
-            try:
-                native(w.data_ptr(), w.numel() // BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(),
-                       torch.get_num_threads())
-                return packed, scales
-            except (ctypes.ArgumentError, TypeError) as e:
-                NATIVE.disable(e)
+        g_value = float(g) if native is not None else 0.0
+        if not (math.isfinite(g_value) and g_value > 0):  # the C kernel's contract; the others give NaN bytes
+            native = None
+    if native is not None:
+        packed, scales = out if out is not None else _empty_result(out_features, in_features)
+        try:
+            native(w.data_ptr(), w.numel() // BLOCK_SIZE, g_value, packed.data_ptr(), scales.data_ptr(),
+                   torch.get_num_threads())
+            return packed, scales
+        except (ctypes.ArgumentError, TypeError) as e:
+            NATIVE.disable(e)
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
     fused = kernel.for_size(w.numel())
     if fused is not None:

@@ -128,6 +128,22 @@ def test_quantize_and_experts_use_it_for_contiguous_bf16_only(monkeypatch):
     assert torch.equal(strided.weight, q.quantize(wide[:, :2816].contiguous()).weight)
 
 
+def test_a_non_finite_global_scale_is_left_to_the_other_kernels(monkeypatch):
+    """The C kernel takes finite weights under a finite global scale (a conversion checks its
+    inputs first); quantize_experts of an expert holding NaN (its global scale NaN) gives the
+    eager bytes for every expert all the same."""
+    native_nvfp4_or_skip()
+    monkeypatch.setattr(q.NATIVE, "min_elements", 0)
+    w = (torch.randn(3, 64, 256, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16()
+    w[1, 3, 5] = float("nan")
+    got = q.quantize_experts(w)
+    monkeypatch.setattr(q.NATIVE, "function", None)
+    monkeypatch.setattr(q.KERNEL, "compiled", None)
+    want = q.quantize_experts(w)
+    assert torch.equal(got.weight, want.weight)
+    assert torch.equal(got.weight_scale.view(torch.uint8), want.weight_scale.view(torch.uint8))
+
+
 def test_g4_nvfp4_eager_turns_it_off(monkeypatch):
     monkeypatch.setenv("G4_NVFP4_EAGER", "1")
     assert q.NATIVE.for_size(1 << 30) is None
