@@ -360,6 +360,8 @@ class CompiledKernel:
                                           f"{list(tail)} {dtype} ({type(e).__name__}: {first})") from e
             else:
                 digest.write_text(_file_sha256(partial) + "\n")
+                for written in (partial, digest):  # not the umask's: a file others can write is never loaded
+                    os.chmod(written, 0o644)
                 os.replace(digest, path.with_name(path.name + ".sha256"))
                 os.replace(partial, path)
             finally:  # an interrupt anywhere above leaves neither temporary file

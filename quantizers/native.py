@@ -19,6 +19,7 @@ the process. The C function releases the GIL (ctypes) and splits its work over
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -43,8 +44,9 @@ from g4.quantizers.compiled import (
 log = logging.getLogger(__name__)
 
 _UNSET = object()
-# The flags every native kernel is built with (part of the library's digest).
-CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
+# The flags every native kernel is built with (part of the library's digest); ``-x c``: the source
+# is C whatever the compiler (``CC=g++`` would compile it as C++ and mangle the symbol's name).
+CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-x", "c")
 _COMPILE_TIMEOUT_S = 120
 
 
@@ -53,14 +55,34 @@ class NativeBuildError(RuntimeError):
 
 
 def compiler() -> list[str]:
-    """The C compiler's command: ``$CC`` split as a shell would (``cc`` where unset)."""
-    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    """The C compiler's command: ``$CC`` split as a shell would (``cc`` where unset).
+
+    Raises:
+        NativeBuildError: ``$CC`` does not split (an unclosed quote).
+    """
+    try:
+        return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    except ValueError as e:
+        raise NativeBuildError(f"CC={os.environ.get('CC')!r} is not a command ({e})") from e
 
 
 def _first_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     error = next((line for line in lines if "error" in line), lines[0] if lines else "")
     return error.strip()
+
+
+def _flushes_subnormals(tiny: float = 5e-324, one: float = 1.0) -> bool:
+    """Whether this thread's floating-point unit flushes subnormals to zero (x86 MXCSR's FTZ/DAZ,
+    which a library built with ``-ffast-math`` sets when it is loaded): the product is computed
+    here, not folded by the compiler."""
+    return tiny * one == 0.0
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd`` with its output captured as text (undecodable bytes replaced)."""
+    return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace",
+                          timeout=_COMPILE_TIMEOUT_S)
 
 
 class NativeKernel:
@@ -100,13 +122,18 @@ class NativeKernel:
 
     def load(self) -> Callable | None:
         """The function, built or taken from the kernel cache and checked once per process; None
-        where the build fails or the check does (logged once)."""
+        where it does not build here (logged at INFO: no compiler, or a CPU without the source's
+        vector instructions), or where anything else fails or the check does (logged as a warning)."""
         with self._lock:
             if self.function is _UNSET:
                 try:
                     self.function = self._load()
-                except (NativeBuildError, OSError) as e:
+                except NativeBuildError as e:
                     log.info("%s: native kernel unavailable (%s); using the torch.compile kernel", self.label, e)
+                    self.function = None
+                except Exception as e:  # noqa: BLE001 - an optional speed-up: nothing may stop the conversion
+                    log.warning("%s: native kernel not used (%s: %s); using the torch.compile kernel", self.label,
+                                type(e).__name__, e)
                     self.function = None
             return self.function
 
@@ -123,7 +150,7 @@ class NativeKernel:
         (its command and ``--version``) and the flags."""
         cc = compiler()
         try:
-            version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+            version = _run([*cc, "--version"]).stdout
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
         parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc), version,
@@ -143,21 +170,35 @@ class NativeKernel:
         """Compile :attr:`source` into ``out`` (a shared library)."""
         cmd = [*compiler(), *self.cflags, "-o", str(out), str(self.source)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+            done = _run(cmd)
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"{shlex.join(cmd[:1])}: {e}") from e
         if done.returncode != 0:
-            why = _first_line(done.stderr or done.stdout)
+            why = _first_line(done.stderr or done.stdout) or f"{shlex.join(cmd[:1])} exited with status {done.returncode}"
             raise NativeBuildError(f"{self.source.name} does not compile here: {why}")
+        if not out.is_file():
+            raise NativeBuildError(f"{shlex.join(cmd[:1])} wrote no library for {self.source.name}")
+        os.chmod(out, 0o755)  # not the umask's: a library others can write is never loaded
 
     def _open(self, path: Path) -> Callable | None:
-        """The checked function from the library at ``path``; None where it does not give the eager
-        bytes (logged)."""
-        fn = getattr(ctypes.CDLL(str(path)), self.symbol)
+        """The checked function from the library at ``path``; None where loading it made this
+        thread flush subnormals to zero (put back as it was) or it does not give the eager bytes
+        (logged)."""
+        flushed = _flushes_subnormals()
+        lib = ctypes.CDLL(str(path))
+        if _flushes_subnormals() != flushed:
+            import torch
+
+            torch.set_flush_denormal(flushed)  # the thread's FTZ/DAZ bits as they were
+            log.warning("%s: native kernel %s changed the floating-point mode when loaded (subnormals flushed to "
+                        "zero: built with -ffast-math in CC?); not used", self.label, path)
+            return None
+        fn = getattr(lib, self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
         if not self.check(fn):
             log.warning("%s: native kernel %s does not give the eager bytes; not used", self.label, path)
             return None
+        log.debug("%s: native kernel %s loaded; it gives the eager bytes on the probe", self.label, path)
         return fn
 
     def _load(self) -> Callable | None:
@@ -173,12 +214,7 @@ class NativeKernel:
             log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
                         "this user can write; not loading it", self.label, path.parent, path.name)
             return None
-        recorded = path.with_name(path.name + ".sha256")
-        try:
-            intact = private_to_user(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
-        except OSError:
-            intact = False
-        if not intact:
+        if not self._intact(path):
             log.warning("%s: kernel cache library %s is damaged or incomplete (its sha256 is not the one recorded "
                         "when it was built); building it again", self.label, path)
             path.unlink(missing_ok=True)
@@ -198,7 +234,7 @@ class NativeKernel:
         path = self.library_path()
         if path is None:
             raise ValueError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ.get(KERNEL_CACHE_ENV)})")
-        if path.is_file() and path.with_name(path.name + ".sha256").is_file():
+        if self._intact(path):
             return path, None
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not _private_dir(path.parent):
@@ -210,9 +246,22 @@ class NativeKernel:
         try:
             self._build(partial)
             digest.write_text(_file_sha256(partial) + "\n")
+            os.chmod(digest, 0o644)
             os.replace(digest, path.with_name(path.name + ".sha256"))
             os.replace(partial, path)
         finally:  # an interrupt anywhere above leaves neither temporary file
-            partial.unlink(missing_ok=True)
-            digest.unlink(missing_ok=True)
-        return path, time.perf_counter() - t0
+            for leftover in (partial, digest):
+                with contextlib.suppress(OSError):  # a read-only directory: the error above is the one to see
+                    leftover.unlink(missing_ok=True)
+        seconds = time.perf_counter() - t0
+        log.info("%s: native kernel built in %.2f s: %s", self.label, seconds, path)
+        return path, seconds
+
+    def _intact(self, path: Path) -> bool:
+        """Whether the library at ``path`` is there with the sha256 recorded beside it when it was built."""
+        recorded = path.with_name(path.name + ".sha256")
+        try:
+            return (path.is_file() and private_to_user(recorded, directory=False)
+                    and recorded.read_text().strip() == _file_sha256(path))
+        except (OSError, UnicodeDecodeError):
+            return False

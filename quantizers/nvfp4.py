@@ -188,9 +188,12 @@ def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(w, g)`` pairs the native kernel must give :func:`_quantize_blocks`' bytes on before it is
     used: seeded bf16 Gaussian weights ``[63, 2832]`` (0.02 scale, as a model's; split over 2
     threads, each range with its groups of 16 blocks and one with a tail of 15) with all-zero
-    blocks, exact zeros, ``-0``, large and tiny values, under the global scale of their amax and
-    under one 300x that (block scales in E4M3's subnormal range)."""
-    w = torch.randn(63, 2832, generator=torch.Generator().manual_seed(0)) * 0.02
+    blocks, exact zeros, ``-0``, large and tiny values, a NaN and an Inf, under the global scale of
+    their finite amax and under one 300x that (block scales in E4M3's subnormal range); and one
+    block per tie of E4M3's rounding (its amax half-way between two neighbouring E4M3 values,
+    subnormal ones included) under ``g = 1/6``, where ``6 g`` is 1 and the block scale is the amax."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(63, 2832, generator=gen) * 0.02
     w[:, ::7] = 0
     w[::5, 3] = 3.0
     w[1, :64] = 0
@@ -198,7 +201,11 @@ def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
     w[3, 16:32] = 1e-30
     w = w.bfloat16()
     g = global_scale_from_amax(weight_amax(w))
-    return [(w, g), (w, g * 300)]
+    w[4, 5], w[5, 40] = float("nan"), float("-inf")
+    values = _E4M3_CODE_VALUES[E4M3_MIN_POSITIVE_CODE : E4M3_MAX_CODE + 1]
+    ties = ((values[:-1] + values[1:]) / 2)[:, None]  # exact in bf16: one more mantissa bit than E4M3
+    blocks = torch.cat([ties, ties * (torch.rand(len(ties), 15, generator=gen) * 2 - 1)], 1).bfloat16()
+    return [(w, g), (w, g * 300), (blocks, torch.tensor(1 / 6, dtype=torch.float32))]
 
 
 def _native_gives_eager_bytes(fn) -> bool:

@@ -1,15 +1,15 @@
 /* NVFP4 "max" quantization of bf16 weights, hand-vectorized for AVX-512, or AVX2 where the CPU
- * has no AVX-512 (g4.quantizers.nvfp4, NATIVE). The arithmetic is _quantize_blocks' in quantizers/nvfp4.py, in the same order and
- * with the same IEEE operations, so the bytes are the same (the Python side checks them against
- * the eager kernel on a probe before use; tests/quantizers/test_nvfp4_native.py on every bf16
- * block amax):
+ * has no AVX-512 (g4.quantizers.nvfp4, NATIVE). The arithmetic is _quantize_blocks' in
+ * quantizers/nvfp4.py, in the same order and with the same IEEE operations, so the bytes are the
+ * same (the Python side checks them against the eager kernel on a probe before use;
+ * tests/quantizers/test_nvfp4_native.py on every bf16 block amax):
  *   block scale  s = amax(|x|) / (6 g), 1 for an all-zero block, clamped to [2^-9, 448],
  *                rounded to E4M3 (float8_e4m3fn, nearest, ties to even);
  *   codes        E2M1 of x / (s g) (true division), nearest, ties to even, saturating at 6,
  *                +8 for a negative value; two per byte, the even element in the low nibble.
  * The format is NVIDIA modelopt's (NVIDIA/Model-Optimizer modelopt/torch/quantization/qtensor/
  * nvfp4_tensor.py). Built by g4 with the machine's C compiler: cc -O3 -march=native -pthread
- * -shared -fPIC. */
+ * -shared -fPIC -x c (g4.quantizers.native.CFLAGS). */
 #if !defined(__AVX512F__) && !defined(__AVX2__)
 #error "the native NVFP4 kernel needs AVX-512 (AVX512F) or AVX2; g4 uses its torch.compile kernel instead"
 #endif
@@ -35,9 +35,14 @@ static inline uint8_t e4m3_round(float s, float *value) {
     return (uint8_t)((((int)(r >> 23) - 120) << 3) | ((r >> 20) & 7u)); /* exponent bias 127 -> 7 */
 }
 
-/* The block's E4M3 scale byte into *code; returns the divisor s8 * g. */
+/* The block's E4M3 scale byte into *code; returns the divisor s8 * g. A NaN amax (a NaN in the
+ * block) gives E4M3's NaN, 0x7F, and a NaN divisor, as torch's cast does. */
 static inline float block_divisor(float amax, float g, uint8_t *code) {
     float s = amax / (6.0f * g), s8;
+    if (s != s) {
+        *code = 0x7F;
+        return s;
+    }
     if (s == 0.0f) s = 1.0f;
     if (s < 0.001953125f) s = 0.001953125f;
     if (s > 448.0f) s = 448.0f;
@@ -69,19 +74,26 @@ static inline void pack_block(__m512 v, float divisor, uint8_t *out) {
     _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(pairs));
 }
 
-/* Lane L of the result holds the max over the 16 lanes of v[(L % 4) * 4 + L / 4]. */
+/* The max of magnitudes taken on their bits as integers: the same order as the floats', and a NaN
+ * (above every other bit pattern) wins, where the float max instructions would drop it. */
+static inline __m512 max_bits(__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
+/* Of 16 vectors of magnitudes: lane L of the result holds the max over the 16 lanes of
+ * v[(L % 4) * 4 + L / 4]. */
 static inline __m512 max_of_each(const __m512 *v) {
     __m512 a[8], b[4], c[2];
     for (int k = 0; k < 8; k++)
-        a[k] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+        a[k] = max_bits(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                        _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
     for (int k = 0; k < 4; k++)
-        b[k] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+        b[k] = max_bits(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                        _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
     for (int k = 0; k < 2; k++)
-        c[k] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44),
-                             _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
-    return _mm512_max_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+        c[k] = max_bits(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44),
+                        _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
+    return max_bits(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
 }
 
 static void quantize_range(const uint16_t *x, int64_t b0, int64_t b1, float g, uint8_t *packed, uint8_t *scales) {
@@ -103,7 +115,9 @@ static void quantize_range(const uint16_t *x, int64_t b0, int64_t b1, float g, u
     }
     for (; b < b1; b++) {
         __m512 v = load_bf16(x + 16 * b);
-        float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+        float amax;
+        int32_t bits = _mm512_reduce_max_epi32(_mm512_castps_si512(_mm512_abs_ps(v)));
+        memcpy(&amax, &bits, 4);
         pack_block(v, block_divisor(amax, g, scales + b), packed + 8 * b);
     }
 }
@@ -148,11 +162,13 @@ static void quantize_range(const uint16_t *x, int64_t b0, int64_t b1, float g, u
     for (int64_t b = b0; b < b1; b++) {
         __m256 lo, hi;
         load_bf16x16(x + 16 * b, &lo, &hi);
-        __m256 m = _mm256_max_ps(_mm256_and_ps(lo, magnitude), _mm256_and_ps(hi, magnitude));
-        __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-        q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));
-        pack_block(lo, hi, block_divisor(_mm_cvtss_f32(q), g, scales + b), packed + 8 * b);
+        /* on the magnitudes' bits as integers, so that a NaN wins (as in the AVX-512 path) */
+        __m256i m = _mm256_max_epi32(_mm256_castps_si256(_mm256_and_ps(lo, magnitude)),
+                                     _mm256_castps_si256(_mm256_and_ps(hi, magnitude)));
+        __m128i q = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        q = _mm_max_epi32(q, _mm_shuffle_epi32(q, 0x4E));
+        q = _mm_max_epi32(q, _mm_shuffle_epi32(q, 0xB1));
+        pack_block(lo, hi, block_divisor(_mm_cvtss_f32(_mm_castsi128_ps(q)), g, scales + b), packed + 8 * b);
     }
 }
 #endif
@@ -171,8 +187,10 @@ static void *run_range(void *p) {
 }
 
 /* Quantize nblocks 16-element blocks of bf16 x (nblocks * 16 values, contiguous) under the fp32
- * global scale g (> 0, finite; x finite) into packed (nblocks * 8 bytes) and scales (nblocks
- * E4M3 bytes), split over `threads` threads. Returns 0. */
+ * global scale g (> 0, finite) into packed (nblocks * 8 bytes) and scales (nblocks E4M3 bytes),
+ * split over `threads` threads. A NaN in x gives its block E4M3's NaN scale and code 6 for every
+ * element, an Inf the scale 448 and code 7 (15 negative), as the eager kernel. Returns 0. */
+__attribute__((visibility("default")))
 int g4_nvfp4_max_bf16(const uint16_t *x, int64_t nblocks, float g, uint8_t *packed, uint8_t *scales, int threads) {
     enum { MAX_THREADS = 256, MIN_BLOCKS = 4096 };
     if (threads > MAX_THREADS) threads = MAX_THREADS;

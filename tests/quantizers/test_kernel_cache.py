@@ -35,8 +35,14 @@ def cache(tmp_path_factory):
     q.NATIVE.function = None  # bf16 max runs the packaged kernel, not the native one (test_nvfp4_native.py)
     try:
         _need_a_compiler()
-        done = q.save_kernels([(2048, 1024, torch.bfloat16)], "max")
+        umask = os.umask(0o002)  # many distributions' default: the package must not come out group-writable
+        try:
+            done = q.save_kernels([(2048, 1024, torch.bfloat16)], "max")
+        finally:
+            os.umask(umask)
         assert [p.parent for p, _ in done] == [root] and done[0][1] is not None
+        assert {oct(p.stat().st_mode & 0o777) for p in (done[0][0], done[0][0].with_name(done[0][0].name + ".sha256"))
+                } == {"0o644"}
         assert q.save_kernels([(256, 4096, torch.bfloat16)], "max") == [(done[0][0], None)]  # found, not rebuilt
         yield root, done[0][0]
     finally:

@@ -105,6 +105,25 @@ def test_e2m1_ties_and_the_thread_split_give_the_same_bytes(build):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{threads} threads"
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_nan_and_inf_give_the_eager_bytes(build):
+    """A NaN anywhere in a block gives it E4M3's NaN scale (the float max instructions drop a NaN;
+    the kernel's max on the bits keeps it), an Inf the scale 448 and the saturated code, as the
+    eager kernel (fake_quantize_activation quantizes activations, which nobody checked)."""
+    fn = unchecked(build)
+    w = (torch.randn(37, 64, generator=torch.Generator().manual_seed(8)) * 0.02).bfloat16()
+    g = q.global_scale_from_amax(q.weight_amax(w))  # before the NaN and Inf go in
+    for k, value in enumerate((float("nan"), float("-nan"), float("inf"), float("-inf"))):
+        w[k, 3 + 16 * k] = value  # one per block position in a row of four blocks
+    w[20, :] = float("nan")
+    w[21, 17] = float("inf")
+    w[21, 18] = float("nan")
+    for threads in (1, 2):
+        got, want = run(fn, w, g, threads), eager(w, g)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert (want[1][:2] == 0x7F).any() and (want[1][2:4] == 0x7E).any()
+
+
 def test_quantize_and_experts_use_it_for_contiguous_bf16_only(monkeypatch):
     """quantize / quantize_experts take the native kernel for contiguous bf16 weights (a kernel
     that is not called proves it), and the other kernels otherwise: the same bytes."""
@@ -163,6 +182,56 @@ def test_no_compiler_leaves_the_compiled_kernel_with_one_log_line(cache, monkeyp
     assert not any(cache.iterdir())  # no partial library left
 
 
+@pytest.mark.parametrize("cc, why", [
+    ("g++", None),  # a C++ compiler: -x c keeps the source C (the symbol's name unmangled)
+    ("cc -fvisibility=hidden", None),  # the function is exported all the same
+    ('cc "', "is not a command"),
+    ("true", "wrote no library"),
+    ("false", "exited with status 1"),
+])
+def test_what_a_compiler_does_is_one_log_line_or_a_working_library(cache, monkeypatch, caplog, cc, why):
+    """Each $CC either builds a library that gives the eager bytes, or leaves the torch.compile
+    kernel with one line naming why (never a traceback out of a conversion)."""
+    native_nvfp4_or_skip()
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level("INFO", logger="g4.quantizers.native"):
+        fn = fresh().load()
+    if why is None:
+        assert fn is not None, caplog.text
+    else:
+        assert fn is None and caplog.text.count("native kernel unavailable") == 1 and why in caplog.text
+        assert not cache.exists() or not [p for p in cache.iterdir() if p.suffix == ".so"]
+
+
+def test_a_group_writable_umask_still_gives_a_library_it_loads(cache):
+    """umask 002 (many distributions' default for users) would make the library and its digest
+    group-writable, which the cache's rule refuses: they are written 755 and 644."""
+    native_nvfp4_or_skip()
+    before = os.umask(0o002)
+    try:
+        path, _ = fresh().save()
+    finally:
+        os.umask(before)
+    assert oct(path.stat().st_mode & 0o777) == "0o755"
+    assert oct((cache / (path.name + ".sha256")).stat().st_mode & 0o777) == "0o644"
+    assert fresh().load() is not None
+
+
+def test_a_library_that_sets_flush_to_zero_when_loaded_is_refused_and_undone(cache, monkeypatch, caplog):
+    """gcc links a -ffast-math library with code that makes the loading thread flush subnormals to
+    zero, which would change the eager and compiled kernels' bytes too: the mode is put back and
+    the library is not used."""
+    native_nvfp4_or_skip()
+    monkeypatch.setenv("CC", "cc -ffast-math")
+    assert not native._flushes_subnormals()
+    with caplog.at_level("WARNING"):
+        fn = fresh().load()
+    assert not native._flushes_subnormals()
+    if fn is not None:
+        pytest.skip("this compiler's -ffast-math does not set flush-to-zero when the library is loaded")
+    assert "changed the floating-point mode when loaded" in caplog.text
+
+
 def test_a_library_that_fails_its_check_is_not_used(cache, caplog):
     native_nvfp4_or_skip()
     kernel = fresh(check=lambda fn: False)
@@ -178,6 +247,8 @@ def test_the_cache_keeps_it_checks_its_digest_and_its_owner(cache, caplog):
     path, seconds = fresh().save()
     assert path.parent == cache and seconds is not None and path.suffix == ".so"
     assert fresh().save() == (path, None)
+    (cache / (path.name + ".sha256")).write_text("0" * 64 + "\n")
+    assert fresh().save()[1] is not None  # not intact: built again (g4convert kernels says so)
     assert (cache / (path.name + ".sha256")).read_text().strip() == compiled._file_sha256(path)
     assert fresh().load() is not None
     good = path.read_bytes()
