@@ -283,7 +283,7 @@ class CompiledKernel:
         recorded = path.with_name(path.name + ".sha256")
         try:
             intact = private_to_user(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
-        except OSError:
+        except (OSError, UnicodeDecodeError):  # unreadable, or not text: not the digest g4 wrote
             intact = False
         if not intact:
             log.warning("%s: kernel cache package %s is damaged or incomplete (its sha256 is not the one recorded "

@@ -67,9 +67,11 @@ def compiler() -> list[str]:
 
 
 def _first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    error = next((line for line in lines if "error" in line), lines[0] if lines else "")
-    return error.strip()
+    """The line of a compiler's output that says why it failed: the first naming an error (or
+    that something cannot be done) other than the linker driver's summary, else the first."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return next((line for line in lines if ("error" in line or "cannot" in line) and not line.startswith("collect2")),
+                lines[0] if lines else "")
 
 
 def _flushes_subnormals(tiny: float = 5e-324, one: float = 1.0) -> bool:
@@ -79,10 +81,9 @@ def _flushes_subnormals(tiny: float = 5e-324, one: float = 1.0) -> bool:
     return tiny * one == 0.0
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float = _COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``cmd`` with its output captured as text (undecodable bytes replaced)."""
-    return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace",
-                          timeout=_COMPILE_TIMEOUT_S)
+    return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=timeout)
 
 
 class NativeKernel:
@@ -150,7 +151,7 @@ class NativeKernel:
         (its command and ``--version``) and the flags."""
         cc = compiler()
         try:
-            version = _run([*cc, "--version"]).stdout
+            version = _run([*cc, "--version"], timeout=30).stdout
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
         parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc), version,
@@ -210,10 +211,15 @@ class NativeKernel:
                 return self._open(lib)  # the mapping outlives the file
         if not path.is_file():
             self.save()
-        if not _private_dir(path.parent) or not private_to_user(path, directory=False):
-            log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
-                        "this user can write; not loading it", self.label, path.parent, path.name)
+        if not _private_dir(path.parent):
+            log.warning("%s: kernel cache %s is not a directory only this user can write; not loading %s from it",
+                        self.label, path.parent, path.name)
             return None
+        if not private_to_user(path, directory=False):  # a link, or others could have written it: replaced
+            log.warning("%s: kernel cache library %s is not a file only this user can write; building it again",
+                        self.label, path)
+            path.unlink(missing_ok=True)
+            self.save()
         if not self._intact(path):
             log.warning("%s: kernel cache library %s is damaged or incomplete (its sha256 is not the one recorded "
                         "when it was built); building it again", self.label, path)

@@ -88,8 +88,8 @@ def test_another_kernels_package_is_refused_and_the_bytes_stay_right(cache, monk
     g = torch.ones(())
     wrong = q.MSE_KERNEL.package_path(q.MSE_KERNEL._signature(x, (g,)))
     assert wrong != path and wrong.parent == root
-    shutil.copyfile(path, wrong)
-    shutil.copyfile(f"{path}.sha256", f"{wrong}.sha256")  # intact, only not this kernel's
+    shutil.copy(path, wrong)
+    shutil.copy(f"{path}.sha256", f"{wrong}.sha256")  # intact, only not this kernel's
     monkeypatch.setattr(q.MSE_KERNEL, "_packages", {})
     monkeypatch.setattr(q.MSE_KERNEL, "compiled", None)  # eager, once the package is refused
     w = (torch.randn(256, 64, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
@@ -220,7 +220,8 @@ def test_a_damaged_package_is_never_loaded(cache, monkeypatch, caplog):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
-    shutil.copyfile(f"{path}.sha256", f"{target}.sha256")
+    os.chmod(target, 0o644)  # not the umask's: refused as damaged, not as group-writable
+    shutil.copy(f"{path}.sha256", f"{target}.sha256")
 
     def loader(*args):
         raise AssertionError("a damaged package reached PyTorch's loader")
@@ -231,12 +232,13 @@ def test_a_damaged_package_is_never_loaded(cache, monkeypatch, caplog):
         assert q.KERNEL._package(x, g) is None
     assert f"kernel cache package {target} is damaged or incomplete" in caplog.text
     target.write_bytes(path.read_bytes())  # intact, but without its recorded digest
+    os.chmod(target, 0o644)
     os.unlink(f"{target}.sha256")
     monkeypatch.setattr(q.KERNEL, "_packages", {})
     assert q.KERNEL._package(x, g) is None
     os.symlink(path, damaged / "link.pt2")  # a link, or a file others can write, is not loaded either
     os.replace(damaged / "link.pt2", target)
-    shutil.copyfile(f"{path}.sha256", f"{target}.sha256")
+    shutil.copy(f"{path}.sha256", f"{target}.sha256")
     monkeypatch.setattr(q.KERNEL, "_packages", {})
     caplog.clear()
     with caplog.at_level("WARNING"):

@@ -6,6 +6,7 @@ it cannot be built, fails its check, is damaged in the cache or the cache is off
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -193,6 +194,8 @@ def test_what_a_compiler_does_is_one_log_line_or_a_working_library(cache, monkey
     """Each $CC either builds a library that gives the eager bytes, or leaves the torch.compile
     kernel with one line naming why (never a traceback out of a conversion)."""
     native_nvfp4_or_skip()
+    if not shutil.which(cc.split()[0]):
+        pytest.skip(f"no {cc.split()[0]} here")
     monkeypatch.setenv("CC", cc)
     with caplog.at_level("INFO", logger="g4.quantizers.native"):
         fn = fresh().load()
@@ -248,6 +251,7 @@ def test_the_cache_keeps_it_checks_its_digest_and_its_owner(cache, caplog):
     assert path.parent == cache and seconds is not None and path.suffix == ".so"
     assert fresh().save() == (path, None)
     (cache / (path.name + ".sha256")).write_text("0" * 64 + "\n")
+    os.chmod(cache / (path.name + ".sha256"), 0o644)
     assert fresh().save()[1] is not None  # not intact: built again (g4convert kernels says so)
     assert (cache / (path.name + ".sha256")).read_text().strip() == compiled._file_sha256(path)
     assert fresh().load() is not None
@@ -256,10 +260,17 @@ def test_the_cache_keeps_it_checks_its_digest_and_its_owner(cache, caplog):
     data[len(data) // 2] ^= 0xFF
     damaged = cache / "damaged.so"
     damaged.write_bytes(bytes(data))
+    os.chmod(damaged, 0o755)  # not the umask's: refused as damaged, not as group-writable
     os.replace(damaged, path)  # a new file: the one loaded above stays mapped as it was
     with caplog.at_level("WARNING"):
         assert fresh().load() is not None  # built again, then loaded
     assert "is damaged or incomplete" in caplog.text and path.read_bytes() == good
+    caplog.clear()
+    os.chmod(path, 0o775)  # others could have written it: replaced by a new build, then loaded
+    with caplog.at_level("WARNING"):
+        assert fresh().load() is not None
+    assert "is not a file only this user can write; building it again" in caplog.text
+    assert path.stat().st_mode & 0o777 == 0o755
     caplog.clear()
     os.chmod(cache, 0o777)
     try:
@@ -306,3 +317,11 @@ def test_a_weight_only_conversion_with_it_writes_the_eager_bytes(tiny_text, tmp_
         for k in a:
             x, y = a[k].reshape(-1), b[k].reshape(-1)
             assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+
+def test_the_reason_given_is_the_compilers_own_line():
+    out = ("/usr/bin/ld: cannot open output file /c/x.so: Read-only file system\n"
+           "collect2: error: ld returned 1 exit status\n")
+    assert native._first_line(out) == "/usr/bin/ld: cannot open output file /c/x.so: Read-only file system"
+    assert native._first_line("x.c:14:2: error: #error \"needs AVX2\"\n") == 'x.c:14:2: error: #error "needs AVX2"'
+    assert native._first_line("") == ""
