@@ -52,8 +52,8 @@ def main() -> None:
     from g4.quantizers import nvfp4
 
     native = nvfp4.NATIVE.load()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}; ours: "
-          f"{'the native kernel' if native is not None else 'the compiled kernel (the native one does not build here)'}")
+    ours = "the native kernel" if native is not None else "the compiled kernel (the native one does not build here)"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}; ours: {ours}")
     print(f"{'shape':30s} {'ours s':>8s} {'modelopt s':>10s} {'ours Melem/s':>12s} {'ratio':>6s} "
           f"{'compiled ratio':>14s} {'eager ratio':>11s}  bit-identical")
     for label, shape in SHAPES.items():

@@ -3,17 +3,18 @@ cache, loaded with :mod:`ctypes`, and used only once they have given the eager k
 probe.
 
 Where inductor's code for a quantizer stays far from what the CPU can do (NVFP4's ``max`` kernel:
-590-690 Melem/s against 2.2-2.4 Gelem/s by hand with AVX-512, 0.8 with AVX2, 2 threads, the same bytes), the C
-source beside the quantizer holds it (``quantizers/nvfp4_max.c``). It is compiled with
-``$CC`` (else ``cc``) ``-O3 -march=native -pthread -shared -fPIC`` in about 0.3 s; a machine it
-does not build on (no compiler, a CPU without the source's vector instructions: it refuses to
-compile) or a library that does
-not give the eager bytes leaves the quantizer on its torch.compile kernel (:mod:`g4.quantizers.compiled`),
-logged once. The library is kept in the kernel cache (:func:`~g4.quantizers.compiled.kernel_cache_dir`)
-under a digest of the machine (torch build, CPU flags), the source and the compiler, with its
-sha256 beside it, by the rules of the cache's packages (a directory and file only this user can
-write; a damaged file is not loaded); with the cache off it is built in a temporary directory for
-the process. The C function releases the GIL (ctypes) and splits its work over
+590-690 Melem/s against 2.2-2.4 Gelem/s by hand with AVX-512, 0.8 with AVX2, 2 threads, the same
+bytes), the C source beside the quantizer holds it (``quantizers/nvfp4_max.c``). It is compiled
+with ``$CC`` (else ``cc``) and :data:`CFLAGS` in about 0.3 s. A machine it does not build on (no
+compiler, a CPU without the source's vector instructions: the source refuses to compile) leaves
+the quantizer on its torch.compile kernel (:mod:`g4.quantizers.compiled`) with one INFO line;
+anything else that fails, a library that changes the floating-point mode when loaded, or one
+that does not give the eager bytes, does the same with one warning. The library is kept in the
+kernel cache (:func:`~g4.quantizers.compiled.kernel_cache_dir`) under a digest of the machine
+(torch build, CPU flags), the source, the compiler and the flags, with its sha256 beside it, by
+the rules of the cache's packages (a directory and file only this user can write; a damaged or
+foreign file is built again); with the cache off it is built in a temporary directory for the
+process. The C function releases the GIL (ctypes) and splits its work over
 ``torch.get_num_threads()`` threads of its own.
 """
 
@@ -175,7 +176,8 @@ class NativeKernel:
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"{shlex.join(cmd[:1])}: {e}") from e
         if done.returncode != 0:
-            why = _first_line(done.stderr or done.stdout) or f"{shlex.join(cmd[:1])} exited with status {done.returncode}"
+            why = (_first_line(done.stderr or done.stdout)
+                   or f"{shlex.join(cmd[:1])} exited with status {done.returncode}")
             raise NativeBuildError(f"{self.source.name} does not compile here: {why}")
         if not out.is_file():
             raise NativeBuildError(f"{shlex.join(cmd[:1])} wrote no library for {self.source.name}")
