@@ -27,6 +27,7 @@ with inductor's own cache empty; the mse kernel about 50 s).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -108,6 +109,35 @@ def private_to_user(path: Path, *, directory: bool) -> bool:
 
 def _file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def digest_intact(path: Path) -> bool:
+    """Whether ``path`` is a file whose sha256 is the one recorded beside it (``NAME.sha256``, a
+    file only this user can write) when g4 wrote it (:func:`publish`): a damaged library's or
+    package's machine code can kill the process (SIGILL, SIGSEGV) before any probe could refuse it."""
+    recorded = path.with_name(path.name + ".sha256")
+    try:
+        return (path.is_file() and private_to_user(recorded, directory=False)
+                and recorded.read_text().strip() == _file_sha256(path))
+    except (OSError, UnicodeDecodeError):  # unreadable, or not text: not the digest g4 wrote
+        return False
+
+
+def publish(partial: Path, path: Path, mode: int) -> None:
+    """Move the finished file ``partial`` (in ``path``'s directory) to ``path`` with ``mode`` (not
+    the umask's: a file others can write is never loaded), its sha256 recorded beside it first
+    (:func:`digest_intact`). An interrupt leaves no temporary digest; the caller removes
+    ``partial`` if it is still there."""
+    digest = partial.with_name(partial.name + ".sha256")
+    try:
+        digest.write_text(_file_sha256(partial) + "\n")
+        os.chmod(digest, 0o644)
+        os.chmod(partial, mode)
+        os.replace(digest, path.with_name(path.name + ".sha256"))
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(OSError):  # a read-only directory: the error above is the one to see
+            digest.unlink(missing_ok=True)
 
 
 def _private_dir(path: Path) -> bool:
@@ -278,14 +308,7 @@ class CompiledKernel:
             log.warning("%s: kernel cache %s is not a directory only this user can write, or %s is not a file only "
                         "this user can write; not loading it", self.label, path.parent, path.name)
             return None
-        # the digest recorded when it was compiled: a damaged package's machine code can kill the
-        # process (SIGILL, SIGSEGV) before the probe could refuse it
-        recorded = path.with_name(path.name + ".sha256")
-        try:
-            intact = private_to_user(recorded, directory=False) and recorded.read_text().strip() == _file_sha256(path)
-        except (OSError, UnicodeDecodeError):  # unreadable, or not text: not the digest g4 wrote
-            intact = False
-        if not intact:
+        if not digest_intact(path):
             log.warning("%s: kernel cache package %s is damaged or incomplete (its sha256 is not the one recorded "
                         "when it was compiled); not loading it (`g4convert kernels` compiles it again)", self.label, path)
             return None
@@ -345,7 +368,6 @@ class CompiledKernel:
             from torch.export import Dim, export
 
             partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # must end in .pt2
-            digest = path.with_name(f".partial-{os.getpid()}-{path.name}.sha256")
             try:
                 import torch._inductor
 
@@ -359,14 +381,10 @@ class CompiledKernel:
                 raise PackageCompileError(f"{self.label}: AOTInductor could not compile the kernel for "
                                           f"{list(tail)} {dtype} ({type(e).__name__}: {first})") from e
             else:
-                digest.write_text(_file_sha256(partial) + "\n")
-                for written in (partial, digest):  # not the umask's: a file others can write is never loaded
-                    os.chmod(written, 0o644)
-                os.replace(digest, path.with_name(path.name + ".sha256"))
-                os.replace(partial, path)
+                publish(partial, path, 0o644)
             finally:  # an interrupt anywhere above leaves neither temporary file
-                partial.unlink(missing_ok=True)
-                digest.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    partial.unlink(missing_ok=True)
             if self._reload(x, extra) is None:
                 raise RuntimeError(f"{self.label}: the package just compiled ({path}) does not load or does not "
                                    "give the eager bytes")

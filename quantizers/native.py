@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,11 +36,11 @@ from pathlib import Path
 
 from g4.quantizers.compiled import (
     KERNEL_CACHE_ENV,
-    _file_sha256,
     _machine_digest,
-    _private_dir,
+    digest_intact,
     kernel_cache_dir,
     private_to_user,
+    publish,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,19 @@ def _flushes_subnormals(tiny: float = 5e-324, one: float = 1.0) -> bool:
 def _run(cmd: list[str], timeout: float = _COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``cmd`` with its output captured as text (undecodable bytes replaced)."""
     return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cc: tuple[str, ...]) -> str:
+    """``cc --version``'s output, once per process and command (part of a library's digest).
+
+    Raises:
+        NativeBuildError: the compiler cannot be run.
+    """
+    try:
+        return _run([*cc, "--version"], timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
 
 
 class NativeKernel:
@@ -151,11 +165,8 @@ class NativeKernel:
         """What the library's machine code depends on: the machine, the source, the compiler
         (its command and ``--version``) and the flags."""
         cc = compiler()
-        try:
-            version = _run([*cc, "--version"], timeout=30).stdout
-        except (OSError, subprocess.SubprocessError) as e:
-            raise NativeBuildError(f"no C compiler ({shlex.join(cc)}: {e})") from e
-        parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc), version,
+        parts = (_machine_digest(), hashlib.sha256(self.source.read_bytes()).hexdigest(), shlex.join(cc),
+                 _compiler_version(tuple(cc)),
                  " ".join(self.cflags), self.symbol)
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
@@ -181,7 +192,6 @@ class NativeKernel:
             raise NativeBuildError(f"{self.source.name} does not compile here: {why}")
         if not out.is_file():
             raise NativeBuildError(f"{shlex.join(cmd[:1])} wrote no library for {self.source.name}")
-        os.chmod(out, 0o755)  # not the umask's: a library others can write is never loaded
 
     def _open(self, path: Path) -> Callable | None:
         """The checked function from the library at ``path``; None where loading it made this
@@ -213,7 +223,7 @@ class NativeKernel:
                 return self._open(lib)  # the mapping outlives the file
         if not path.is_file():
             self.save()
-        if not _private_dir(path.parent):
+        if not private_to_user(path.parent, directory=True):
             log.warning("%s: kernel cache %s is not a directory only this user can write; not loading %s from it",
                         self.label, path.parent, path.name)
             return None
@@ -222,7 +232,7 @@ class NativeKernel:
                         self.label, path)
             path.unlink(missing_ok=True)
             self.save()
-        if not self._intact(path):
+        if not digest_intact(path):
             log.warning("%s: kernel cache library %s is damaged or incomplete (its sha256 is not the one recorded "
                         "when it was built); building it again", self.label, path)
             path.unlink(missing_ok=True)
@@ -242,34 +252,20 @@ class NativeKernel:
         path = self.library_path()
         if path is None:
             raise ValueError(f"the kernel cache is off ({KERNEL_CACHE_ENV}={os.environ.get(KERNEL_CACHE_ENV)})")
-        if self._intact(path):
+        if digest_intact(path):
             return path, None
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not _private_dir(path.parent):
+        if not private_to_user(path.parent, directory=True):
             raise PermissionError(f"{path.parent}: the kernel cache ({KERNEL_CACHE_ENV}) must be a directory this "
                                   "user owns that no one else can write (its libraries are loaded into g4)")
         t0 = time.perf_counter()
         partial = path.with_name(f".partial-{os.getpid()}-{threading.get_ident()}-{path.name}")
-        digest = partial.with_name(partial.name + ".sha256")
         try:
             self._build(partial)
-            digest.write_text(_file_sha256(partial) + "\n")
-            os.chmod(digest, 0o644)
-            os.replace(digest, path.with_name(path.name + ".sha256"))
-            os.replace(partial, path)
-        finally:  # an interrupt anywhere above leaves neither temporary file
-            for leftover in (partial, digest):
-                with contextlib.suppress(OSError):  # a read-only directory: the error above is the one to see
-                    leftover.unlink(missing_ok=True)
+            publish(partial, path, 0o755)
+        finally:  # an interrupt anywhere above leaves no temporary file
+            with contextlib.suppress(OSError):  # a read-only directory: the error above is the one to see
+                partial.unlink(missing_ok=True)
         seconds = time.perf_counter() - t0
         log.info("%s: native kernel built in %.2f s: %s", self.label, seconds, path)
         return path, seconds
-
-    def _intact(self, path: Path) -> bool:
-        """Whether the library at ``path`` is there with the sha256 recorded beside it when it was built."""
-        recorded = path.with_name(path.name + ".sha256")
-        try:
-            return (path.is_file() and private_to_user(recorded, directory=False)
-                    and recorded.read_text().strip() == _file_sha256(path))
-        except (OSError, UnicodeDecodeError):
-            return False

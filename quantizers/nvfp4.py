@@ -208,11 +208,19 @@ def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(w, g), (w, g * 300), (blocks, torch.tensor(1 / 6, dtype=torch.float32))]
 
 
+def native_call(fn, w: torch.Tensor, g: float, packed: torch.Tensor, scales: torch.Tensor, threads: int) -> None:
+    """Run the native function ``fn`` (:data:`NATIVE`'s, ``g4_nvfp4_max_bf16`` in nvfp4_max.c) on the
+    contiguous bf16 ``w`` ``[rows, in]`` under the global scale ``g`` (finite, > 0), writing
+    ``packed`` (uint8 ``[rows, in/2]``) and ``scales`` (float8_e4m3fn ``[rows, in/16]``), both
+    contiguous, with ``threads`` threads."""
+    fn(w.data_ptr(), w.numel() // BLOCK_SIZE, g, packed.data_ptr(), scales.data_ptr(), threads)
+
+
 def _native_gives_eager_bytes(fn) -> bool:
     """Whether the native function ``fn`` gives the eager kernel's bytes on :func:`native_probe`."""
     for w, g in native_probe():
         packed, scales = _empty_result(*w.shape)
-        fn(w.data_ptr(), w.numel() // BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(), 2)
+        native_call(fn, w, float(g), packed, scales, 2)
         ref_packed, ref_scales = _quantize_blocks(w.reshape(w.shape[0], -1, BLOCK_SIZE), g)
         if not (torch.equal(packed, ref_packed.view(packed.shape))
                 and torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8).view(scales.shape))):
@@ -386,8 +394,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
     if native is not None:
         packed, scales = out if out is not None else _empty_result(out_features, in_features)
         try:
-            native(w.data_ptr(), w.numel() // BLOCK_SIZE, g_value, packed.data_ptr(), scales.data_ptr(),
-                   torch.get_num_threads())
+            native_call(native, w, g_value, packed, scales, torch.get_num_threads())
             return packed, scales
         except (ctypes.ArgumentError, TypeError) as e:
             NATIVE.disable(e)

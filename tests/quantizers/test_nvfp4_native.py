@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import native_nvfp4_or_skip
+from helpers import native_nvfp4_kernel, native_nvfp4_or_skip, native_nvfp4_unchecked
 
 from g4.quantizers import compiled, native, nvfp4 as q
 
@@ -23,23 +21,13 @@ BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
 
 
 def unchecked(build: str = "native"):
-    """The native function built in a temporary directory (with ``build``'s extra flags), without
-    its probe check (so a wrong byte shows in the test that finds it); skips where the source
-    does not build that way (no C compiler, neither AVX-512 nor AVX2)."""
-    kernel = fresh(check=lambda fn: True, cflags=native.CFLAGS + BUILDS[build])
-    with tempfile.TemporaryDirectory(prefix="g4-native-test-") as tmp:
-        lib = Path(tmp) / "nvfp4_max.so"
-        try:
-            kernel._build(lib)
-        except native.NativeBuildError as e:
-            pytest.skip(f"the native NVFP4 kernel does not build here as {build} ({e})")
-        return kernel._open(lib)  # the mapping outlives the file
+    """:func:`helpers.native_nvfp4_unchecked` with ``build``'s flags."""
+    return native_nvfp4_unchecked(BUILDS[build], build)
 
 
-def fresh(check=q._native_gives_eager_bytes, cflags=native.CFLAGS) -> native.NativeKernel:
+def fresh(check=None, cflags=None) -> native.NativeKernel:
     """A kernel of the same source, not yet built or loaded in this process."""
-    return native.NativeKernel("nvfp4_max.c", q.NATIVE.symbol, q.NATIVE.argtypes, q.NATIVE.restype,
-                               label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=check, cflags=cflags)
+    return native_nvfp4_kernel(check, cflags)
 
 
 @pytest.fixture
@@ -56,7 +44,7 @@ def eager(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def run(fn, w: torch.Tensor, g: torch.Tensor, threads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     packed, scales = q._empty_result(*w.shape)
-    assert fn(w.data_ptr(), w.numel() // q.BLOCK_SIZE, float(g), packed.data_ptr(), scales.data_ptr(), threads) == 0
+    q.native_call(fn, w, float(g), packed, scales, threads)
     return packed, scales.view(torch.uint8)
 
 
