@@ -52,7 +52,7 @@ from g4.convert.calibrate import calibration_device, read_calibration_texts
 from g4.convert.card import EVAL_VERSION, hf_cache_repo_id, hf_cache_revision, rerender_card
 from g4.convert.resolve import EMBEDDED_DIR
 from g4.convert.stream import Int8NeuronStream, Nvfp4Stream, SourceSideCache, SourceStream, run_layer
-from g4.core.checkpoint import check_converted_from, source_changed_message, weight_fingerprints
+from g4.core.checkpoint import check_converted_from, weight_fingerprints
 from g4.core.errors import CheckpointError, G4Error, OptionError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import BF16, EVAL_FILE, INT8_NEURON, NVFP4, check_result
@@ -334,18 +334,6 @@ def source_identity(src: Path, known: dict[str, dict] | None = None, hashed: dic
     return {"name": src.resolve().name, "weight_files": weight_fingerprints(src, known, hashed)}
 
 
-def _check_src_unchanged(src: Path, cache: SourceSideCache) -> None:
-    """Refuse a report whose ``against`` would name other bytes than the statistics came from:
-    SRC's weight files must be the ones (same resolved path and identity) they were when eval
-    opened SRC, after they were read and hashed.
-
-    Raises:
-        CheckpointError: ``<SRC>/<shard>: changed while eval read it (...)``; nothing is written.
-    """
-    if (name := cache.changed()) is not None:
-        raise CheckpointError(source_changed_message(src / name, "eval"))
-
-
 def _text_identity(text: Path | None, docs: list[str], stream_tokens: int) -> dict:
     path = Path(text) if text is not None else DEFAULT_TEXT_FILE
     return {"file": path.name, "packaged": text is None, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
@@ -422,7 +410,7 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             src_hidden = final_hidden(src_model, chunks, on_step=lambda: bar.update(1))
             hashed: dict = {}
             against = source_identity(src, hashed=hashed)
-            _check_src_unchanged(src, cache)  # SRC's side is whole and of one SRC: kept
+            cache.check_unchanged(src, "eval")  # SRC's side is whole and of one SRC: kept
             cache.save({_HIDDEN: src_hidden}, {"sha256": hashed})
             timings_src = time.perf_counter() - t1
         else:
@@ -433,7 +421,8 @@ def evaluate(out: str | Path, src: str | Path, *, text: str | Path | None = None
             against = source_identity(src, kept.get("sha256") if isinstance(kept.get("sha256"), dict) else None)
         stats = compare_on_chunks(src_model, res_model, chunks, on_step=lambda: bar.update(1), timings=timings,
                                   src_hidden=src_hidden)
-        _check_src_unchanged(src, cache)  # after every read of SRC (its head's too) and its hashes
+        # after every read of SRC (its head's too) and its hashes: the report names the bytes it came from
+        cache.check_unchanged(src, "eval")
         timings["layer_seconds"] = round(timings["layer_seconds"] + timings_src, 3)
     report = {"g4_eval": EVAL_VERSION, "format": fmt.format, "detail": fmt.detail, "act_quant": act_quant,
               **summarize(stats),

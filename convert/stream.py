@@ -610,6 +610,10 @@ class SourceSideCache:
         """:meth:`g4.core.checkpoint.FileRecords.reading` of SRC's weight files."""
         return self._records.reading(root, command)
 
+    def check_unchanged(self, root: "str | os.PathLike[str]", command: str) -> None:
+        """:meth:`g4.core.checkpoint.FileRecords.check_unchanged` of SRC's weight files."""
+        self._records.check_unchanged(root, command)
+
     def changed(self) -> str | None:
         """The shard name (e.g. ``model-00001-of-00002.safetensors``) of the first SRC weight file
         whose resolved path or :func:`g4.core.checkpoint.file_identity` is no longer what it was

@@ -25,7 +25,7 @@ from g4.convert.stream import (
     source_side_shapes,
     streamed_greedy,
 )
-from g4.core.checkpoint import check_converted_from, source_changed_message
+from g4.core.checkpoint import check_converted_from
 from g4.core.errors import CheckpointError
 from g4.core.progress import progress_bar
 from g4.exporters.formats import INT8_NEURON, NVFP4, detect_format
@@ -255,8 +255,7 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
             phase("comparing")
             sequences = [p + c for p, c in zip(prompt_ids, continuations)]
             side = source_side(src_model, sequences, lengths)
-            if (name := cache.changed()) is not None:  # else SRC's side is whole and of one SRC: kept
-                raise CheckpointError(source_changed_message(src / name, "verify"))
+            cache.check_unchanged(src, "verify")  # SRC's side is whole and of one SRC: kept
             cache.save(side, {"continuations": continuations})
         else:
             phase("comparing")
@@ -264,8 +263,7 @@ def verify_nvfp4(out: str | Path, src: str | Path, *, max_new_tokens: int = 16, 
             sequences = [p + c for p, c in zip(prompt_ids, kept["continuations"])]
         stats = compare_streamed(src_model, q_model, sequences, lengths, src_side=side)
         # after every read of SRC (its head's too): the figures are of one SRC, not of two files
-        if (name := cache.changed()) is not None:
-            raise CheckpointError(source_changed_message(src / name, "verify"))
+        cache.check_unchanged(src, "verify")
         report = VerifyReport(prompts=len(prompts), act_quant=act_quant, src_side_from_cache=hit is not None, **stats)
         questions = [chat_prompt_ids(tokenizer, q)[0].tolist() for q, _ in facts]
         if facts:

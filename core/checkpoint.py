@@ -522,15 +522,9 @@ class Checkpoint:
         row_bytes = info.nbytes // info.shape[0]
         table = bytearray(len(unique) * row_bytes)
         view = memoryview(table)
-        try:  # positioned reads (copies): a shard cut short meanwhile is an error, not a SIGBUS
-            fd = os.open(info.path, os.O_RDONLY)
-            try:
-                for i, r in enumerate(unique.tolist()):
-                    _pread_exact(fd, view[i * row_bytes : (i + 1) * row_bytes], info.offset + r * row_bytes)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
+        with self._positioned(name, info) as fd:
+            for i, r in enumerate(unique.tolist()):
+                _pread_exact(fd, view[i * row_bytes : (i + 1) * row_bytes], info.offset + r * row_bytes)
         rows_t = torch.frombuffer(table, dtype=torch.uint8).view(info.dtype).reshape(len(unique), *info.shape[1:])
         return rows_t[inverse].reshape(*rows.shape, *info.shape[1:])
 
@@ -553,21 +547,29 @@ class Checkpoint:
         row_bytes = info.nbytes // info.shape[0]
         rows = max(1, block_bytes // row_bytes)
         buf = bytearray(min(rows, info.shape[0]) * row_bytes)
-        try:  # positioned reads (copies): a shard cut short meanwhile is an error, not a SIGBUS
+        with self._positioned(name, info) as fd:
+            for r in range(0, info.shape[0], rows):
+                n_rows = min(rows, info.shape[0] - r)
+                part = memoryview(buf)[: n_rows * row_bytes]
+                _pread_exact(fd, part, info.offset + r * row_bytes)
+                block = torch.frombuffer(part, dtype=torch.uint8)
+                if not torch.equal(block, tensor[r : r + n_rows].contiguous().reshape(-1).view(torch.uint8)):
+                    return False
+        return True
+
+    @contextmanager
+    def _positioned(self, name: str, info: TensorInfo):
+        """The open shard holding tensor ``name``, for positioned reads (copies: a shard cut short
+        meanwhile is an error, not a SIGBUS); an OSError in the block becomes a CheckpointError
+        naming the file and the tensor."""
+        try:
             fd = os.open(info.path, os.O_RDONLY)
             try:
-                for r in range(0, info.shape[0], rows):
-                    n_rows = min(rows, info.shape[0] - r)
-                    part = memoryview(buf)[: n_rows * row_bytes]
-                    _pread_exact(fd, part, info.offset + r * row_bytes)
-                    block = torch.frombuffer(part, dtype=torch.uint8)
-                    if not torch.equal(block, tensor[r : r + n_rows].contiguous().reshape(-1).view(torch.uint8)):
-                        return False
+                yield fd
             finally:
                 os.close(fd)
         except OSError as e:
             raise CheckpointError(f"{self.root / info.file}: cannot read tensor {name}: {e.strerror or e}") from e
-        return True
 
     def _handle(self, info: TensorInfo):
         handle = self._handles.get(info.path)
@@ -851,6 +853,16 @@ class FileRecords:
             if (name := self.changed()) is not None:
                 raise CheckpointError(source_changed_message(Path(root) / name, command)) from e
             raise
+
+    def check_unchanged(self, root: str | Path, command: str) -> None:
+        """Refuse (:func:`source_changed_message`, naming ``root / <file>`` and ``command``) if
+        one of the files has :meth:`changed`.
+
+        Raises:
+            CheckpointError: a file changed.
+        """
+        if (name := self.changed()) is not None:
+            raise CheckpointError(source_changed_message(Path(root) / name, command))
 
     def changed(self) -> str | None:
         """The name of the first file whose resolved path or :func:`file_identity` is not what it

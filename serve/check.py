@@ -58,7 +58,7 @@ from g4.convert.options import text_file_suffix
 from g4.convert.stream import SourceStream, streamed_greedy
 from g4.convert.verify import DEFAULT_PROMPTS, SOURCE_FACTS, read_source_facts
 from g4.core.checkpoint import (CONFIG_NAME, Checkpoint, FileRecords, check_converted_from, read_json_object,
-                                source_changed_message, weight_fingerprints)
+                                weight_fingerprints)
 from g4.core.errors import CheckpointError, G4Error, a_or_an
 from g4.exporters.formats import VERIFICATION_FILE, ResultFormat, check_result, detect_format
 from g4.exporters.output_dir import write_text_atomic
@@ -349,8 +349,7 @@ def reference_replies(src: Path, prompts: list[str], max_tokens: int) -> tuple[_
     files = FileRecords.of_checkpoint(model.ckpt)
     with files.reading(src, "g4serve check"):
         generated = streamed_greedy(model, prompt_ids, max_new_tokens=max_tokens, eos_token_ids=sorted(stop_ids))
-    if (name := files.changed()) is not None:
-        raise G4Error(source_changed_message(src / name, "g4serve check"))
+    files.check_unchanged(src, "g4serve check")
     ids, replies = [], []
     for p_ids, gen in zip(prompt_ids, generated):  # each ends at its first stop id, if it reached one
         parser = ReplyParser(tokenizer, control, p_ids)
