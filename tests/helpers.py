@@ -1,17 +1,83 @@
 """What many test modules need: the two command lines run in-process or as a subprocess, the
-one-line ``error:`` check, and a free TCP port (:func:`g4.serve.check.free_port`)."""
+one-line ``error:`` check, free TCP ports for the engines' gloo groups and servers, and the wait
+on a lane's worker processes."""
 
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from click.testing import CliRunner, Result
 
 from g4.convert.cli import main as g4convert_main
-from g4.serve.check import free_port  # noqa: F401  (the tests' free port is g4serve check's)
 from g4.serve.cli import main as g4serve_main
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports on ``host``, each free a moment ago, all below the kernel's ephemeral
+    range (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default). A port from a bind to
+    port 0 is drawn from that range, and so are the ports of every socket gloo or an HTTP client binds
+    or connects from afterwards: such a socket can take it before the worker's TCPStore binds it, and
+    two bind-0 calls can give the same port. Then one rank's rendezvous fails or meets a stranger while
+    the other waits for its 30-minute gloo timeout. Raises ``RuntimeError`` when no ``n`` are free."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = max(low, 12000)
+    held: list[socket.socket] = []
+    try:
+        for port in random.Random().sample(range(10000, low), min(low - 10000, 64 * n)):
+            s = socket.socket()
+            try:  # no SO_REUSEADDR: a port still in TIME_WAIT is refused here, not by the worker
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [s.getsockname()[1] for s in held]
+        raise RuntimeError(f"no {n} free TCP ports on {host} below {low}")
+    finally:
+        for s in held:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One TCP port on ``host`` that was free a moment ago (:func:`free_ports`)."""
+    return free_ports(1, host)[0]
+
+
+def wait_workers(workers: list[tuple[str, Path, subprocess.Popen]], timeout_s: float) -> list[str]:
+    """Wait for a lane's worker processes (``label``, its log file, the process) for at most
+    ``timeout_s`` seconds in all. The first to exit non-zero, or the deadline, ends the wait: every
+    worker still running is killed, since the ranks of a TP group wait on each other's collectives
+    for gloo's 30 minutes. Returns one message per failed worker (label, exit status or "timeout",
+    its log's last 3000 characters); empty when every worker exited 0."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(workers)
+    failed = False
+    while pending and not failed and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for w in [w for w in pending if w[2].poll() is not None]:
+            pending.remove(w)
+            failed |= w[2].returncode != 0
+    killed = {id(p) for _, _, p in pending}
+    for _, _, p in pending:
+        p.kill()
+        p.wait()
+    failures = []
+    for label, log, p in workers:
+        if p.returncode != 0:
+            status = (f"exit {p.returncode}" if id(p) not in killed else
+                      "killed after another worker failed" if failed else f"no exit in {timeout_s:.0f} s")
+            failures.append(f"{label}: {status}\n{log.read_text(errors='replace')[-3000:]}")
+    return failures
 
 
 def g4convert(*args, quiet: bool = True) -> Result:

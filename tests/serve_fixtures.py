@@ -88,7 +88,7 @@ class ScriptedEngine(Engine):
 def start_g4serve(*args: str, timeout_s: float = 120) -> tuple[subprocess.Popen, int]:
     """``g4serve <args> --port P`` as a user runs it (a separate process, stdout and stderr
     merged into ``proc.stdout``), once ``/health`` answers; returns ``(proc, P)``."""
-    from g4.serve.check import free_port
+    from helpers import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", "from g4.serve.cli import main; main()", *args,

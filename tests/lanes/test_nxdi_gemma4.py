@@ -102,7 +102,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_ports, wait_workers
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +111,9 @@ NXD_SRC = Path(os.environ.get("G4_NXD_SRC", VENDOR / "neuronx-distributed-v2.28.
 NXDI_SRC = Path(os.environ.get("G4_NXDI_SRC", VENDOR / "neuronx-distributed-inference-v0.8.0" / "src"))
 OVERLAY = Path(os.environ.get("G4_NXDI_OVERLAY", REPO / ".venv-nxdi" / "tf457"))
 WORKER = Path(__file__).resolve().parent / "nxd_cpu" / "nxdi_worker.py"
+# the workers' whole run: about 12 s at TP 2 and 20 s at TP 1 on 2 cores; a worker still running 40 s
+# before it dumps its threads' stacks into its log and exits (LANE_HANG_S, nxdi_worker.py)
+WORKER_TIMEOUT_S = 240
 TOL, TOL_BF16 = 1e-4, 0.25
 SPEC_TPS = {"embedded": [1, 2, 4], "26B-A4B": [2, 4, 8]}
 # synth_heads: the 26B-A4B config with everything but its attention geometry shrunk
@@ -449,18 +452,22 @@ def lane(tmp_path_factory):
                                                target="inf2.48xlarge", progress=False, seq_len=SEQ_LEN).out)
     jobs["route2"] = {"kind": "route2", "nxd_src": str(NXD_SRC), "nxdi_src": str(NXDI_SRC), "tp": 1,
                       "results": route2_dirs, "scratch": str(base), "result": str(base / "route2.pt")}
-    for name in ("chat_tp2", "window4_tp2", "int8_tp2", "synth_heads_tp2"):  # run one after the other by the same two processes
-        jobs[name]["master_port"] = free_port()
+    # a gloo rendezvous port for each TP-2 job (run one after the other by the same two processes) and one
+    # for each group, all distinct and outside the ports the kernel hands out (helpers.free_ports)
+    tp2_jobs = ("chat_tp2", "window4_tp2", "int8_tp2", "synth_heads_tp2")
+    ports = free_ports(len(tp2_jobs) + 2)
+    for name, port in zip(tp2_jobs, ports):
+        jobs[name]["master_port"] = port
     # every TP-1 case in one process (NxDI imported once), the TP-2 cases in one process per rank
     groups = {"tp1": ([j for j in jobs.values() if j["tp"] == 1], 1),
               "tp2": ([j for j in jobs.values() if j["tp"] == 2], 2)}
     procs = []
-    for group, (payload, world) in groups.items():
+    for (group, (payload, world)), port in zip(groups.items(), ports[len(tp2_jobs):]):
         (base / f"{group}.json").write_text(json.dumps(payload))
-        port = free_port()
         for rank in range(world):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), os.environ.get("PYTHONPATH", "")]),
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       LANE_HANG_S=str(WORKER_TIMEOUT_S - 40))
             env.pop("WORLD_SIZE", None)
             if world > 1:  # what torchrun would set; NxDI's to_cpu opens the gloo group from them
                 env.update(RANK=str(rank), WORLD_SIZE=str(world))
@@ -496,10 +503,11 @@ def lane(tmp_path_factory):
         refs["synth_full_window"] = _reference(synth_prompt, sliding_window=SEQ_LEN, model_dir=synth)
     finally:
         torch.set_num_threads(threads)
-    for group, rank, log, p in procs:
-        rc = p.wait(timeout=240)
+    failures = wait_workers([(f"{group} rank {rank}", base / f"{group}.rank{rank}.log", p)
+                             for group, rank, _, p in procs], WORKER_TIMEOUT_S)
+    for *_, log, _ in procs:
         log.close()
-        assert rc == 0, (base / f"{group}.rank{rank}.log").read_text()[-3000:]
+    assert not failures, "\n\n".join(failures)
     found = {}
     for name, job in jobs.items():
         for rank in range(job["tp"]):

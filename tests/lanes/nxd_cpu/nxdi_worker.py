@@ -18,6 +18,7 @@ last in a process, it tears down that process's gloo group.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -404,7 +405,7 @@ def route2(job: dict) -> dict:
     return found
 
 
-def run(job: dict) -> None:
+def run(job: dict) -> dict:
     t = time.perf_counter()
     try:
         kind = job.get("kind")
@@ -417,6 +418,7 @@ def run(job: dict) -> None:
 
     rank = os.environ.get("RANK") if job.get("tp", 1) > 1 else None
     torch.save(result, job["result"] + (f".rank{rank}" if rank is not None else ""))
+    return result
 
 
 if __name__ == "__main__":
@@ -424,11 +426,19 @@ if __name__ == "__main__":
     # of NxDI): between them NxD's model-parallel state is torn down (parallel_layers/parallel_state.py:
     # destroy_model_parallel) so that the next to_cpu() initialises it afresh (at TP > 1 each job
     # also ends with barrier + destroy_process_group, so the next to_cpu opens the gloo group again)
+    # a hung worker (a rank waiting on a collective its peer never joins) writes every thread's stack
+    # into its log and exits 1 before the lane's wait gives up on it (LANE_HANG_S, set by the lane)
+    faulthandler.dump_traceback_later(float(os.environ.get("LANE_HANG_S", "200")), exit=True)
     jobs = json.loads(Path(sys.argv[1]).read_text())
     for i, job in enumerate(jobs if isinstance(jobs, list) else [jobs]):
         if i:
             from neuronx_distributed.parallel_layers import parallel_state
 
             parallel_state.destroy_model_parallel()
-        run(job)
+        result = run(job)
+        if "error" in result and job.get("tp", 1) > 1:
+            # its peer rank may still wait in this job's collectives: going on to the next job's
+            # rendezvous would hang both, so the group ends here (the lane reports this log)
+            print(f"job {job['result']}: {result['where']}", file=sys.stderr, flush=True)
+            sys.exit(3)
     sys.exit(0)

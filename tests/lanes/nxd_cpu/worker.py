@@ -25,6 +25,7 @@ torch fp32 reference: dequantized weight ``q.float() * scale`` from the unsharde
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -367,4 +368,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # a hung rank writes every thread's stack into its log and exits 1 before the lane gives up on it
+    faulthandler.dump_traceback_later(float(os.environ.get("LANE_HANG_S", "200")), exit=True)
     main()
