@@ -24,7 +24,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     port 0 is drawn from that range, and so are the ports of every socket gloo or an HTTP client binds
     or connects from afterwards: such a socket can take it before the worker's TCPStore binds it, and
     two bind-0 calls can give the same port. Then one rank's rendezvous fails or meets a stranger while
-    the other waits for its 30-minute gloo timeout. Raises ``RuntimeError`` when no ``n`` are free."""
+    the other waits for its 30-minute gloo timeout. (Where the range starts below 12000, the ports
+    are drawn from 10000-11999, inside it.) Raises ``RuntimeError`` when no ``n`` are free."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
