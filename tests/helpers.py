@@ -58,8 +58,9 @@ def wait_workers(workers: list[tuple[str, Path, subprocess.Popen]], timeout_s: f
     """Wait for a lane's worker processes (``label``, its log file, the process) for at most
     ``timeout_s`` seconds in all. The first to exit non-zero, or the deadline, ends the wait: every
     worker still running is killed, since the ranks of a TP group wait on each other's collectives
-    for gloo's 30 minutes. Returns one message per failed worker (label, exit status or "timeout",
-    its log's last 3000 characters); empty when every worker exited 0."""
+    for gloo's 30 minutes. Returns one message per failed worker: its label, ``exit N``, ``killed after
+    another worker failed`` or ``no exit in T s``, and its log's last 3000 characters; empty when
+    every worker exited 0."""
     deadline = time.monotonic() + timeout_s
     pending = list(workers)
     failed = False
