@@ -254,6 +254,13 @@ NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
 # full 126-value sweep that the window finds the same least error on every block of Gaussian,
 # heavy-tailed and subnormal-scale weights (8 codes above was not enough for subnormal scales).
 # Ties keep max's scale (it is tried first), so a block where max is already optimal gets max's bytes.
+# The block error is torch's ``sum(-1)`` of the 16 squares, whose order torch picks by the CPU's
+# vector width and inductor by its own: the compiled and the eager kernels chose different scales
+# for 11 of 1,982,464 blocks of 8 Gaussian [1408, 2816] bf16 weights (2026-12-07, AVX-512), two
+# candidates within rounding of each other. A fixed order (halves level by level) made them agree
+# but inductor's code 2-3x slower (25-41 against 84-86 Melem/s), so it is not used; a hand-written
+# kernel in a fixed order (measured at 110-117 Melem/s, one block per vector) would have to be the
+# fast path first.
 MSE_CODE_OFFSETS = (0, *range(-16, 0), *range(1, 17))
 _E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
 # float8_e4m3fn codes (the byte as uint8) of the positive finite values: 1 (2**-9) to 126 (448);
@@ -382,7 +389,8 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
     """Codes (uint8 ``[rows, in/2]``) and block scales (float8_e4m3fn ``[rows, in/16]``) of ``w``
     ``[rows, in]`` under ``g`` (``[]``, > 0), written into ``out`` where given (contiguous tensors
     of those shapes and dtypes). Kernels in order: the native one (``max`` on contiguous bf16,
-    :data:`NATIVE`), the compiled one, the eager chunks: the same bytes."""
+    :data:`NATIVE`), the compiled one, the eager chunks: the same bytes, except for ``mse`` on a
+    block whose two best candidate scales' errors tie to within rounding (:data:`MSE_CODE_OFFSETS`)."""
     kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
     native = None
