@@ -259,7 +259,7 @@ NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
 # for 11 of 1,982,464 blocks of 8 Gaussian [1408, 2816] bf16 weights (2026-12-07, AVX-512), two
 # candidates within rounding of each other. A fixed order (halves level by level) made them agree
 # but inductor's code 2-3x slower (25-41 against 84-86 Melem/s), so it is not used; a hand-written
-# kernel in a fixed order (measured at 110-117 Melem/s, one block per vector) would have to be the
+# kernel in a fixed order (measured at 110-128 Melem/s, one block per vector) would have to be the
 # fast path first.
 MSE_CODE_OFFSETS = (0, *range(-16, 0), *range(1, 17))
 _E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
