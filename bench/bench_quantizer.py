@@ -12,6 +12,10 @@ global scale) of each is identical to modelopt's.
 Then the same for ``quantize_experts`` on 8 experts of each expert shape (what a conversion
 calls: one global scale per expert, a per-row scale inside the kernel) against modelopt
 quantizing the experts one by one.
+Last, g4's default algorithm, ``mse`` (no modelopt kernel runs it on a CPU: its fp8 scale sweep
+needs triton): ``quantize_experts(method="mse")`` on the same 8 experts with our kernel (the native
+one where it builds), against g4's eager mse kernel in the same run, the same ratio for our
+torch.compile kernel, and whether the bytes of all three are identical.
 """
 
 from __future__ import annotations
@@ -93,6 +97,26 @@ def main() -> None:
         nvfp4.NATIVE.function = native
         t_ref = best_seconds(lambda: [NVFP4QTensor.quantize(w[e].clone(), 16) for e in range(len(w))],
                              max(1, args.repeats // 3))
+        print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
+              f"{t_ref / t_compiled:14.2f} {'':>11s}  {identical}")
+    native_mse = nvfp4.NATIVE_MSE.load()
+    print(f"\n{'mse, quantize_experts':30s} {'ours s':>8s} {'eager s':>10s} {'ours Melem/s':>12s} {'ratio':>6s} "
+          f"{'compiled ratio':>14s} {'':>11s}  bit-identical")
+    for label, shape in EXPERT_SHAPES.items():
+        w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+        ours = nvfp4.quantize_experts(w, method="mse")
+        t_ours = best_seconds(lambda: nvfp4.quantize_experts(w, method="mse"), args.repeats)
+        nvfp4.NATIVE_MSE.function = None  # the compiled kernel
+        compiled = nvfp4.quantize_experts(w, method="mse")
+        t_compiled = best_seconds(lambda: nvfp4.quantize_experts(w, method="mse"), args.repeats)
+        fused = nvfp4.MSE_KERNEL.compiled
+        nvfp4.MSE_KERNEL.compiled = None  # the eager kernel
+        ref = nvfp4.quantize_experts(w, method="mse")
+        t_ref = best_seconds(lambda: nvfp4.quantize_experts(w, method="mse"), max(1, args.repeats // 3))
+        nvfp4.MSE_KERNEL.compiled, nvfp4.NATIVE_MSE.function = fused, native_mse
+        identical = all(torch.equal(r.weight, ref.weight)
+                        and torch.equal(r.weight_scale.view(torch.uint8), ref.weight_scale.view(torch.uint8))
+                        for r in (ours, compiled))
         print(f"{label:30s} {t_ours:8.4f} {t_ref:10.4f} {w.numel() / t_ours / 1e6:12.1f} {t_ref / t_ours:6.2f} "
               f"{t_ref / t_compiled:14.2f} {'':>11s}  {identical}")
 

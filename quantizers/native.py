@@ -4,7 +4,7 @@ probe.
 
 Where inductor's code for a quantizer stays far from what the CPU can do (NVFP4's ``max`` kernel:
 590-690 Melem/s against 2.2-2.4 Gelem/s by hand with AVX-512, 0.8 with AVX2, 2 threads, the same
-bytes), the C source beside the quantizer holds it (``quantizers/nvfp4_max.c``). It is compiled
+bytes; its ``mse`` kernel), the C source beside the quantizer holds it (``quantizers/nvfp4_native.c``). It is compiled
 with ``$CC`` (else ``cc``) and :data:`CFLAGS` in about 0.3 s. A machine it does not build on (no
 compiler, a CPU without the source's vector instructions: the source refuses to compile) leaves
 the quantizer on its torch.compile kernel (:mod:`g4.quantizers.compiled`) with one INFO line;
@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 
 _UNSET = object()
 # The flags every native kernel is built with (part of the library's digest); ``-x c``: the source
-# is C whatever the compiler (``CC=g++`` would compile it as C++ and mangle the symbol's name).
-CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-x", "c")
+# is C whatever the compiler (``CC=g++`` would compile it as C++ and mangle the symbol's name);
+# ``-ffp-contract=off``: a multiply and an add stay two roundings, as in torch (GCC's default for
+# GNU C fuses them into one FMA where the CPU has it, and the mse errors would differ).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-x", "c")
 _COMPILE_TIMEOUT_S = 120
 
 

@@ -27,6 +27,7 @@ in modelopt's order (divide by ``6 * g``; multiply ``scale * g`` first, then div
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from collections.abc import Iterable, Iterator
@@ -209,31 +210,32 @@ def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def native_call(fn, w: torch.Tensor, g: float, packed: torch.Tensor, scales: torch.Tensor, threads: int) -> None:
-    """Run the native function ``fn`` (:data:`NATIVE`'s, ``g4_nvfp4_max_bf16`` in nvfp4_max.c) on the
-    contiguous bf16 ``w`` ``[rows, in]`` under the global scale ``g`` (finite, > 0), writing
-    ``packed`` (uint8 ``[rows, in/2]``) and ``scales`` (float8_e4m3fn ``[rows, in/16]``), both
-    contiguous, with ``threads`` threads."""
+    """Run the native function ``fn`` (:data:`NATIVE`'s ``g4_nvfp4_max_bf16`` or :data:`NATIVE_MSE`'s
+    ``g4_nvfp4_mse_bf16`` in nvfp4_native.c) on the contiguous bf16 ``w`` ``[rows, in]`` under the
+    global scale ``g`` (finite, > 0), writing ``packed`` (uint8 ``[rows, in/2]``) and ``scales``
+    (float8_e4m3fn ``[rows, in/16]``), both contiguous, with ``threads`` threads."""
     fn(w.data_ptr(), w.numel() // BLOCK_SIZE, g, packed.data_ptr(), scales.data_ptr(), threads)
 
 
-def _native_gives_eager_bytes(fn) -> bool:
-    """Whether the native function ``fn`` gives the eager kernel's bytes on :func:`native_probe`."""
+def _native_gives_eager_bytes(fn, eager=None) -> bool:
+    """Whether the native function ``fn`` gives the bytes of the eager kernel ``eager``
+    (:func:`_quantize_blocks` by default) on :func:`native_probe`."""
     for w, g in native_probe():
         packed, scales = _empty_result(*w.shape)
         native_call(fn, w, float(g), packed, scales, 2)
-        ref_packed, ref_scales = _quantize_blocks(w.reshape(w.shape[0], -1, BLOCK_SIZE), g)
+        ref_packed, ref_scales = (eager or _quantize_blocks)(w.reshape(w.shape[0], -1, BLOCK_SIZE), g)
         if not (torch.equal(packed, ref_packed.view(packed.shape))
                 and torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8).view(scales.shape))):
             return False
     return True
 
 
-# The max kernel on contiguous bf16 weights, hand-vectorized for AVX-512 (AVX2 without it) in nvfp4_max.c (the
+# The max kernel on contiguous bf16 weights, hand-vectorized for AVX-512 (AVX2 without it) in nvfp4_native.c (the
 # arithmetic of _quantize_blocks in the same order; g4.quantizers.native builds, caches and checks
 # it): 1.9-2.4 Gelem/s against the compiled kernel's 590-690 on 2 threads, the same bytes, for a
 # 26B-A4B gate_up layer [128, 1408, 2816] (bench/bench_quantizer.py, 2026-12-06). Where it cannot
 # be built (no C compiler, neither AVX-512 nor AVX2) the compiled kernel runs; G4_NVFP4_EAGER=1: the eager chunks.
-NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
+NATIVE = NativeKernel("nvfp4_native.c", "g4_nvfp4_max_bf16",
                       [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
                       ctypes.c_int, label="NVFP4 max", eager_env="G4_NVFP4_EAGER", check=_native_gives_eager_bytes,
                       min_elements=KERNEL.min_elements)
@@ -254,13 +256,6 @@ NATIVE = NativeKernel("nvfp4_max.c", "g4_nvfp4_max_bf16",
 # full 126-value sweep that the window finds the same least error on every block of Gaussian,
 # heavy-tailed and subnormal-scale weights (8 codes above was not enough for subnormal scales).
 # Ties keep max's scale (it is tried first), so a block where max is already optimal gets max's bytes.
-# The block error is torch's ``sum(-1)`` of the 16 squares, whose order torch picks by the CPU's
-# vector width and inductor by its own: the compiled and the eager kernels chose different scales
-# for 11 of 1,982,464 blocks of 8 Gaussian [1408, 2816] bf16 weights (2026-12-07, AVX-512), two
-# candidates within rounding of each other. A fixed order (halves level by level) made them agree
-# but inductor's code 2-3x slower (25-41 against 84-86 Melem/s), so it is not used; a hand-written
-# kernel in a fixed order (measured at 110-128 Melem/s, one block per vector) would have to be the
-# fast path first.
 MSE_CODE_OFFSETS = (0, *range(-16, 0), *range(1, 17))
 _E4M3_CODE_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
 # float8_e4m3fn codes (the byte as uint8) of the positive finite values: 1 (2**-9) to 126 (448);
@@ -276,6 +271,22 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     return torch.copysign(mag, y)
 
 
+def block_sum(e: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension (16: a block) of fp32 ``e`` ``[..., 16]`` -> ``[...]`` in one
+    fixed order, halves level by level: ``e[k] + e[k + 8]``, then 4, 2 and 1 apart. With ``sum(-1)``
+    torch picks the order by the CPU's vector width and inductor picks its own: on 8 Gaussian
+    [1408, 2816] bf16 weights the compiled and the eager mse kernels chose different scales for 11
+    of 1,982,464 blocks (two candidates whose errors tie to within rounding), so a result's bytes
+    depended on which kernel ran. In this order every mse kernel (eager, compiled, :data:`NATIVE_MSE`)
+    gives the same bytes. It costs the compiled kernel (the fallback where the native one does not
+    build, and for fp32/fp16 weights): 25-41 Melem/s against 84-89 with ``sum(-1)`` (2 threads,
+    2026-12-07)."""
+    while e.shape[-1] > 1:
+        half = e.shape[-1] // 2
+        e = e[..., :half] + e[..., half:]
+    return e.squeeze(-1)
+
+
 def mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Block scales (float8_e4m3fn ``[rows, n]``) minimising ``sum((x - dq(q(x)))**2)`` per block of
     fp32 ``x`` ``[rows, n, 16]`` over :data:`MSE_CODE_OFFSETS` around max's scale; ties keep max's."""
@@ -285,7 +296,7 @@ def mse_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     for k in MSE_CODE_OFFSETS:
         code = (base + k).clamp(E4M3_MIN_POSITIVE_CODE, E4M3_MAX_CODE)
         sg = (values[code] * g).unsqueeze(-1)
-        err = (x - e2m1_round(x / sg) * sg).square().sum(-1)
+        err = block_sum((x - e2m1_round(x / sg) * sg).square())
         if best_err is None:
             best_err = err
         else:
@@ -313,6 +324,17 @@ MSE_KERNEL = CompiledKernel(_quantize_blocks_mse, eager_env="G4_NVFP4_EAGER", la
                             packaged_by="g4convert kernels SRC --algorithm mse")
 BLOCK_METHODS = ("max", "mse")
 _KERNELS = {"max": (KERNEL, _quantize_blocks), "mse": (MSE_KERNEL, _quantize_blocks_mse)}
+# The mse kernel on contiguous bf16 weights in nvfp4_native.c: the arithmetic of _quantize_blocks_mse in
+# the same order (block_sum's for the errors), 16 blocks at a time with AVX-512 (one block at a time
+# with AVX2), a candidate skipped only where it provably cannot win. 244-275 Melem/s with AVX-512
+# and 106-107 with AVX2, against the compiled kernel's 25-41 in this order and 84-89 in torch's
+# (2 threads, 16 experts [1408, 2816] bf16, 2026-12-07); the same bytes. Built, cached and checked
+# as NATIVE.
+NATIVE_MSE = NativeKernel("nvfp4_native.c", "g4_nvfp4_mse_bf16", NATIVE.argtypes, ctypes.c_int, label="NVFP4 mse",
+                          eager_env="G4_NVFP4_EAGER",
+                          check=functools.partial(_native_gives_eager_bytes, eager=_quantize_blocks_mse),
+                          min_elements=MSE_KERNEL.min_elements)
+_NATIVE = {"max": NATIVE, "mse": NATIVE_MSE}
 
 
 def quantize(
@@ -388,14 +410,13 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8 ``[rows, in/2]``) and block scales (float8_e4m3fn ``[rows, in/16]``) of ``w``
     ``[rows, in]`` under ``g`` (``[]``, > 0), written into ``out`` where given (contiguous tensors
-    of those shapes and dtypes). Kernels in order: the native one (``max`` on contiguous bf16,
-    :data:`NATIVE`), the compiled one, the eager chunks: the same bytes, except for ``mse`` on a
-    block whose two best candidate scales' errors tie to within rounding (:data:`MSE_CODE_OFFSETS`)."""
+    of those shapes and dtypes). Kernels in order: the native one (contiguous bf16,
+    :data:`NATIVE` / :data:`NATIVE_MSE`), the compiled one, the eager chunks: the same bytes."""
     kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
     native = None
-    if method == "max" and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
-        native = NATIVE.for_size(w.numel())
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
+        native = _NATIVE[method].for_size(w.numel())
         g_value = float(g) if native is not None else 0.0
         if not (math.isfinite(g_value) and g_value > 0):  # the C kernel's contract; the others give NaN bytes
             native = None
@@ -405,7 +426,7 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
             native_call(native, w, g_value, packed, scales, torch.get_num_threads())
             return packed, scales
         except (ctypes.ArgumentError, TypeError) as e:
-            NATIVE.disable(e)
+            _NATIVE[method].disable(e)
     blocks = w.reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
     fused = kernel.for_size(w.numel())
     if fused is not None:
@@ -439,7 +460,7 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") ->
     shapes the kernel is used for (:class:`g4.quantizers.compiled.CompiledKernel`, ``min_elements``),
     on a few rows of zeros marked dynamic as the real call marks them. Returns the thread, or None
     (:meth:`~g4.quantizers.compiled.CompiledKernel.warm`). The bytes are the same with or without it.
-    The shapes the native kernel takes (:data:`NATIVE`: ``max`` on bf16) are not compiled where it
+    The shapes the native kernel takes (:data:`NATIVE`, :data:`NATIVE_MSE`: bf16) are not compiled where it
     loads (here, before the thread starts: built once per machine in about 0.3 s, then loaded in
     milliseconds).
 
@@ -452,8 +473,8 @@ def warm(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") ->
 
 def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "max") -> list[tuple[Path, float | None]]:
     """Put into the kernel cache the kernels a conversion with ``method`` runs on ``shapes``:
-    for ``max``, the native library (:data:`NATIVE`, where it builds here and gives the eager
-    bytes, unless this process has turned it off), and a package
+    the native library (:data:`NATIVE` for ``max``, :data:`NATIVE_MSE` for ``mse``, where it
+    builds here and gives the eager bytes, unless this process has turned it off), and a package
     (:meth:`g4.quantizers.compiled.CompiledKernel.save_packages`) for each shape :func:`warm`
     would compile; later processes load them in milliseconds. Returns ``(path, compile seconds
     or None where cached)`` per library or package.
@@ -465,23 +486,26 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "
     """
     shapes = list(shapes)
     done = []
-    if (method == "max" and NATIVE.function is not None
-            and any(dtype == torch.bfloat16 and out * k >= NATIVE.min_elements for out, k, dtype in shapes)):
+    native = _NATIVE.get(method)
+    if (native is not None and native.function is not None
+            and any(dtype == torch.bfloat16 and out * k >= native.min_elements for out, k, dtype in shapes)):
         try:
-            saved = NATIVE.save()
+            saved = native.save()
         except NativeBuildError:  # no compiler, or neither AVX-512 nor AVX2 here: the compiled kernel serves
             pass
         else:
-            if NATIVE.load() is not None:
+            if native.load() is not None:
                 done.append(saved)
     return done + _KERNELS[method][0].save_packages(_kernel_inputs(_compiled_shapes(shapes, method), method),
                                                     torch.ones((), dtype=torch.float32))
 
 
 def _compiled_shapes(shapes: Iterable[tuple[int, int, torch.dtype]], method: str) -> list[tuple[int, int, torch.dtype]]:
-    """``shapes`` less those the native kernel takes where it loads (``max`` on bf16)."""
+    """``shapes`` less those the native kernel takes where it loads (bf16)."""
     shapes = list(shapes)
-    if method == "max" and any(d == torch.bfloat16 for _, _, d in shapes) and NATIVE.for_size(NATIVE.min_elements):
+    native = _NATIVE.get(method)
+    if (native is not None and any(d == torch.bfloat16 for _, _, d in shapes)
+            and native.for_size(native.min_elements)):
         shapes = [s for s in shapes if s[2] != torch.bfloat16]
     return shapes
 

@@ -146,19 +146,20 @@ class LinkedSource:
             (self.src / self.weights.name).symlink_to(self.other)
 
 
-def native_nvfp4_kernel(check=None, cflags=None):
-    """A :class:`g4.quantizers.native.NativeKernel` of the native NVFP4 kernel's source, not yet built
-    or loaded in this process (``check``: the probe check, default the real one; ``cflags``:
-    default :data:`g4.quantizers.native.CFLAGS`)."""
+def native_nvfp4_kernel(check=None, cflags=None, method: str = "max"):
+    """A :class:`g4.quantizers.native.NativeKernel` of the native NVFP4 ``method`` kernel
+    (:data:`g4.quantizers.nvfp4.NATIVE` or ``NATIVE_MSE``), not yet built or loaded in this process
+    (``check``: the probe check, default the real one; ``cflags``: default
+    :data:`g4.quantizers.native.CFLAGS`)."""
     from g4.quantizers import native, nvfp4
 
-    k = nvfp4.NATIVE
+    k = nvfp4._NATIVE[method]
     return native.NativeKernel(k.source.name, k.symbol, k.argtypes, k.restype, label=k.label, eager_env=k.eager_env,
                                check=check or k.check, cflags=native.CFLAGS if cflags is None else cflags)
 
 
-def native_nvfp4_unchecked(extra_flags: tuple[str, ...] = (), build: str = "native"):
-    """The native NVFP4 function built in a temporary directory (with ``extra_flags``, e.g.
+def native_nvfp4_unchecked(extra_flags: tuple[str, ...] = (), build: str = "native", method: str = "max"):
+    """The native NVFP4 ``method`` function built in a temporary directory (with ``extra_flags``, e.g.
     ``-mno-avx512f`` for the AVX2 path), without its probe check, so a wrong byte shows in the
     test that finds it; skips where the source does not build that way (no C compiler, neither
     AVX-512 nor AVX2)."""
@@ -169,9 +170,9 @@ def native_nvfp4_unchecked(extra_flags: tuple[str, ...] = (), build: str = "nati
 
     from g4.quantizers import native
 
-    kernel = native_nvfp4_kernel(check=lambda fn: True, cflags=native.CFLAGS + tuple(extra_flags))
+    kernel = native_nvfp4_kernel(check=lambda fn: True, cflags=native.CFLAGS + tuple(extra_flags), method=method)
     with tempfile.TemporaryDirectory(prefix="g4-native-test-") as tmp:
-        lib = Path(tmp) / "nvfp4_max.so"
+        lib = Path(tmp) / "nvfp4_native.so"
         try:
             kernel._build(lib)
         except native.NativeBuildError as e:
@@ -180,10 +181,11 @@ def native_nvfp4_unchecked(extra_flags: tuple[str, ...] = (), build: str = "nati
 
 
 def native_nvfp4_or_skip() -> None:
-    """Skip where the native NVFP4 kernel (g4.quantizers.nvfp4.NATIVE) does not build here (no C
-    compiler, neither AVX-512 nor AVX2); fail where it builds but does not give the eager bytes (a
-    wrong kernel must not turn its tests into skips)."""
+    """Skip where the native NVFP4 kernels (g4.quantizers.nvfp4.NATIVE, NATIVE_MSE) do not build here
+    (no C compiler, neither AVX-512 nor AVX2); fail where they build but do not give the eager bytes
+    (a wrong kernel must not turn its tests into skips)."""
     from g4.quantizers import nvfp4
 
     native_nvfp4_unchecked()
-    assert nvfp4.NATIVE.load() is not None, "the native NVFP4 kernel builds here but does not give the eager bytes"
+    for method, kernel in nvfp4._NATIVE.items():
+        assert kernel.load() is not None, f"the native NVFP4 {method} kernel builds here but does not give the eager bytes"

@@ -1,4 +1,4 @@
-"""The native NVFP4 max kernel (quantizers/nvfp4_max.c, built by g4.quantizers.native): the eager
+"""The native NVFP4 max kernel (quantizers/nvfp4_native.c, built by g4.quantizers.native): the eager
 kernel's bytes on every bf16 block amax under global scales across the whole fp32 range (the
 modelopt comparison runs it too: test_nvfp4_quantizer.py's "native" mode), and what happens where
 it cannot be built, fails its check, is damaged in the cache or the cache is off."""
@@ -166,7 +166,7 @@ def test_no_compiler_leaves_the_compiled_kernel_with_one_log_line(cache, monkeyp
     assert caplog.text.count("NVFP4 max: native kernel unavailable (no C compiler") == 1
     assert not cache.exists()
     monkeypatch.setenv("CC", "false")  # a compiler that refuses the source (as on a CPU without AVX-512 or AVX2)
-    with pytest.raises(native.NativeBuildError, match="nvfp4_max.c does not compile here"):
+    with pytest.raises(native.NativeBuildError, match="nvfp4_native.c does not compile here"):
         fresh().save()
     assert not any(cache.iterdir())  # no partial library left
 
