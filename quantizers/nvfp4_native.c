@@ -11,6 +11,8 @@
  *                finite ones), tried in the order max's, -16..-1, +1..+16, the first with the least
  *                block error sum((x - q(x / (s g)) s g)^2), the 16 squares added in halves, level
  *                by level: e[k] + e[k + 8], then 4, 2 and 1 apart (nvfp4.block_sum);
+ *                With AVX-512 the mse search runs 16 blocks at a time, one per lane (mse_group);
+ *                with AVX2, and for the last blocks of a range, one block at a time (mse_scale);
  *   codes        E2M1 of x / (s g) (true division), nearest, ties to even, saturating at 6,
  *                +8 for a negative value; two per byte, the even element in the low nibble.
  * The format is NVIDIA modelopt's (NVIDIA/Model-Optimizer modelopt/torch/quantization/qtensor/
