@@ -355,8 +355,8 @@ def kernels(ctx, src, fmt, algorithm, preset, tp, quantize_attention):
     kernel cache ($G4_KERNEL_CACHE, default $XDG_CACHE_HOME/g4/kernels or ~/.cache/g4/kernels):
     later conversions load them in milliseconds instead of compiling them in each process (5-8 s
     here, before the first layer). 7-17 s per kernel here (nvfp4 mse: about 50 s per width);
-    nvfp4 max on bf16 builds the native C kernel instead (about 0.3 s, with $CC or cc) where it
-    builds; tensors under 1M elements run eagerly and need none. The options are the conversion's."""
+    nvfp4 max and mse on bf16 build the native C kernel instead (about 0.3 s, with $CC or cc) where
+    it builds; tensors under 1M elements run eagerly and need none. The options are the conversion's."""
     from g4.convert import int8_neuron, nvfp4
     from g4.quantizers.compiled import KERNEL_CACHE_ENV, PackageCompileError, kernel_cache_dir
 

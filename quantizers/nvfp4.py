@@ -186,13 +186,14 @@ KERNEL = CompiledKernel(_quantize_blocks, eager_env="G4_NVFP4_EAGER", label="NVF
 
 
 def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(w, g)`` pairs the native kernel must give :func:`_quantize_blocks`' bytes on before it is
-    used: seeded bf16 Gaussian weights ``[63, 2832]`` (0.02 scale, as a model's; split over 2
-    threads, each range with its groups of 16 blocks and one with a tail of 15) with all-zero
-    blocks, exact zeros, ``-0``, large and tiny values, a NaN and an Inf, under the global scale of
-    their finite amax and under one 300x that (block scales in E4M3's subnormal range); and one
-    block per tie of E4M3's rounding (its amax half-way between two neighbouring E4M3 values,
-    subnormal ones included) under ``g = 1/6``, where ``6 g`` is 1 and the block scale is the amax."""
+    """``(w, g)`` pairs a native kernel must give its eager kernel's bytes on before it is used:
+    seeded bf16 Gaussian weights ``[63, 2832]`` (0.02 scale, as a model's; split over 2 threads,
+    each range with its groups of 16 blocks and one with a tail of 15) with all-zero blocks, exact
+    zeros, ``-0``, large and tiny values, a NaN and an Inf, under the global scale of their finite
+    amax, under one 300x that (block scales in E4M3's subnormal range) and under 3e38 (``6 g``
+    overflows: the Inf block's scale a negative NaN, E4M3 0xFF); and one block per tie of E4M3's
+    rounding (its amax half-way between two neighbouring E4M3 values, subnormal ones included)
+    under ``g = 1/6``, where ``6 g`` is 1 and the block scale is the amax."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(63, 2832, generator=gen) * 0.02
     w[:, ::7] = 0
@@ -206,7 +207,9 @@ def native_probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
     values = _E4M3_CODE_VALUES[E4M3_MIN_POSITIVE_CODE : E4M3_MAX_CODE + 1]
     ties = ((values[:-1] + values[1:]) / 2)[:, None]  # exact in bf16: one more mantissa bit than E4M3
     blocks = torch.cat([ties, ties * (torch.rand(len(ties), 15, generator=gen) * 2 - 1)], 1).bfloat16()
-    return [(w, g), (w, g * 300), (blocks, torch.tensor(1 / 6, dtype=torch.float32))]
+    # the last: 6 g overflows, so an Inf block's scale is Inf / Inf, a NaN whose sign torch's cast keeps
+    return [(w, g), (w, g * 300), (blocks, torch.tensor(1 / 6, dtype=torch.float32)),
+            (w, torch.tensor(3e38, dtype=torch.float32))]
 
 
 def native_call(fn, w: torch.Tensor, g: float, packed: torch.Tensor, scales: torch.Tensor, threads: int) -> None:
@@ -326,10 +329,10 @@ BLOCK_METHODS = ("max", "mse")
 _KERNELS = {"max": (KERNEL, _quantize_blocks), "mse": (MSE_KERNEL, _quantize_blocks_mse)}
 # The mse kernel on contiguous bf16 weights in nvfp4_native.c: the arithmetic of _quantize_blocks_mse in
 # the same order (block_sum's for the errors), 16 blocks at a time with AVX-512 (one block at a time
-# with AVX2), a candidate skipped only where it provably cannot win. 244-275 Melem/s with AVX-512
-# and 106-107 with AVX2, against the compiled kernel's 25-41 in this order and 84-89 in torch's
-# (2 threads, 16 experts [1408, 2816] bf16, 2026-12-07); the same bytes. Built, cached and checked
-# as NATIVE.
+# with AVX2), a candidate skipped only where it provably cannot win: 233-254 Melem/s with AVX-512
+# against the compiled kernel's 41-45 in this order (84-89 in torch's sum(-1)), 106-107 with AVX2,
+# on 8 experts [1408, 2816] / [2816, 704] bf16, 2 threads (bench/bench_quantizer.py, 2026-12-07);
+# the same bytes. Built, cached and checked as NATIVE.
 NATIVE_MSE = NativeKernel("nvfp4_native.c", "g4_nvfp4_mse_bf16", NATIVE.argtypes, ctypes.c_int, label="NVFP4 mse",
                           eager_env="G4_NVFP4_EAGER",
                           check=functools.partial(_native_gives_eager_bytes, eager=_quantize_blocks_mse),
@@ -414,8 +417,9 @@ def _quantize_2d(w: torch.Tensor, g: torch.Tensor, method: str = "max",
     :data:`NATIVE` / :data:`NATIVE_MSE`), the compiled one, the eager chunks: the same bytes."""
     kernel, eager = _KERNELS[method]
     out_features, in_features = w.shape
+    w = w.contiguous()  # a transposed or sliced weight: every kernel reads whole rows of 16-element blocks
     native = None
-    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu":
         native = _NATIVE[method].for_size(w.numel())
         g_value = float(g) if native is not None else 0.0
         if not (math.isfinite(g_value) and g_value > 0):  # the C kernel's contract; the others give NaN bytes
@@ -504,8 +508,8 @@ def _compiled_shapes(shapes: Iterable[tuple[int, int, torch.dtype]], method: str
     """``shapes`` less those the native kernel takes where it loads (bf16)."""
     shapes = list(shapes)
     native = _NATIVE.get(method)
-    if (native is not None and any(d == torch.bfloat16 for _, _, d in shapes)
-            and native.for_size(native.min_elements)):
+    if (native is not None and any(d == torch.bfloat16 and out * k >= native.min_elements for out, k, d in shapes)
+            and native.for_size(native.min_elements)):  # built only where a tensor will take it
         shapes = [s for s in shapes if s[2] != torch.bfloat16]
     return shapes
 

@@ -43,12 +43,13 @@ static inline uint8_t e4m3_round(float s, float *value) {
     return (uint8_t)((((int)(r >> 23) - 120) << 3) | ((r >> 20) & 7u)); /* exponent bias 127 -> 7 */
 }
 
-/* The block's E4M3 scale byte into *code; returns the divisor s8 * g. A NaN amax (a NaN in the
- * block) gives E4M3's NaN, 0x7F, and a NaN divisor, as torch's cast does. */
+/* The block's E4M3 scale byte into *code; returns the divisor s8 * g. A NaN s gives E4M3's NaN
+ * with the NaN's sign, as torch's cast does: 0x7F for a NaN in the block (its magnitude's NaN),
+ * 0xFF for an Inf under a global scale whose 6 g overflows (Inf / Inf, the CPU's negative NaN). */
 static inline float block_divisor(float amax, float g, uint8_t *code) {
     float s = amax / (6.0f * g), s8;
     if (s != s) {
-        *code = 0x7F;
+        *code = signbit(s) ? 0xFF : 0x7F;
         return s;
     }
     if (s == 0.0f) s = 1.0f;

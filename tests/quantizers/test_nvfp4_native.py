@@ -113,9 +113,10 @@ def test_nan_and_inf_give_the_eager_bytes(build):
     assert (want[1][:2] == 0x7F).any() and (want[1][2:4] == 0x7E).any()
 
 
-def test_quantize_and_experts_use_it_for_contiguous_bf16_only(monkeypatch):
-    """quantize / quantize_experts take the native kernel for contiguous bf16 weights (a kernel
-    that is not called proves it), and the other kernels otherwise: the same bytes."""
+def test_quantize_and_experts_use_it_for_bf16(monkeypatch):
+    """quantize / quantize_experts take the native kernel for bf16 weights (a kernel that is not
+    called proves it; a strided one through its contiguous copy), and the other kernels otherwise:
+    the same bytes."""
     native_nvfp4_or_skip()
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(3, 512, 1024, generator=gen) * 0.02).bfloat16()
@@ -126,8 +127,8 @@ def test_quantize_and_experts_use_it_for_contiguous_bf16_only(monkeypatch):
     got = q.quantize_experts(w)
     assert calls == [512 * 1024 // 16] * 3
     wide = (torch.randn(64, 2832, generator=gen) * 0.02).bfloat16()
-    strided = q.quantize(wide[:, :2816])  # not contiguous: not the native kernel
-    assert len(calls) == 3
+    strided = q.quantize(wide[:, :2816])  # not contiguous: its contiguous copy
+    assert len(calls) == 4
     monkeypatch.setattr(q.NATIVE, "function", None)
     monkeypatch.setattr(q.KERNEL, "compiled", None)
     want = q.quantize_experts(w)
@@ -235,6 +236,7 @@ def test_the_cache_keeps_it_checks_its_digest_and_its_owner(cache, caplog):
     """Built once into the cache with its sha256 beside it, found there by the next process; a
     damaged library is built again, not loaded; a cache others can write is not loaded."""
     native_nvfp4_or_skip()
+    shutil.rmtree(cache, ignore_errors=True)  # where that was the process's first load, it built them here
     path, seconds = fresh().save()
     assert path.parent == cache and seconds is not None and path.suffix == ".so"
     assert fresh().save() == (path, None)

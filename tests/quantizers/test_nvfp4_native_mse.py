@@ -131,3 +131,28 @@ def test_native_compiled_and_eager_mse_give_the_same_bytes_on_real_shaped_expert
     for kernel, (packed, scales) in results.items():
         assert torch.equal(scales, results["eager"][1]), (kernel, (scales != results["eager"][1]).sum().item())
         assert torch.equal(packed, results["eager"][0]), kernel
+
+
+@pytest.mark.parametrize("method", ["max", "mse"])
+def test_a_nan_scale_keeps_its_sign_as_torchs_cast(method):
+    """Under a global scale whose ``6 g`` overflows (3e38), an Inf block's scale is Inf / Inf, the CPU's
+    negative NaN: torch's cast writes E4M3 0xFF, a NaN block's 0x7F; both native kernels the same."""
+    fn = native_nvfp4_unchecked(method=method)
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)) * 0.02
+    w[5, 7], w[9, 100], w[20, 33] = float("inf"), float("-inf"), float("nan")
+    w = w.bfloat16()
+    g = torch.tensor(3e38, dtype=torch.float32)
+    packed, scales = run(fn, w, g)
+    ref = q._quantize_blocks if method == "max" else q._quantize_blocks_mse
+    ref_packed, ref_scales = ref(w.reshape(64, -1, q.BLOCK_SIZE), g)
+    assert torch.equal(scales, ref_scales.view(torch.uint8).view(64, -1))
+    assert torch.equal(packed, ref_packed.view(64, -1))
+    assert scales[5, 0].item() == 0xFF and scales[20, 2].item() == 0x7F
+
+
+@pytest.mark.parametrize("method", ["max", "mse"])
+def test_a_transposed_weight_quantizes_as_its_contiguous_copy(method):
+    w = (torch.randn(1024, 1024, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16().t()
+    a, b = q.quantize(w, method=method), q.quantize(w.contiguous(), method=method)
+    assert torch.equal(a.weight, b.weight)
+    assert torch.equal(a.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8))
