@@ -490,9 +490,8 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "
     """
     shapes = list(shapes)
     done = []
-    native = _NATIVE.get(method)
-    if (native is not None and native.function is not None
-            and any(dtype == torch.bfloat16 and out * k >= native.min_elements for out, k, dtype in shapes)):
+    native = _native_for(shapes, method)
+    if native is not None and native.function is not None:
         try:
             saved = native.save()
         except NativeBuildError:  # no compiler, or neither AVX-512 nor AVX2 here: the compiled kernel serves
@@ -507,11 +506,19 @@ def save_kernels(shapes: Iterable[tuple[int, int, torch.dtype]], method: str = "
 def _compiled_shapes(shapes: Iterable[tuple[int, int, torch.dtype]], method: str) -> list[tuple[int, int, torch.dtype]]:
     """``shapes`` less those the native kernel takes where it loads (bf16)."""
     shapes = list(shapes)
-    native = _NATIVE.get(method)
-    if (native is not None and any(d == torch.bfloat16 and out * k >= native.min_elements for out, k, d in shapes)
-            and native.for_size(native.min_elements)):  # built only where a tensor will take it
+    native = _native_for(shapes, method)
+    if native is not None and native.for_size(native.min_elements):
         shapes = [s for s in shapes if s[2] != torch.bfloat16]
     return shapes
+
+
+def _native_for(shapes: list[tuple[int, int, torch.dtype]], method: str) -> NativeKernel | None:
+    """``method``'s native kernel where a bf16 weight of ``shapes`` (``(out, in, dtype)``) is large
+    enough for it, else None (then nothing builds it)."""
+    native = _NATIVE.get(method)
+    if native is not None and any(d == torch.bfloat16 and out * k >= native.min_elements for out, k, d in shapes):
+        return native
+    return None
 
 
 def _kernel_inputs(shapes: Iterable[tuple[int, int, torch.dtype]], method: str

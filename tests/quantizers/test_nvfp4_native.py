@@ -37,8 +37,9 @@ def cache(tmp_path, monkeypatch):
     return root
 
 
-def eager(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    packed, scales = q._quantize_blocks(w.reshape(w.shape[0], -1, q.BLOCK_SIZE), g)
+def eager(w: torch.Tensor, g: torch.Tensor, kernel=q._quantize_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager ``kernel``'s (max's by default) codes and scale bytes of ``w`` ``[rows, in]``."""
+    packed, scales = kernel(w.reshape(w.shape[0], -1, q.BLOCK_SIZE), g)
     return packed.view(w.shape[0], -1), scales.view(torch.uint8).view(w.shape[0], -1)
 
 
